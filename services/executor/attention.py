@@ -1,0 +1,99 @@
+"""The one dispatch point between the model and the paged-attention kernels.
+
+A backend is a small object with ``write_kv``, ``decode`` and ``prefill`` methods taking torch
+tensors in the layouts documented in ``kernels/reference.py``. ``select_backend`` picks one by name
+(``--attention-backend``): ``torch`` (the reference), ``numba`` (Numba CPU kernels) or ``cuda``
+(Numba CUDA kernels); ``auto`` means numba on CPU and cuda on CUDA devices, when available.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import reference
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step tensors every layer's attention reads (decodes first, then prefills)."""
+
+    num_decodes: int  # the first num_decodes sequences (and tokens) are single-token decodes
+    num_decode_tokens: int
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    context_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    # the prefill part, re-based so that its first sequence starts at query row 0
+    prefill_query_start_loc: torch.Tensor  # [S - num_decodes + 1] int32
+
+
+class TorchBackend:
+    name = "torch"
+
+    def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
+        reference.write_kv_cache(key_cache, value_cache, key, value, slot_mapping)
+
+    def decode(self, out, query, key_cache, value_cache, block_tables, context_lens, scale) -> None:
+        reference.paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale)
+
+    def prefill(
+        self, out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale
+    ) -> None:
+        reference.paged_prefill_attention(
+            out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale
+        )
+
+
+def _numba_backend():
+    from kernels.cpu import NumbaCPUBackend  # imported lazily: compiling takes a few seconds
+
+    return NumbaCPUBackend()
+
+
+def _cuda_backend():
+    from kernels.cuda import NumbaCUDABackend
+
+    return NumbaCUDABackend()
+
+
+_FACTORIES = {"torch": TorchBackend, "numba": _numba_backend, "cuda": _cuda_backend}
+BACKEND_NAMES = ("auto", *_FACTORIES)
+
+
+def select_backend(name: str, device: torch.device):
+    """Return the backend called ``name``; ``auto`` picks the fastest one available for ``device``."""
+    if name == "auto":
+        name = "cuda" if device.type == "cuda" else "numba"
+        try:
+            return _FACTORIES[name]()
+        except ImportError:
+            return TorchBackend()
+    if name not in _FACTORIES:
+        raise ValueError(f"--attention-backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
+    return _FACTORIES[name]()
+
+
+def paged_attention(
+    backend,
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a mixed batch: decodes in one kernel call, prefill chunks in another."""
+    out = torch.empty_like(query)
+    nd, ndt = meta.num_decodes, meta.num_decode_tokens
+    if nd:
+        backend.decode(
+            out[:ndt], query[:ndt], key_cache, value_cache, meta.block_tables[:nd],
+            meta.context_lens[:nd], scale,
+        )
+    if ndt < query.shape[0]:
+        backend.prefill(
+            out[ndt:], query[ndt:], key_cache, value_cache, meta.block_tables[nd:],
+            meta.prefill_query_start_loc, meta.context_lens[nd:], scale,
+        )
+    return out

@@ -1,0 +1,78 @@
+"""Run one ``Step``: apply block copies, forward the flat batch over the paged cache, sample.
+
+The runner never picks a block: slots, block tables and copies arrive in the step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.messages import Step, StepResult
+
+from .attention import AttentionMetadata
+from .model import LlamaForCausalLM
+from .sampler import Sampler
+
+
+def kv_block_bytes(cfg, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (keys and values)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * elem
+
+
+def allocate_kv_cache(cfg, num_blocks: int, block_size: int, dtype, device):
+    """Per layer (key_cache, value_cache), each ``[num_blocks, num_kv_heads, block_size, head_dim]``."""
+    shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(cfg.num_layers)
+    ]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_caches, backend, device: torch.device, seed: int = 0):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.device = device
+        self.sampler = Sampler(seed)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_caches[0][0].shape[0]
+
+    def execute(self, step: Step) -> StepResult:
+        """Run ``step`` and return the sampled tokens (one per sequence with ``sample_mask``)."""
+        for seq_id in step.finished_seq_ids:
+            self.sampler.remove(seq_id)
+        for new in step.new_seqs:
+            self.sampler.add(new.seq_id, new.sampling)
+        if len(step.block_copies):
+            from kernels.reference import copy_blocks
+
+            copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
+                        torch.from_numpy(step.block_copies))
+        dev = self.device
+        query_start_loc = torch.from_numpy(step.query_start_loc).to(dev)
+        nd = step.num_decodes
+        meta = AttentionMetadata(
+            num_decodes=nd,
+            num_decode_tokens=int(step.query_start_loc[nd]),
+            slot_mapping=torch.from_numpy(step.slot_mapping).to(dev),
+            block_tables=torch.from_numpy(step.block_tables).to(dev),
+            context_lens=torch.from_numpy(step.context_lens).to(dev),
+            query_start_loc=query_start_loc,
+            prefill_query_start_loc=query_start_loc[nd:] - query_start_loc[nd],
+        )
+        hidden = self.model(
+            torch.from_numpy(step.input_token_ids).to(dev),
+            torch.from_numpy(step.positions).to(dev),
+            self.kv_caches, meta, self.backend,
+        )  # [T, hidden]
+        sample_rows = torch.from_numpy(step.query_start_loc[1:][step.sample_mask] - 1).long().to(dev)
+        sampled_ids = step.seq_ids[step.sample_mask]
+        if len(sampled_ids) == 0:
+            return StepResult(step.step_id, sampled_ids, sampled_ids.copy())
+        logits = self.model.compute_logits(hidden[sample_rows])
+        tokens = self.sampler.sample(logits, sampled_ids.tolist())
+        return StepResult(step.step_id, sampled_ids, tokens.cpu().numpy().astype("int64"))

@@ -1,0 +1,77 @@
+"""Load a model's config and weights from disk (safetensors directory or GGUF file) into our model.
+
+GGUF files are read and dequantized by ``transformers`` (it needs the ``gguf`` package), which also
+undoes llama.cpp's Q/K permutation, so the resulting state dict has Hugging Face names and layout.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+
+from shared.model_source import ModelSource
+
+from .model import LlamaForCausalLM, ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is float32 on CPU (fastest and exact there) and bfloat16 on GPUs."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if name not in _DTYPES:
+        raise ValueError(f"--dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+def load_hf_config(source: ModelSource):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source.directory, **source.pretrained_kwargs())
+
+
+def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
+    """Read every weight of ``source`` into CPU tensors with Hugging Face parameter names."""
+    if source.gguf_file:
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            source.directory, gguf_file=source.gguf_file, dtype=torch.float32
+        )
+        return dict(hf_model.state_dict())
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(source.directory, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{source.directory} has no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        state.update(load_file(path))
+    return state
+
+
+def build_model(
+    hf_config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+    max_model_len: int,
+) -> LlamaForCausalLM:
+    """Instantiate our model from a transformers config and load ``state_dict`` into it."""
+    cfg = ModelConfig.from_hf(hf_config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_model_len)
+    model = model.to_empty(device=device)
+    model.rotary = type(model.rotary)(cfg.head_dim, max_model_len, cfg.rope_theta).to(device)
+    state = {k: v for k, v in state_dict.items() if "rotary_emb" not in k}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=False)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(dtype=dtype).eval()
+    model.rotary.float()  # rope tables stay fp32 whatever the weights are
+    return model

@@ -1,0 +1,73 @@
+"""One generated sequence (a choice of a request) and its progress through the cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from shared.messages import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Token state of one sequence.
+
+    ``num_computed_tokens`` tokens have their keys and values in the cache; the rest of
+    ``token_ids`` (at least one once started) are fed in the next steps.
+    """
+
+    seq_id: int
+    request_id: str
+    choice_idx: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int]
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    # how many output tokens the frontend has been sent
+    num_output_sent: int = 0
+    announced: bool = False  # executors have its sampling params
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens not yet in the cache: 1 for a decode, more for a (re)prefill."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_id(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def stop_reason(self, max_model_len: int) -> str | None:
+        """``"stop"`` or ``"length"`` if the last appended token ends the sequence, else None."""
+        num_out = len(self.output_token_ids)
+        last = self.output_token_ids[-1]
+        params = self.sampling
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return "stop"
+            if last in params.stop_token_ids:
+                return "stop"
+        if num_out >= params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None

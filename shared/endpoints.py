@@ -1,0 +1,45 @@
+"""ZeroMQ endpoint names shared by the three services.
+
+By default every socket is an ``ipc://`` file in one private (0700) temporary directory that the
+launcher creates and removes. Each endpoint can be overridden by a flag or an environment variable
+(``PAGEDSERVE_REQUEST_ENDPOINT`` and so on), which is how compose wires ``tcp://`` endpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    request: str  # frontend PUSH -> scheduler PULL (AddRequest, AbortRequest)
+    output: str  # scheduler PUSH -> frontend PULL (RequestOutput, EngineStats)
+    step: str  # scheduler PUB -> executors SUB (Step, Hello, Shutdown)
+    result: str  # executors PUSH -> scheduler PULL (StepResult, ExecutorReady, HelloAck)
+
+    @classmethod
+    def in_directory(cls, directory: str) -> "Endpoints":
+        return cls(**{name: f"ipc://{os.path.join(directory, name)}.sock" for name in cls.names()})
+
+    @classmethod
+    def from_env(cls, fallback: "Endpoints | None" = None) -> "Endpoints | None":
+        values = {n: os.environ.get(f"PAGEDSERVE_{n.upper()}_ENDPOINT") for n in cls.names()}
+        if fallback is not None:
+            values = {n: v or getattr(fallback, n) for n, v in values.items()}
+        if not all(values.values()):
+            return None
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        return {f"PAGEDSERVE_{n.upper()}_ENDPOINT": getattr(self, n) for n in self.names()}
+
+    @staticmethod
+    def names() -> tuple[str, ...]:
+        return ("request", "output", "step", "result")
+
+
+def make_private_socket_dir() -> str:
+    """A fresh 0700 directory for ipc:// socket files (mkdtemp creates it with mode 0700)."""
+    return tempfile.mkdtemp(prefix="pagedserve-")

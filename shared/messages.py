@@ -1,0 +1,274 @@
+"""Every message that crosses a socket, with its msgpack encoding.
+
+Wire format: one msgpack array ``[tag, fields]`` where ``tag`` is the small integer registered for
+the message class and ``fields`` a list in dataclass field order. Integer and float arrays travel as
+``[dtype, shape, raw little-endian bytes]``. Nested message dataclasses (``SamplingParams``,
+``NewSequence``) are encoded as field lists too. Nothing is ever pickled: decoding only builds the
+dataclasses registered here, and anything else raises ``DecodeError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+
+class DecodeError(ValueError):
+    """A frame that is not a well-formed message of a known type."""
+
+
+# ---------------------------------------------------------------- request-level (frontend <-> scheduler)
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and stops. ``None`` means "off" (no top-k, no seed)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class AddRequest:
+    """frontend -> scheduler: a new request. The prompt crosses the socket once."""
+
+    TAG: ClassVar[int] = 1
+    request_id: str
+    prompt_token_ids: np.ndarray  # [num_prompt_tokens] int32
+    sampling: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+
+
+@dataclass
+class AbortRequest:
+    """frontend -> scheduler: stop a request (client gone, stop string found)."""
+
+    TAG: ClassVar[int] = 2
+    request_id: str
+
+
+@dataclass
+class RequestOutput:
+    """scheduler -> frontend: a delta for one choice of one request.
+
+    ``new_token_ids`` are the tokens generated since the previous delta. ``finish_reason`` is
+    ``None`` while running, else ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (then
+    ``error`` says why).
+    """
+
+    TAG: ClassVar[int] = 3
+    request_id: str
+    choice_idx: int
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+# ---------------------------------------------------------------- step-level (scheduler <-> executors)
+
+
+@dataclass
+class NewSequence:
+    """First appearance of a sequence in a step: what the executor keeps until it is freed."""
+
+    seq_id: int
+    request_id: str
+    sampling: SamplingParams
+
+
+@dataclass
+class Step:
+    """scheduler -> every executor rank: one iteration's batch.
+
+    Sequences are ordered decodes first (one new token each), then prefill chunks. For scheduled
+    sequence ``i``: its new tokens are ``input_token_ids[query_start_loc[i]:query_start_loc[i+1]]``
+    at ``positions`` of the same range, written to ``slot_mapping`` of the same range;
+    ``context_lens[i]`` counts its tokens in the cache after this step (cached prefix plus new);
+    ``block_tables[i, :ceil(context_lens[i] / block_size)]`` are its blocks (the rest is padding).
+    ``sample_mask[i]`` is true when the sequence's last new token needs a sample (a decode, or the
+    final chunk of a prefill).
+    """
+
+    TAG: ClassVar[int] = 10
+    step_id: int
+    num_decodes: int
+    seq_ids: np.ndarray  # [S] int64
+    input_token_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [S + 1] int32
+    context_lens: np.ndarray  # [S] int32
+    block_tables: np.ndarray  # [S, max_blocks] int32
+    sample_mask: np.ndarray  # [S] bool
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)
+    # [num_pairs, 2] int64 (src, dst) device block copies, applied before the forward pass.
+    block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+
+
+@dataclass
+class StepResult:
+    """executor rank 0 -> scheduler: one sampled token per sequence whose ``sample_mask`` was set."""
+
+    TAG: ClassVar[int] = 11
+    step_id: int
+    seq_ids: np.ndarray  # [num_sampled] int64
+    token_ids: np.ndarray  # [num_sampled] int64
+    error: str | None = None
+
+
+@dataclass
+class ExecutorReady:
+    """executor -> scheduler after loading: the KV blocks this rank holds."""
+
+    TAG: ClassVar[int] = 20
+    rank: int
+    world_size: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+@dataclass
+class Hello:
+    """scheduler -> executors, repeated until every rank acknowledged (PUB/SUB joins late)."""
+
+    TAG: ClassVar[int] = 21
+    nonce: int
+
+
+@dataclass
+class HelloAck:
+    TAG: ClassVar[int] = 22
+    rank: int
+    nonce: int
+
+
+@dataclass
+class Shutdown:
+    """Any process -> a peer: stop cleanly."""
+
+    TAG: ClassVar[int] = 23
+    reason: str = ""
+
+
+@dataclass
+class EngineStats:
+    """scheduler -> frontend, after steps: what /metrics and /health read."""
+
+    TAG: ClassVar[int] = 30
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_used: int
+    num_slots_used: int
+    num_slots_allocated: int
+    ready: bool
+
+
+MESSAGE_TYPES: dict[int, type] = {
+    cls.TAG: cls
+    for cls in (
+        AddRequest, AbortRequest, RequestOutput, Step, StepResult, ExecutorReady, Hello,
+        HelloAck, Shutdown, EngineStats,
+    )
+}
+_NESTED = {"SamplingParams": SamplingParams, "NewSequence": NewSequence}
+
+
+# ---------------------------------------------------------------- codec
+
+
+def _encode_value(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        arr = np.ascontiguousarray(value)
+        return [arr.dtype.newbyteorder("<").str, list(arr.shape), arr.astype(arr.dtype.newbyteorder("<")).tobytes()]
+    if dataclasses.is_dataclass(value):
+        return [_encode_value(getattr(value, f.name)) for f in dataclasses.fields(value)]
+    if isinstance(value, list):
+        return [_encode_value(v) for v in value]
+    return value
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = typing.get_type_hints(cls, globalns=globals() | _NESTED)
+        _HINTS[cls] = hints
+    return hints
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _decode_value(hint: Any, raw: Any) -> Any:
+    if hint is np.ndarray:
+        if not (isinstance(raw, list) and len(raw) == 3):
+            raise DecodeError(f"expected [dtype, shape, bytes] for an array, got {type(raw).__name__}")
+        dtype, shape, data = raw
+        try:
+            dt = np.dtype(dtype)
+            if dt.kind not in "biuf":
+                raise DecodeError(f"array dtype {dtype!r} is not allowed")
+            return np.frombuffer(data, dtype=dt).reshape(shape).astype(dt.newbyteorder("="))
+        except (TypeError, ValueError) as exc:
+            raise DecodeError(f"bad array: {exc}") from exc
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _decode_dataclass(hint, raw)
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(raw, list):
+            raise DecodeError(f"expected a list, got {type(raw).__name__}")
+        return [_decode_value(item, v) for v in raw]
+    return raw
+
+
+def _decode_dataclass(cls: type, raw: Any) -> Any:
+    fields = dataclasses.fields(cls)
+    if not isinstance(raw, list) or len(raw) != len(fields):
+        raise DecodeError(f"{cls.__name__}: expected {len(fields)} fields")
+    hints = _hints(cls)
+    return cls(**{f.name: _decode_value(hints[f.name], v) for f, v in zip(fields, raw)})
+
+
+def encode(msg: Any) -> bytes:
+    """Serialize a registered message dataclass to bytes."""
+    tag = getattr(type(msg), "TAG", None)
+    if MESSAGE_TYPES.get(tag) is not type(msg):
+        raise TypeError(f"{type(msg).__name__} is not a registered message type")
+    return msgpack.packb([tag, _encode_value(msg)], use_bin_type=True)
+
+
+def decode(frame: bytes) -> Any:
+    """Parse bytes into a registered message; raises ``DecodeError`` on anything else."""
+    try:
+        tag, fields = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise DecodeError(f"not a message frame: {exc}") from exc
+    cls = MESSAGE_TYPES.get(tag) if isinstance(tag, int) else None
+    if cls is None:
+        raise DecodeError(f"unknown message tag {tag!r}")
+    try:
+        return _decode_dataclass(cls, fields)
+    except TypeError as exc:
+        raise DecodeError(f"{cls.__name__}: {exc}") from exc

