@@ -183,6 +183,11 @@ class EngineStats:
     num_slots_used: int
     num_slots_allocated: int
     ready: bool
+    # Sums over every step so far, for mean utilization (slots holding tokens / slots allocated).
+    num_steps: int = 0
+    sum_slots_used: int = 0
+    sum_slots_allocated: int = 0
+    num_preemptions: int = 0
 
 
 MESSAGE_TYPES: dict[int, type] = {

