@@ -1,0 +1,209 @@
+"""The whole server started as a user would (``pagedserve serve``), answered through real clients."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 512
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pagedserve serve exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("server not healthy in time")
+
+
+def _start(tmp_root, *flags: str):
+    port = _free_port()
+    log = open(tmp_root / "serve.log", "w")
+    env = {**os.environ, "TMPDIR": str(tmp_root)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "--port", str(port), *flags],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(url, proc)
+    return proc, url
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Child pid -> its pagedserve service name, read from /proc."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == pid and b"services.cli" in argv:
+            out[int(entry)] = argv[argv.index(b"services.cli") + 1].decode()
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    proc, url = _start(root, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "256MiB")
+    yield proc, url, root
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from shared.model_source import resolve_model
+
+    src = resolve_model(None)
+    return AutoTokenizer.from_pretrained(src.directory, **src.pretrained_kwargs())
+
+
+def _openai(url: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_streamed_chat_knows_paris(server):
+    _, url, _ = server
+    stream = _openai(url).chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=40, temperature=0, stream=True,
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_completion_usage_matches_tokenizer(server, tokenizer):
+    _, url, _ = server
+    prompt = "The three primary colors are"
+    resp = _openai(url).completions.create(
+        model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert resp.usage.prompt_tokens == len(tokenizer(prompt)["input_ids"])
+    assert resp.usage.completion_tokens == 12
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 12
+    assert resp.choices[0].finish_reason == "length"
+    # The streamed text with usage included is the same greedy text.
+    stream = _openai(url).completions.create(
+        model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == resp.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def _post(url: str, path: str, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(f"{url}{path}", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        (b'{"model": "SmolLM2-135M-Instruct", "prompt": "hi", ', "json"),
+        (json.dumps({"model": "gpt-17", "prompt": "hi"}).encode(), "gpt-17"),
+        (json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "hi", "max_tokens": 0}).encode(), "max_tokens"),
+        (json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "hi", "max_tokens": -5}).encode(), "max_tokens"),
+        (json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "word " * 2 * MAX_MODEL_LEN}).encode(),
+         str(MAX_MODEL_LEN)),
+    ],
+    ids=["malformed-json", "unknown-model", "max-tokens-zero", "max-tokens-negative", "prompt-too-long"],
+)
+def test_bad_requests_get_400_and_server_keeps_serving(server, body, needle):
+    _, url, _ = server
+    status, payload = _post(url, "/v1/completions", body)
+    assert status == 400
+    err = payload["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert needle.lower() in err["message"].lower()
+    ok_status, ok = _post(url, "/v1/completions", json.dumps(
+        {"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 3}).encode())
+    assert ok_status == 200 and ok["usage"]["completion_tokens"] >= 1
+
+
+def test_sigterm_stops_all_and_removes_sockets(server):
+    """Runs last in this module: it stops the shared server."""
+    proc, _, root = server
+    children = _children(proc.pid)
+    assert sorted(children.values()) == ["executor", "frontend", "scheduler"]
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+    assert time.monotonic() - started < 10
+    for pid in children:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    assert not [p for p in os.listdir(root) if p.startswith("pagedserve-")], "socket directory left behind"
+
+
+def test_dead_executor_stops_everything(tmp_path, tiny_model_dir):
+    proc, _ = _start(tmp_path, "--model", str(tiny_model_dir), "--kv-cache-memory", "16MiB")
+    try:
+        children = _children(proc.pid)
+        executor = next(pid for pid, name in children.items() if name == "executor")
+        os.kill(executor, signal.SIGKILL)
+        assert proc.wait(timeout=20) != 0
+        log = (tmp_path / "serve.log").read_text()
+        assert "the executor process was killed by SIGKILL" in log
+        for pid, name in children.items():
+            if name != "executor":
+                assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        assert not [p for p in os.listdir(tmp_path) if p.startswith("pagedserve-")]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A tiny random Llama saved as safetensors, with SmolLM2's tokenizer (fast to start)."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    from tests.harness import tiny_llama
+
+    model = tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
