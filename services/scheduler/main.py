@@ -165,15 +165,22 @@ class SchedulerProcess:
             if out.finish_reason is not None:
                 self.log.info("request finished", request_id=out.request_id,
                               finish_reason=out.finish_reason, error=out.error)
-            self.outputs.send(encode(out))
+            self._push(out)
 
     def _send_stats(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last_stats < STATS_INTERVAL_S:
             return
         self._last_stats = now
-        stats = EngineStats(**self.scheduler.stats(), ready=True)
-        self.outputs.send(encode(stats))
+        self._push(EngineStats(**self.scheduler.stats(), ready=True))
+
+    def _push(self, msg) -> None:
+        """Send to the frontend without blocking: a bound PUSH with no peer would block forever."""
+        try:
+            self.outputs.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            if not isinstance(msg, EngineStats):
+                self.log.warning("no frontend connected; output dropped", request_id=msg.request_id)
 
     def _recv(self, sock: zmq.Socket, timeout_ms: int):
         """One decoded message, or None on timeout. Bad frames are logged and dropped."""

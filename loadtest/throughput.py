@@ -1,0 +1,241 @@
+"""Throughput of pagedserve against Hugging Face static batching, on the same requests.
+
+    python -m loadtest.throughput [--num-requests 64] [--static-batch 16] [--seed 0]
+
+Starts ``pagedserve serve`` on SmolLM2, sends every request at once (token-id prompts of varied
+length, varied ``max_tokens``, ``ignore_eos`` so lengths are exact), and measures output tokens per
+second, time to first token and KV slot utilization. Then runs Hugging Face ``generate`` with
+static batches (left-padded, each batch decoding until its longest request is done) on the same
+requests, in the same process and thread settings, and prints both with their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Result:
+    ttft_s: float
+    latency_s: float
+    num_output_tokens: int
+
+
+def make_workload(n: int, seed: int, vocab: int, prompt_range, output_range) -> list[Request]:
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n):
+        plen = rng.randint(*prompt_range)
+        reqs.append(Request([rng.randrange(100, vocab) for _ in range(plen)], rng.randint(*output_range)))
+    return reqs
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---------------------------------------------------------------- pagedserve
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str):
+    with urllib.request.urlopen(url, timeout=2) as resp:
+        return json.loads(resp.read())
+
+
+def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    log = open("/tmp/pagedserve-throughput-server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--port", str(port), *flags],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}; see /tmp/pagedserve-throughput-server.log")
+        try:
+            if _get_json(f"{url}/health")["status"] == "ok":
+                break
+        except OSError:
+            pass
+        say(f"  waiting for the server ({time.monotonic() - t0:.0f} s)")
+        time.sleep(3)
+    return proc, url
+
+
+async def _one(session, url: str, model: str, req: Request, t_start: float) -> Result:
+    body = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    ttft = None
+    usage = None
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and ttft is None:
+                ttft = time.monotonic() - t_start
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    return Result(ttft or 0.0, time.monotonic() - t_start, usage["completion_tokens"])
+
+
+async def run_pagedserve(url: str, model: str, reqs: list[Request]):
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        t0 = time.monotonic()
+        tasks = [asyncio.create_task(_one(session, url, model, r, t0)) for r in reqs]
+        done = 0
+        for fut in asyncio.as_completed(tasks):
+            await fut
+            done += 1
+            if done % 8 == 0:
+                say(f"  pagedserve: {done}/{len(reqs)} requests done ({time.monotonic() - t0:.0f} s)")
+        results = [t.result() for t in tasks]
+        return results, time.monotonic() - t0
+
+
+# ---------------------------------------------------------------- Hugging Face static batching
+
+
+def run_hf_static(reqs: list[Request], batch_size: int, threads: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    from shared.model_source import resolve_model
+
+    torch.set_num_threads(threads)
+    src = resolve_model(None)
+    model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=torch.float32, **src.pretrained_kwargs()).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    class FirstToken(BaseStreamer):
+        def __init__(self):
+            self.calls, self.first = 0, None
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 2 and self.first is None:  # call 1 is the prompt
+                self.first = time.monotonic()
+
+        def end(self):
+            pass
+
+    results, used, allocated = [], 0, 0
+    t0 = time.monotonic()
+    for b in range(0, len(reqs), batch_size):
+        batch = reqs[b:b + batch_size]
+        width = max(len(r.prompt_ids) for r in batch)
+        new = max(r.max_tokens for r in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):  # left padding
+            ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids):] = 1
+        streamer = FirstToken()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           pad_token_id=pad, streamer=streamer)
+        end = time.monotonic()
+        for r in batch:
+            results.append(Result(streamer.first - t0, end - t0, r.max_tokens))
+        used += sum(len(r.prompt_ids) + r.max_tokens for r in batch)
+        allocated += len(batch) * (width + new)
+        say(f"  HF static: {min(b + batch_size, len(reqs))}/{len(reqs)} requests done ({end - t0:.0f} s)")
+    return results, time.monotonic() - t0, used / allocated
+
+
+# ---------------------------------------------------------------- report
+
+
+def summarize(results: list[Result], elapsed: float) -> dict[str, float]:
+    ttfts = sorted(r.ttft_s for r in results)
+    return {
+        "output tokens/s": sum(r.num_output_tokens for r in results) / elapsed,
+        "mean TTFT (s)": statistics.mean(ttfts),
+        "median TTFT (s)": statistics.median(ttfts),
+        "mean latency (s)": statistics.mean(r.latency_s for r in results),
+        "elapsed (s)": elapsed,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--static-batch", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    ap.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--server-flags", default="", help="extra flags for pagedserve serve")
+    args = ap.parse_args()
+
+    reqs = make_workload(args.num_requests, args.seed, 49152, args.prompt_len, args.output_len)
+    say(f"workload: {len(reqs)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens "
+        f"(sum {sum(len(r.prompt_ids) for r in reqs)}), outputs {args.output_len[0]}-{args.output_len[1]} "
+        f"(sum {sum(r.max_tokens for r in reqs)}), seed {args.seed}, {args.threads} threads")
+
+    say("starting pagedserve ...")
+    flags = ["--max-num-seqs", str(max(64, args.num_requests)), "--num-threads", str(args.threads),
+             *args.server_flags.split()]
+    proc, url = start_server(flags)
+    try:
+        ours, elapsed = asyncio.run(run_pagedserve(url, "SmolLM2-135M-Instruct", reqs))
+        health = _get_json(f"{url}/health")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    ours_s = summarize(ours, elapsed)
+    ours_s["KV slot utilization"] = health.get("kv_slot_utilization", float("nan"))
+
+    rows = [("pagedserve", ours_s)]
+    if not args.skip_hf:
+        say(f"running Hugging Face generate, static batches of {args.static_batch} ...")
+        hf, hf_elapsed, hf_util = run_hf_static(reqs, args.static_batch, args.threads)
+        hf_s = summarize(hf, hf_elapsed)
+        hf_s["KV slot utilization"] = hf_util
+        rows.append((f"HF static ({args.static_batch})", hf_s))
+
+    say("")
+    header = f"{'':24}" + "".join(f"{name:>20}" for name, _ in rows) + ("" if len(rows) == 1 else f"{'ratio':>10}")
+    say(header)
+    for key in ours_s:
+        line = f"{key:24}" + "".join(f"{s[key]:>20.3f}" for _, s in rows)
+        if len(rows) == 2 and rows[1][1][key]:
+            line += f"{rows[0][1][key] / rows[1][1][key]:>10.2f}"
+        say(line)
+    if len(rows) == 2:
+        say(f"throughput ratio (pagedserve / HF static): "
+            f"{rows[0][1]['output tokens/s'] / rows[1][1]['output tokens/s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The frontend's configuration: what the operator chose, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.endpoints import Endpoints
+
+_ENDPOINT_SCHEMES = ("ipc://", "tcp://", "inproc://")
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrontendConfig:
+    """Settings of one frontend process.
+
+    ``model`` is a ``--model`` value for ``shared.model_source.resolve_model`` (``None``: the
+    embedded SmolLM2). ``served_model_name`` is what clients must put in ``"model"`` (default: the
+    model's own name). ``max_model_len`` caps prompt + completion tokens (default: the model's
+    ``max_position_embeddings``). Only ``endpoints.request`` and ``endpoints.output`` are used.
+    ``max_body_bytes`` caps a request body (a larger one gets a 413). Keyword arguments only.
+    """
+
+    model: str | None = None
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_model_len: int | None = None
+    endpoints: Endpoints
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("--served-model-name must not be empty")
+        if not self.host:
+            raise ValueError("--host must not be empty")
+        if not _is_int(self.port) or not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be an integer in [0, 65535] (0 picks a free port), got {self.port!r}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
+            raise ValueError(f"--max-model-len must be an integer of at least 2, got {self.max_model_len!r}")
+        if not _is_int(self.max_body_bytes) or self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be an integer of at least 1024, got {self.max_body_bytes!r}")
+        for flag, value in (
+            ("--request-endpoint", self.endpoints.request),
+            ("--output-endpoint", self.endpoints.output),
+        ):
+            env = f"PAGEDSERVE_{flag[2:-9].upper()}_ENDPOINT"
+            if not value:
+                raise ValueError(f"{flag} is required (or set {env})")
+            if not value.startswith(_ENDPOINT_SCHEMES):
+                raise ValueError(f"{flag} must start with one of {', '.join(_ENDPOINT_SCHEMES)}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

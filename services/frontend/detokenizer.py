@@ -1,0 +1,100 @@
+"""Incremental detokenization with stop strings.
+
+The text released, delta after delta, always adds up to what decoding all the tokens at once gives
+(``tokenizer.decode(ids, skip_special_tokens=True)``), cut before the first stop string. Two
+windows of token ids are decoded each time, as in vLLM: ``ids[prefix_offset:read_offset]`` (text
+already taken) and ``ids[prefix_offset:]``; the difference is the new text. Decoding from a few
+tokens back rather than from the start keeps the cost per step constant and gives tokenizers
+that strip a leading space (SentencePiece) the same context as a full decode. A byte-level
+tokenizer splits multi-byte characters across tokens, and a partial character decodes to U+FFFD,
+so text ending in U+FFFD is held back until the character completes (or the request ends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Decodes one choice's generated tokens and applies its stop strings.
+
+    ``add`` returns the text that may be sent now; ``finish`` returns the rest. While stop
+    strings are set, the last ``len(longest stop) - 1`` characters are held back so that a stop
+    string's beginning is never sent. After a stop string is found (``stopped``), the text ends
+    before it and further tokens are ignored.
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+        if any(not s for s in stop):
+            raise ValueError("stop strings must not be empty")
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # start of the decode window
+        self._read_offset = 0  # ids before this are in self._text
+        self._text = ""  # complete characters decoded so far (cut at a stop string)
+        self._num_sent = 0  # characters of self._text already returned
+        self.stopped = False
+        self.finished = False
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._ids)
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Take new token ids; return the text that can be released now (maybe "")."""
+        if self.stopped or self.finished:
+            return ""
+        self._ids.extend(token_ids)
+        prefix_text, new_text = self._decode_window()
+        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
+            self._append(new_text[len(prefix_text):])
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The request ended: flush held characters (even a trailing partial one) and return them."""
+        if self.finished:
+            return ""
+        self.finished = True
+        if not self.stopped:
+            prefix_text, new_text = self._decode_window()
+            if len(new_text) > len(prefix_text):
+                self._append(new_text[len(prefix_text):])
+            self._read_offset = len(self._ids)
+        return self._release(final=True)
+
+    def _decode_window(self) -> tuple[str, str]:
+        window = self._ids[self._prefix_offset:]
+        num_read = self._read_offset - self._prefix_offset
+        decode = self._tokenizer.decode
+        prefix_text = decode(window[:num_read], skip_special_tokens=True) if num_read else ""
+        return prefix_text, decode(window, skip_special_tokens=True)
+
+    def _append(self, new_text: str) -> None:
+        # A stop string ending in new_text starts at most len(longest) - 1 characters earlier.
+        search_from = max(0, len(self._text) - self._holdback)
+        self._text += new_text
+        cut = min((i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self._text = self._text[:cut]
+            self.stopped = True
+
+    def _release(self, final: bool) -> str:
+        end = len(self._text)
+        if self._stop and not (final or self.stopped):
+            end -= self._holdback
+        if end <= self._num_sent:
+            return ""
+        out = self._text[self._num_sent:end]
+        self._num_sent = end
+        return out

@@ -1,0 +1,89 @@
+"""Errors answered in OpenAI's shape, and the typed field access that raises them."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def optional_int(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)  # 16.0 is what some JSON encoders write for 16
+    if not is_int(value):
+        raise bad_request(f"{name} must be an integer, got {describe(value)}", name)
+    return value
+
+
+def optional_number(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_request(f"{name} must be a number, got {describe(value)}", name)
+    return float(value)
+
+
+def optional_bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be a boolean, got {describe(value)}", name)
+    return value
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def describe(value: Any) -> str:
+    text = json.dumps(value)
+    return f"{json_type(value)} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")

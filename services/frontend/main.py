@@ -1,0 +1,137 @@
+"""Entry points: ``run_frontend`` (the process) and the command-line flags that configure it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+import structlog
+import uvloop
+from aiohttp import web
+
+from services.frontend.app import create_app
+from services.frontend.config import FrontendConfig
+from services.frontend.engine_client import EngineClient
+from services.frontend.model import ServedModel, load_served_model
+from shared.endpoints import Endpoints
+from shared.logging import configure_logging
+
+log = structlog.get_logger()
+
+# How long running requests may take to finish once shutdown starts; then they are cancelled (and
+# so aborted at the scheduler). Other handlers get aiohttp's own timeout on top.
+SHUTDOWN_GRACE_S = 5.0
+HANDLER_SHUTDOWN_TIMEOUT_S = 1.0
+
+
+class FrontendServer:
+    """The frontend application listening on ``config.host:config.port`` in the running loop."""
+
+    def __init__(self, config: FrontendConfig, model: ServedModel, shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        self.config = config
+        self.model = model
+        self.client = EngineClient(config.endpoints)
+        self.app = create_app(
+            model, self.client, max_body_bytes=config.max_body_bytes, shutdown_grace_s=shutdown_grace_s
+        )
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=HANDLER_SHUTDOWN_TIMEOUT_S
+        )
+        self.port: int | None = None
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        log.info("frontend listening", host=self.config.host, port=self.port, model=self.model.name)
+
+    async def stop(self) -> None:
+        """Stop accepting, let requests finish (``SHUTDOWN_GRACE_S``), then close the ZMQ sockets."""
+        await self._runner.cleanup()
+
+
+async def serve_until_signal(config: FrontendConfig, model: ServedModel) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    server = FrontendServer(config, model)
+    await server.start()
+    try:
+        await stop.wait()
+        log.info("shutting down frontend")
+    finally:
+        await server.stop()
+    log.info("frontend stopped")
+
+
+def run_frontend(config: FrontendConfig) -> None:
+    """Run the frontend process until SIGTERM or SIGINT: load the tokenizer, serve, shut down."""
+    configure_logging("frontend")
+    # Every line of this process says which process it came from (request ids are bound per task).
+    structlog.contextvars.bind_contextvars(process="frontend", pid=os.getpid())
+    log.info("starting frontend", model=config.model or "default", request_endpoint=config.endpoints.request,
+             output_endpoint=config.endpoints.output)
+    model = load_served_model(config)
+    log.info("model ready", served_model_name=model.name, max_model_len=model.max_model_len,
+             eos_token_ids=model.eos_token_ids)
+    uvloop.run(serve_until_signal(config, model))
+
+
+def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: bool = True) -> None:
+    """Add the frontend's flags. ``endpoint_flags=False`` leaves out --request-endpoint and
+    --output-endpoint, for a launcher that creates the endpoints itself."""
+    group = parser.add_argument_group("frontend")
+    group.add_argument("--model", default=None,
+                       help="model directory, .gguf file, or empty for the embedded SmolLM2-135M-Instruct")
+    group.add_argument("--served-model-name", default=None,
+                       help="the name clients put in 'model' (default: the model's name)")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="most prompt + completion tokens per request (default: the model's context length)")
+    if endpoint_flags:
+        group.add_argument("--request-endpoint", default=os.environ.get("PAGEDSERVE_REQUEST_ENDPOINT"),
+                           help="ZMQ endpoint the scheduler pulls requests from (env PAGEDSERVE_REQUEST_ENDPOINT)")
+        group.add_argument("--output-endpoint", default=os.environ.get("PAGEDSERVE_OUTPUT_ENDPOINT"),
+                           help="ZMQ endpoint the scheduler pushes outputs to (env PAGEDSERVE_OUTPUT_ENDPOINT)")
+
+
+def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | None = None) -> FrontendConfig:
+    """Build the config from parsed flags; ``endpoints``, when given, wins over the endpoint flags.
+    Raises ``ValueError`` naming the bad flag."""
+    if endpoints is None:
+        endpoints = Endpoints(
+            request=getattr(args, "request_endpoint", None) or "",
+            output=getattr(args, "output_endpoint", None) or "",
+            step=os.environ.get("PAGEDSERVE_STEP_ENDPOINT", ""),  # not used by the frontend
+            result=os.environ.get("PAGEDSERVE_RESULT_ENDPOINT", ""),  # not used by the frontend
+        )
+    return FrontendConfig(
+        model=args.model or None,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        max_model_len=args.max_model_len,
+        endpoints=endpoints,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m services.frontend.main``: the frontend on its own."""
+    parser = argparse.ArgumentParser(prog="pagedserve-frontend", description="pagedserve's OpenAI-compatible frontend")
+    add_frontend_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = frontend_config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    run_frontend(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""What the frontend knows about the served model: its name, tokenizer, context length, EOS ids."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from services.frontend.config import FrontendConfig
+from shared.model_source import ModelSource, resolve_model
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """Everything a route needs about the model. ``tokenizer`` is a Hugging Face tokenizer."""
+
+    name: str
+    tokenizer: Any
+    max_model_len: int
+    eos_token_ids: list[int]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.directory, **source.pretrained_kwargs())
+
+
+def model_max_len(source: ModelSource) -> int:
+    """``max_position_embeddings`` from the model's config (GGUF metadata for a .gguf file)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source.directory, **source.pretrained_kwargs())
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"cannot find the context length in {source.directory}'s config; pass --max-model-len")
+
+
+def eos_token_ids(tokenizer: Any, source: ModelSource | None) -> list[int]:
+    """The tokenizer's EOS id plus any the generation config lists (absent for GGUF files)."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    if source is not None:
+        from transformers import GenerationConfig
+
+        try:
+            gen = GenerationConfig.from_pretrained(source.directory, **source.pretrained_kwargs())
+        except (OSError, ValueError) as exc:
+            log.debug("no generation config", reason=str(exc).splitlines()[0])
+        else:
+            extra = gen.eos_token_id
+            for token_id in extra if isinstance(extra, list) else [extra]:
+                if token_id is not None and int(token_id) not in ids:
+                    ids.append(int(token_id))
+    return ids
+
+
+def load_served_model(config: FrontendConfig) -> ServedModel:
+    """Resolve ``config.model``, load its tokenizer and settle the context length (slow: seconds)."""
+    source = resolve_model(config.model)
+    started = time.monotonic()
+    log.info("loading tokenizer", model=source.name, directory=source.directory, gguf_file=source.gguf_file)
+    tokenizer = load_tokenizer(source)
+    log.info("tokenizer loaded", seconds=round(time.monotonic() - started, 2), vocab_size=len(tokenizer))
+    max_model_len = config.max_model_len
+    if max_model_len is None:
+        log.info("reading the model config for max_model_len")
+        max_model_len = model_max_len(source)
+    return ServedModel(
+        name=config.served_model_name or source.name,
+        tokenizer=tokenizer,
+        max_model_len=max_model_len,
+        eos_token_ids=eos_token_ids(tokenizer, source),
+    )

@@ -1,0 +1,100 @@
+"""Parsed bodies -> prompt token ids and ``SamplingParams``, with the context-length checks.
+
+Tokenization is CPU work: the routes run these functions on the tokenizer's own thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.frontend.model import ServedModel
+from services.frontend.errors import bad_request
+from services.frontend.protocol import ChatBody, CompletionBody, GenerationOptions
+from shared.messages import SamplingParams
+
+# The legacy completions API's default; chat defaults to whatever context is left.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+def completion_prompt_ids(body: CompletionBody, model: ServedModel) -> list[int]:
+    if isinstance(body.prompt, str):
+        return list(model.tokenizer.encode(body.prompt))
+    _check_token_ids(body.prompt, model.vocab_size, "prompt")
+    return body.prompt
+
+
+def chat_prompt_ids(body: ChatBody, model: ServedModel) -> list[int]:
+    try:
+        ids = model.tokenizer.apply_chat_template(
+            body.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    except Exception as exc:  # a Jinja template may raise anything (TemplateError, ValueError...)
+        raise bad_request(f"cannot apply the chat template to these messages: {exc}", "messages") from None
+    return _as_id_list(ids)
+
+
+def sampling_params(
+    options: GenerationOptions,
+    num_prompt_tokens: int,
+    model: ServedModel,
+    default_max_tokens: int | None,
+    prompt_param: str,
+) -> SamplingParams:
+    """Check the lengths against ``model.max_model_len`` and settle ``max_tokens``.
+
+    ``default_max_tokens`` applies when the client gave none (``None``: all the context left); a
+    default is shrunk to fit, an explicit value that does not fit is a 400.
+    """
+    limit = model.max_model_len
+    if num_prompt_tokens == 0:
+        raise bad_request("the prompt is empty after tokenization", prompt_param)
+    if num_prompt_tokens >= limit:
+        raise bad_request(
+            f"The prompt has {num_prompt_tokens} tokens and the limit is {limit} tokens (max_model_len), "
+            f"which leaves no room for a completion; shorten the prompt.",
+            prompt_param,
+            "context_length_exceeded",
+        )
+    room = limit - num_prompt_tokens
+    if options.max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif options.max_tokens > room:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens, but {num_prompt_tokens} prompt tokens "
+            f"+ {options.max_tokens} {options.max_tokens_param} = {num_prompt_tokens + options.max_tokens} "
+            f"tokens were requested; reduce the prompt or {options.max_tokens_param} (at most {room}).",
+            options.max_tokens_param,
+            "context_length_exceeded",
+        )
+    else:
+        max_tokens = options.max_tokens
+    if options.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({options.min_tokens}) exceeds the {max_tokens} tokens left", "min_tokens")
+    _check_token_ids(options.stop_token_ids, model.vocab_size, "stop_token_ids")
+    return SamplingParams(
+        n=1,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
+        seed=options.seed,
+        max_tokens=max_tokens,
+        min_tokens=options.min_tokens,
+        ignore_eos=options.ignore_eos,
+        stop_token_ids=list(options.stop_token_ids),
+    )
+
+
+def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    for token_id in ids:
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(f"{param}: token id {token_id} is out of range [0, {vocab_size})", param)
+
+
+def _as_id_list(ids: Any) -> list[int]:
+    if hasattr(ids, "keys") and "input_ids" in ids:  # a BatchEncoding from older/newer transformers
+        ids = ids["input_ids"]
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(t) for t in ids]

@@ -1,0 +1,240 @@
+"""Test doubles for the frontend: a fake scheduler on real ZMQ sockets and a frontend in a thread.
+
+Not used by the service itself; tests (and anyone load-testing the frontend alone) import it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import uvloop
+import zmq
+
+from services.frontend.config import FrontendConfig
+from services.frontend.main import FrontendServer
+from services.frontend.model import ServedModel, eos_token_ids, load_tokenizer
+from shared.endpoints import Endpoints
+from shared.messages import AbortRequest, AddRequest, EngineStats, RequestOutput, decode, encode
+from shared.model_source import resolve_model
+
+# What the fake model "generates": multi-byte characters split across byte-level tokens on purpose.
+REPLY_TEXT = (
+    "Hello there! Paged attention 🚀 keeps the KV cache in blocks — 東京 and café. STOP here, then more text."
+)
+ERROR_MARKER = "[[error]]"  # a prompt containing this gets finish_reason "error"
+SLOW_MARKER = "[[slow]]"  # a prompt containing this gets one token per 20 ms until max_tokens
+MALFORMED_MARKER = "[[malformed]]"  # a prompt containing this gets an undecodable RequestOutput frame
+
+
+@functools.cache
+def cached_tokenizer() -> Any:
+    """The default model's tokenizer, loaded once per process (it takes seconds)."""
+    return load_tokenizer(resolve_model(None))
+
+
+def default_served_model(max_model_len: int = 8192, name: str | None = None) -> ServedModel:
+    tokenizer = cached_tokenizer()
+    return ServedModel(name or resolve_model(None).name, tokenizer, max_model_len, eos_token_ids(tokenizer, None))
+
+
+@dataclass
+class _Active:
+    request: AddRequest
+    token_ids: list[int]
+    finish_reason: str
+    interval_s: float
+    next_idx: int = 0
+    next_time: float = 0.0
+    sent_first: bool = False
+
+
+@dataclass
+class FakeScheduler:
+    """Binds the scheduler's two endpoints and answers each ``AddRequest`` deterministically.
+
+    The reply is ``REPLY_TEXT``'s tokens then the first EOS id (finish "stop"), cut to
+    ``max_tokens`` (finish "length"); ``tokens_per_output`` tokens per ``RequestOutput``. It sends
+    ``EngineStats(ready=self.ready)`` every 50 ms and records every ``AddRequest`` and
+    ``AbortRequest``; an aborted request gets no more outputs.
+    """
+
+    endpoints: Endpoints
+    tokenizer: Any
+    tokens_per_output: int = 3
+    ready: bool = True
+    added: list[AddRequest] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.reply_token_ids = list(self.tokenizer.encode(REPLY_TEXT))
+        self._context = zmq.Context()
+        self._pull = self._context.socket(zmq.PULL)
+        self._pull.bind(self.endpoints.request)
+        self._push = self._context.socket(zmq.PUSH)
+        self._push.bind(self.endpoints.output)
+        self._active: dict[str, _Active] = {}
+        self._raw_frames: list[bytes] = []
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fake-scheduler", daemon=True)
+
+    def start(self) -> "FakeScheduler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._pull.close(linger=0)
+        self._push.close(linger=0)
+        self._context.term()
+
+    def send_raw(self, frame: bytes) -> None:
+        """Queue an arbitrary frame for the frontend (sent from the fake's own thread)."""
+        with self._changed:
+            self._raw_frames.append(frame)
+
+    def wait_for(self, predicate, timeout: float = 5.0) -> bool:
+        """Wait until ``predicate(self)`` holds (checked after each received message)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: predicate(self), timeout)
+
+    def expected_reply(self, max_tokens: int, eos_token_id: int) -> tuple[list[int], str]:
+        token_ids = self.reply_token_ids + [eos_token_id]
+        if len(token_ids) > max_tokens:
+            return token_ids[:max_tokens], "length"
+        return token_ids, "stop"
+
+    # -------------------------------------------------------------- the fake's thread
+
+    def _run(self) -> None:
+        next_stats = 0.0
+        while not self._stop.is_set():
+            if self._pull.poll(2 if self._active else 20):
+                while self._pull.poll(0):
+                    self._receive(self._pull.recv())
+            now = time.monotonic()
+            with self._changed:
+                frames, self._raw_frames = self._raw_frames, []
+            for frame in frames:
+                self._send(frame)
+            for rid, active in list(self._active.items()):
+                if now >= active.next_time:
+                    self._emit(rid, active, now)
+            if now >= next_stats:
+                self._send(encode(EngineStats(len(self._active), 0, 100, 0, 0, 0, self.ready)))
+                next_stats = now + 0.05
+
+    def _receive(self, frame: bytes) -> None:
+        message = decode(frame)
+        with self._changed:
+            if isinstance(message, AddRequest):
+                self.added.append(message)
+                self._active[message.request_id] = self._plan(message)
+            elif isinstance(message, AbortRequest):
+                self.aborted.append(message.request_id)
+                self._active.pop(message.request_id, None)
+            self._changed.notify_all()
+
+    def _plan(self, request: AddRequest) -> _Active:
+        prompt = self.tokenizer.decode(request.prompt_token_ids.tolist())
+        max_tokens = request.sampling.max_tokens
+        if ERROR_MARKER in prompt:
+            return _Active(request, [], "error", 0.0)
+        if MALFORMED_MARKER in prompt:
+            return _Active(request, [], "malformed", 0.0)
+        if SLOW_MARKER in prompt:
+            cycle = self.reply_token_ids * (max_tokens // len(self.reply_token_ids) + 1)
+            return _Active(request, cycle[:max_tokens], "length", 0.02)
+        token_ids, finish = self.expected_reply(max_tokens, request.eos_token_ids[0])
+        return _Active(request, token_ids, finish, 0.0)
+
+    def _emit(self, rid: str, active: _Active, now: float) -> None:
+        step = 1 if active.interval_s else self.tokens_per_output
+        new = active.token_ids[active.next_idx:active.next_idx + step]
+        active.next_idx += len(new)
+        done = active.next_idx >= len(active.token_ids)
+        output = RequestOutput(
+            request_id=rid,
+            choice_idx=0,
+            new_token_ids=new,
+            finish_reason=active.finish_reason if done else None,
+            num_prompt_tokens=0 if active.sent_first else len(active.request.prompt_token_ids),
+            error="simulated engine failure" if done and active.finish_reason == "error" else None,
+        )
+        active.sent_first = True
+        active.next_time = now + active.interval_s
+        if active.finish_reason == "malformed":
+            self._send(msgpack.packb([RequestOutput.TAG, [rid, 0, "not a list"]]))  # too few fields
+        else:
+            self._send(encode(output))
+        if done:
+            del self._active[rid]
+
+    def _send(self, frame: bytes) -> None:
+        try:
+            self._push.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # no frontend connected yet: like the real scheduler, stats are resent anyway
+
+
+class FrontendThread:
+    """``FrontendServer`` on a uvloop event loop in a background thread (port 0: a free port)."""
+
+    def __init__(
+        self, model: ServedModel, endpoints: Endpoints, max_body_bytes: int | None = None, shutdown_grace_s: float = 5.0
+    ) -> None:
+        self.shutdown_grace_s = shutdown_grace_s
+        kwargs = {"max_body_bytes": max_body_bytes} if max_body_bytes else {}
+        self.config = FrontendConfig(served_model_name=model.name, port=0, endpoints=endpoints, **kwargs)
+        self.model = model
+        self.server: FrontendServer | None = None
+        self.loop = uvloop.new_event_loop()
+        self._started = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="frontend", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        assert self.server is not None and self.server.port is not None
+        return f"http://127.0.0.1:{self.server.port}"
+
+    def start(self) -> "FrontendThread":
+        self._thread.start()
+        if not self._started.wait(timeout=30):
+            raise TimeoutError("the frontend did not start within 30 s")
+        if self._error is not None:
+            raise RuntimeError("the frontend failed to start") from self._error
+        return self
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=15)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main())
+        finally:
+            self.loop.close()
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        try:
+            self.server = FrontendServer(self.config, self.model, self.shutdown_grace_s)
+            await self.server.start()
+        except BaseException as exc:
+            self._error = exc
+            self._started.set()
+            raise
+        self._started.set()
+        await self._stop.wait()
+        await self.server.stop()
