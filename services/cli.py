@@ -19,6 +19,10 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per step; longer prompts are prefilled in chunks (default 2048)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="prompt plus output tokens per sequence (default: the model's)")
+    g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"],
+                   help="when KV blocks run out: re-prefill later (default) or swap to CPU memory")
+    g.add_argument("--kv-policy", default=None, choices=["paged", "contiguous"],
+                   help="paged (default) or the contiguous baseline that reserves prompt + max_tokens")
 
 
 def _add_executor_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +35,8 @@ def _add_executor_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks in the pool (default: as many as --kv-cache-memory holds)")
     g.add_argument("--kv-cache-memory", default=None, help="memory for the KV pool (default 1GiB)")
+    g.add_argument("--swap-space", type=float, default=None,
+                   help="GiB of CPU memory for swapped-out KV blocks (default 1)")
     g.add_argument("--attention-backend", default=None, choices=["auto", "torch", "numba", "cuda"],
                    help="paged-attention kernels (default auto: numba on CPU, cuda on GPUs)")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch and numba")
@@ -103,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
 
             run_scheduler(SchedulerProcessConfig(
                 endpoints=_endpoints(args), world_size=args.world_size,
-                **_kwargs(args, ["max_num_seqs", "max_num_batched_tokens", "max_model_len"]),
+                **_kwargs(args, ["max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                                 "preemption_mode", "kv_policy"]),
             ))
         elif args.command == "executor":
             from services.executor.main import ExecutorConfig, run_executor
@@ -113,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                 endpoints=Endpoints(request="", output="", step=step, result=result),
                 rank=args.rank, world_size=args.world_size,
                 **_kwargs(args, ["model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory",
-                                 "max_model_len", "attention_backend", "num_threads", "seed"]),
+                                 "swap_space", "max_model_len", "attention_backend", "num_threads",
+                                 "seed"]),
             ))
         elif args.command == "frontend":
             from services.frontend.main import frontend_config_from_args, run_frontend

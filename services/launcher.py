@@ -136,12 +136,13 @@ def _flags(args, names: list[str]) -> list[str]:
 
 
 def scheduler_argv(args) -> list[str]:
-    return _flags(args, ["max_num_seqs", "max_num_batched_tokens", "max_model_len"])
+    return _flags(args, ["max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode",
+                         "kv_policy"])
 
 
 def executor_argv(args) -> list[str]:
     return _flags(args, ["model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory",
-                         "max_model_len", "attention_backend", "num_threads", "seed"])
+                         "swap_space", "max_model_len", "attention_backend", "num_threads", "seed"])
 
 
 def frontend_argv(args) -> list[str]:

@@ -81,6 +81,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    num_preemptions: int = 0  # times this choice was preempted (recompute or swap)
 
 
 # ---------------------------------------------------------------- step-level (scheduler <-> executors)
@@ -123,6 +124,10 @@ class Step:
     finished_seq_ids: list[int] = field(default_factory=list)
     # [num_pairs, 2] int64 (src, dst) device block copies, applied before the forward pass.
     block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+    # [num_pairs, 2] int64 (device block, cpu block): copy out, applied first.
+    swap_out: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+    # [num_pairs, 2] int64 (cpu block, device block): copy in, applied after swap_out.
+    swap_in: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
 
 
 @dataclass
@@ -146,6 +151,7 @@ class ExecutorReady:
     num_blocks: int
     block_size: int
     max_model_len: int
+    num_cpu_blocks: int = 0  # swap space
 
 
 @dataclass
@@ -188,6 +194,8 @@ class EngineStats:
     sum_slots_used: int = 0
     sum_slots_allocated: int = 0
     num_preemptions: int = 0
+    num_swapped: int = 0
+    max_num_running: int = 0
 
 
 MESSAGE_TYPES: dict[int, type] = {

@@ -11,6 +11,7 @@ from services.executor.attention import select_backend
 from services.executor.runner import ModelRunner, allocate_kv_cache
 from services.executor.weights import build_model
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.contiguous import ContiguousBlockManager
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.messages import AddRequest, SamplingParams, decode, encode
 
@@ -34,7 +35,8 @@ class InProcessEngine:
 
     def __init__(self, hf_model, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 backend: str = "torch", dtype=torch.float32):
+                 backend: str = "torch", dtype=torch.float32, preemption_mode: str = "recompute",
+                 kv_policy: str = "paged", num_cpu_blocks: int = 0):
         cfg = hf_model.config
         max_model_len = max_model_len or cfg.max_position_embeddings
         device = torch.device("cpu")
@@ -43,9 +45,15 @@ class InProcessEngine:
 
         mcfg = ModelConfig.from_hf(cfg)
         self.runner = ModelRunner(model, allocate_kv_cache(mcfg, num_blocks, block_size, dtype, device),
-                                  select_backend(backend, device), device)
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len), self.blocks)
+                                  select_backend(backend, device), device,
+                                  cpu_kv_caches=allocate_kv_cache(mcfg, num_cpu_blocks, block_size, dtype, device))
+        manager = ContiguousBlockManager if kv_policy == "contiguous" else BlockManager
+        self.blocks = manager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode, kv_policy),
+            self.blocks,
+        )
+        self.outputs: dict[str, list] = {}  # request id -> every RequestOutput received
         self.num_steps = 0
         self.max_tokens_in_step = 0
         self.mixed_steps = 0  # steps that held both decodes and prefills
@@ -66,6 +74,8 @@ class InProcessEngine:
         result = decode(encode(self.runner.execute(step)))
         outs = self.scheduler.update(result)
         self.blocks.check_integrity()
+        for out in outs:
+            self.outputs.setdefault(out.request_id, []).append(out)
         return outs
 
     def run(self) -> dict[str, list[int]]:

@@ -41,6 +41,7 @@ class ExecutorConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: str = "1GiB"
+    swap_space: float = 1.0  # GiB of CPU memory for swapped-out blocks
     max_model_len: int | None = None
     attention_backend: str = "auto"
     rank: int = 0
@@ -56,6 +57,8 @@ class ExecutorConfig:
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"--max-model-len must be greater than 1, got {self.max_model_len}")
         parse_bytes(self.kv_cache_memory)
+        if self.swap_space < 0:
+            raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
         if self.world_size != 1:
             raise ValueError("--world-size > 1 (tensor parallelism) is not implemented yet")
 
@@ -91,11 +94,14 @@ class ExecutorProcess:
         if num_blocks <= 0:
             raise ValueError(f"--kv-cache-memory {cfg.kv_cache_memory} holds no block of {block_bytes} bytes")
         kv = allocate_kv_cache(mcfg, num_blocks, cfg.block_size, dtype, device)
+        num_cpu_blocks = int(cfg.swap_space * 2**30) // block_bytes
+        cpu_kv = allocate_kv_cache(mcfg, num_cpu_blocks, cfg.block_size, dtype, torch.device("cpu"))
         backend = select_backend(cfg.attention_backend, device)
         self.log.info("model loaded", seconds=round(time.monotonic() - t0, 1), num_blocks=num_blocks,
                       kv_cache_mib=round(num_blocks * block_bytes / 2**20), attention_backend=backend.name,
-                      max_model_len=max_model_len)
-        return ModelRunner(model, kv, backend, device, seed=cfg.seed), max_model_len
+                      max_model_len=max_model_len, num_cpu_blocks=num_cpu_blocks)
+        runner = ModelRunner(model, kv, backend, device, seed=cfg.seed, cpu_kv_caches=cpu_kv)
+        return runner, max_model_len
 
     def run(self) -> None:
         import zmq
@@ -115,7 +121,8 @@ class ExecutorProcess:
         try:
             runner, max_model_len = self._load()
             results.send(encode(ExecutorReady(cfg.rank, cfg.world_size, runner.num_blocks,
-                                              cfg.block_size, max_model_len)))
+                                              cfg.block_size, max_model_len,
+                                              len(runner.cpu_kv_caches[0][0]) if runner.cpu_kv_caches else 0)))
             while not self.stopping:
                 if not steps.poll(200):
                     continue

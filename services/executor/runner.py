@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.reference import copy_blocks, swap_blocks
 from shared.messages import Step, StepResult
 
 from .attention import AttentionMetadata
@@ -30,9 +31,11 @@ def allocate_kv_cache(cfg, num_blocks: int, block_size: int, dtype, device):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_caches, backend, device: torch.device, seed: int = 0):
+    def __init__(self, model: LlamaForCausalLM, kv_caches, backend, device: torch.device, seed: int = 0,
+                 cpu_kv_caches=None):
         self.model = model
         self.kv_caches = kv_caches
+        self.cpu_kv_caches = cpu_kv_caches or []  # the swap pool, same layout
         self.backend = backend
         self.device = device
         self.sampler = Sampler(seed)
@@ -41,17 +44,31 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_caches[0][0].shape[0]
 
+    def _move_blocks(self, step: Step) -> None:
+        """Swap out, then swap in, then copy-on-write copies: all before the forward pass."""
+        if len(step.swap_out):
+            mapping = torch.from_numpy(step.swap_out)
+            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_kv_caches):
+                swap_blocks(ck, k, mapping)
+                swap_blocks(cv, v, mapping)
+        if len(step.swap_in):
+            mapping = torch.from_numpy(step.swap_in)
+            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_kv_caches):
+                swap_blocks(k, ck, mapping)
+                swap_blocks(v, cv, mapping)
+        if len(step.block_copies):
+            copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
+                        torch.from_numpy(step.block_copies))
+
     def execute(self, step: Step) -> StepResult:
         """Run ``step`` and return the sampled tokens (one per sequence with ``sample_mask``)."""
         for seq_id in step.finished_seq_ids:
             self.sampler.remove(seq_id)
         for new in step.new_seqs:
             self.sampler.add(new.seq_id, new.sampling)
-        if len(step.block_copies):
-            from kernels.reference import copy_blocks
-
-            copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
-                        torch.from_numpy(step.block_copies))
+        self._move_blocks(step)
+        if len(step.seq_ids) == 0:
+            return StepResult(step.step_id, step.seq_ids, step.seq_ids.copy())
         dev = self.device
         query_start_loc = torch.from_numpy(step.query_start_loc).to(dev)
         nd = step.num_decodes

@@ -25,6 +25,7 @@ from shared.messages import (
 )
 
 from .block_manager import BlockManager
+from .contiguous import ContiguousBlockManager
 from .scheduler import Scheduler, SchedulerConfig
 
 STATS_INTERVAL_S = 0.5
@@ -38,6 +39,8 @@ class SchedulerProcessConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: what the executors report
+    preemption_mode: str = "recompute"
+    kv_policy: str = "paged"
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -111,12 +114,17 @@ class SchedulerProcess:
         max_model_len = min(r.max_model_len for r in ready.values())
         if cfg.max_model_len is not None:
             max_model_len = min(max_model_len, cfg.max_model_len)
+        num_cpu_blocks = min(r.num_cpu_blocks for r in ready.values())
+        manager = ContiguousBlockManager if cfg.kv_policy == "contiguous" else BlockManager
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len),
-            BlockManager(num_blocks, first.block_size),
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len,
+                            cfg.preemption_mode, cfg.kv_policy),
+            manager(num_blocks, first.block_size, num_cpu_blocks=num_cpu_blocks),
         )
         self.log.info("scheduler ready", num_blocks=num_blocks, block_size=first.block_size,
-                      max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs)
+                      max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs,
+                      num_cpu_blocks=num_cpu_blocks, preemption_mode=cfg.preemption_mode,
+                      kv_policy=cfg.kv_policy)
         self._send_stats(force=True)
 
     # ------------------------------------------------------------------ main loop

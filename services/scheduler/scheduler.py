@@ -11,15 +11,16 @@ freed and it goes back to the head of the queue, to be prefilled again with its 
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import numpy as np
-
-from shared.messages import AddRequest, NewSequence, RequestOutput, Step, StepResult
+from shared.messages import AddRequest, RequestOutput, Step, StepResult
 
 from .block_manager import AllocStatus, BlockManager
 from .sequence import Sequence, SequenceStatus
+from .step_builder import Scheduled as _Scheduled
+from .step_builder import build_step
 
 
 @dataclass(frozen=True)
@@ -27,17 +28,38 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    preemption_mode: str = "recompute"  # or "swap"
+    kv_policy: str = "paged"  # or "contiguous" (the baseline that reserves up front)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.kv_policy not in ("paged", "contiguous"):
+            raise ValueError(f"--kv-policy must be paged or contiguous, got {self.kv_policy!r}")
 
 
 @dataclass
-class _Scheduled:
-    seq: Sequence
-    num_new_tokens: int
+class _Plan:
+    """What one ``schedule`` call has decided so far."""
+
+    token_budget: int
+    scheduled: list[_Scheduled] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: bool = False
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        self.scheduled.append(_Scheduled(seq, num_new))
+        self.token_budget -= num_new
+
+    def drop(self, group: list[Sequence]) -> None:
+        """Unschedule sequences that are being preempted, giving their tokens back."""
+        keep = [s for s in self.scheduled if s.seq not in group]
+        self.token_budget += sum(s.num_new_tokens for s in self.scheduled if s.seq in group)
+        self.scheduled = keep
 
 
 class Scheduler:
@@ -46,12 +68,16 @@ class Scheduler:
         self.blocks = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in arrival order
+        self.swapped: deque[list[Sequence]] = deque()  # groups whose blocks are in the CPU pool
         self.requests: dict[str, list[Sequence]] = {}
         self._next_seq_id = 0
         self._next_step_id = 0
         self._freed_seq_ids: list[int] = []  # announced sequences the executors may forget
         self._in_flight: dict[int, list[_Scheduled]] = {}
         self.num_preemptions = 0
+        self.num_swap_outs = 0
+        self.num_recomputes = 0
+        self.max_num_running = 0
         self.num_steps = 0
         self.sum_slots_used = 0
         self.sum_slots_allocated = 0
@@ -96,10 +122,13 @@ class Scheduler:
                 self.waiting.remove(seq)
             elif seq.status is SequenceStatus.RUNNING:
                 self.running.remove(seq)
+            elif seq.status is SequenceStatus.SWAPPED:
+                self.swapped = deque(g for g in self.swapped if seq not in g)
+                self.blocks.free_swapped(seq.seq_id)
             self._release(seq, "abort")
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -109,44 +138,81 @@ class Scheduler:
 
     def schedule(self) -> Step | None:
         """Pick the next batch and reserve its slots; None when nothing can run."""
-        token_budget = self.config.max_num_batched_tokens
-        scheduled: list[_Scheduled] = []
+        plan = _Plan(self.config.max_num_batched_tokens)
 
-        # 1. Running sequences, oldest first; preempt the newest when blocks run out.
+        # 1. Running sequences, oldest first; preempt the newest group when blocks run out.
         idx = 0
-        while idx < len(self.running) and token_budget > 0:
+        while idx < len(self.running) and plan.token_budget > 0:
             seq = self.running[idx]
-            num_new = min(seq.num_pending_tokens, token_budget)
-            while not self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                scheduled.append(_Scheduled(seq, num_new))
-                token_budget -= num_new
+            num_new = min(seq.num_pending_tokens, plan.token_budget)
+            if self._make_room(seq, num_new, plan):
+                plan.add(seq, num_new)
                 idx += 1
-                continue
-            break  # seq itself was preempted: everything after it is gone too
+            else:
+                break  # seq itself was preempted, and with it every newer sequence
 
-        # 2. Waiting sequences, first come first served.
-        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # 2. Swapped groups come back before anything new is admitted.
+        while not plan.preempted and self.swapped and len(self.running) < self.config.max_num_seqs:
+            group = self.swapped[0]
+            ids = [s.seq_id for s in group]
+            if not self.blocks.can_swap_in(ids):
+                break
+            self.swapped.popleft()
+            plan.swap_in.extend(self.blocks.swap_in(ids))
+            for seq in group:
+                seq.status = SequenceStatus.RUNNING
+                self._insert_running(seq)
+                num_new = min(seq.num_pending_tokens, plan.token_budget)
+                if num_new and self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new):
+                    plan.add(seq, num_new)
+
+        # 3. Waiting sequences, first come first served.
+        while (not self.swapped and self.waiting and plan.token_budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            num_new = min(seq.num_pending_tokens, token_budget)
-            status = self.blocks.can_admit(seq.num_computed_tokens + num_new, seq.num_tokens)
-            if status is not AllocStatus.OK:
+            num_new = min(seq.num_pending_tokens, plan.token_budget)
+            reserve = self._admission_tokens(seq, num_new)
+            if self.blocks.can_admit(reserve, seq.num_tokens) is not AllocStatus.OK:
                 break
             self.waiting.popleft()
-            self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new)
+            if not self.blocks.allocate_slots(seq.seq_id, reserve):
+                self.waiting.appendleft(seq)
+                break
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            scheduled.append(_Scheduled(seq, num_new))
-            token_budget -= num_new
+            self._insert_running(seq)
+            plan.add(seq, num_new)
 
-        if not scheduled:
+        self.max_num_running = max(self.max_num_running, len(self.running))
+        if not plan.scheduled and not plan.swap_out and not plan.swap_in:
             return None
-        self._account_utilization(scheduled)
-        return self._build_step(scheduled)
+        self._account_utilization(plan.scheduled)
+        step = build_step(self._next_step_id, plan.scheduled, self.blocks, self._freed_seq_ids,
+                          plan.swap_out, plan.swap_in)
+        self._freed_seq_ids = []
+        self._in_flight[step.step_id] = plan.scheduled
+        self._next_step_id += 1
+        return step
+
+    def _admission_tokens(self, seq: Sequence, num_new: int) -> int:
+        """Slots a newly admitted sequence takes: what it computes now, or a whole reservation."""
+        if self.config.kv_policy == "contiguous":
+            want = seq.num_prompt_tokens + seq.sampling.max_tokens
+            return max(min(want, self.config.max_model_len), seq.num_computed_tokens + num_new)
+        return seq.num_computed_tokens + num_new
+
+    def _make_room(self, seq: Sequence, num_new: int, plan: "_Plan") -> bool:
+        """Allocate ``seq``'s slots, preempting the newest groups as needed; False if ``seq`` went."""
+        while not self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new):
+            victim = self.running[-1]
+            group = [s for s in self.requests[victim.request_id] if s.status is SequenceStatus.RUNNING]
+            plan.drop(group)
+            self._preempt(group, plan)
+            if seq in group:
+                return False
+        return True
+
+    def _insert_running(self, seq: Sequence) -> None:
+        bisect.insort(self.running, seq, key=lambda s: (s.arrival_time, s.seq_id))
 
     def _account_utilization(self, scheduled: list[_Scheduled]) -> None:
         """Add this step's slots holding tokens and slots allocated (all running sequences)."""
@@ -156,53 +222,6 @@ class Scheduler:
         self.sum_slots_allocated += sum(
             len(self.blocks.block_tables.get(s.seq_id, ())) for s in self.running
         ) * self.blocks.block_size
-
-    def _build_step(self, scheduled: list[_Scheduled]) -> Step:
-        # Decodes (one new token, nothing else pending) first, then prefill chunks.
-        decodes = [s for s in scheduled if s.num_new_tokens == 1 and s.seq.num_pending_tokens == 1]
-        prefills = [s for s in scheduled if not (s.num_new_tokens == 1 and s.seq.num_pending_tokens == 1)]
-        ordered = decodes + prefills
-        num_seqs = len(ordered)
-        max_blocks = max(len(self.blocks.block_tables[s.seq.seq_id]) for s in ordered)
-        block_tables = np.zeros((num_seqs, max_blocks), np.int32)
-        query_start_loc = np.zeros(num_seqs + 1, np.int32)
-        context_lens = np.zeros(num_seqs, np.int32)
-        sample_mask = np.zeros(num_seqs, bool)
-        tokens, positions, slots = [], [], []
-        new_seqs = []
-        for i, s in enumerate(ordered):
-            seq, start = s.seq, s.seq.num_computed_tokens
-            end = start + s.num_new_tokens
-            table = self.blocks.block_tables[seq.seq_id]
-            block_tables[i, : len(table)] = table
-            query_start_loc[i + 1] = query_start_loc[i] + s.num_new_tokens
-            context_lens[i] = end
-            sample_mask[i] = end == seq.num_tokens
-            for pos in range(start, end):
-                tokens.append(seq.token_id(pos))
-                positions.append(pos)
-                slots.append(self.blocks.slot(seq.seq_id, pos))
-            if not seq.announced:
-                seq.announced = True
-                new_seqs.append(NewSequence(seq.seq_id, seq.request_id, seq.sampling))
-        step = Step(
-            step_id=self._next_step_id,
-            num_decodes=len(decodes),
-            seq_ids=np.array([s.seq.seq_id for s in ordered], np.int64),
-            input_token_ids=np.array(tokens, np.int64),
-            positions=np.array(positions, np.int64),
-            slot_mapping=np.array(slots, np.int64),
-            query_start_loc=query_start_loc,
-            context_lens=context_lens,
-            block_tables=block_tables,
-            sample_mask=sample_mask,
-            new_seqs=new_seqs,
-            finished_seq_ids=self._freed_seq_ids,
-        )
-        self._freed_seq_ids = []
-        self._in_flight[step.step_id] = ordered
-        self._next_step_id += 1
-        return step
 
     def update(self, result: StepResult) -> list[RequestOutput]:
         """Apply a step's sampled tokens; finish sequences that stop; return frontend deltas."""
@@ -229,15 +248,27 @@ class Scheduler:
 
     # ------------------------------------------------------------------ helpers
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: free the blocks now, prefill prompt + output again later."""
-        self.running.remove(seq)
-        self.blocks.free(seq.seq_id)
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+    def _preempt(self, group: list[Sequence], plan: "_Plan") -> None:
+        """Preempt a whole group: swap its blocks out when configured and possible, else recompute."""
+        ids = [s.seq_id for s in group]
+        for seq in group:
+            self.running.remove(seq)
+            seq.num_preemptions += 1
         self.num_preemptions += 1
+        plan.preempted = True
+        if self.config.preemption_mode == "swap" and self.blocks.can_swap_out(ids):
+            plan.swap_out.extend(self.blocks.swap_out(ids))
+            for seq in group:
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+            self.num_swap_outs += 1
+            return
+        for seq in reversed(group):  # recompute: free now, prefill prompt + output again later
+            self.blocks.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        self.num_recomputes += 1
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
@@ -259,6 +290,7 @@ class Scheduler:
         return RequestOutput(
             request_id=seq.request_id, choice_idx=seq.choice_idx, new_token_ids=new,
             finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
+            num_preemptions=seq.num_preemptions,
         )
 
     def _fail_step(self, scheduled: list[_Scheduled], error: str) -> list[RequestOutput]:
@@ -288,4 +320,6 @@ class Scheduler:
             "sum_slots_used": self.sum_slots_used,
             "sum_slots_allocated": self.sum_slots_allocated,
             "num_preemptions": self.num_preemptions,
+            "num_swapped": sum(len(g) for g in self.swapped),
+            "max_num_running": self.max_num_running,
         }

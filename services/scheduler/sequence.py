@@ -11,6 +11,7 @@ from shared.messages import SamplingParams
 class SequenceStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"
     FINISHED = "finished"
 
 

@@ -1,0 +1,76 @@
+"""Turn the scheduler's decisions into the ``Step`` message every executor rank receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.messages import NewSequence, Step
+
+from .block_manager import BlockManager
+from .sequence import Sequence
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.seq.num_pending_tokens == 1
+
+
+def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
+    return np.array(pairs, np.int64).reshape(-1, 2)
+
+
+def build_step(
+    step_id: int, scheduled: list[Scheduled], blocks: BlockManager, finished_seq_ids: list[int],
+    swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+) -> Step:
+    """Flatten ``scheduled`` (reordered in place: decodes first, then prefill chunks) into a Step.
+
+    Marks each sequence as announced once its sampling parameters have been sent.
+    """
+    scheduled.sort(key=lambda s: not s.is_decode)  # stable: keeps arrival order in each part
+    num_seqs = len(scheduled)
+    max_blocks = max((len(blocks.block_tables[s.seq.seq_id]) for s in scheduled), default=0)
+    block_tables = np.zeros((num_seqs, max_blocks), np.int32)
+    query_start_loc = np.zeros(num_seqs + 1, np.int32)
+    context_lens = np.zeros(num_seqs, np.int32)
+    sample_mask = np.zeros(num_seqs, bool)
+    tokens, positions, slots = [], [], []
+    new_seqs = []
+    for i, s in enumerate(scheduled):
+        seq, start = s.seq, s.seq.num_computed_tokens
+        end = start + s.num_new_tokens
+        table = blocks.block_tables[seq.seq_id]
+        block_tables[i, : len(table)] = table
+        query_start_loc[i + 1] = query_start_loc[i] + s.num_new_tokens
+        context_lens[i] = end
+        sample_mask[i] = end == seq.num_tokens
+        for pos in range(start, end):
+            tokens.append(seq.token_id(pos))
+            positions.append(pos)
+            slots.append(table[pos // blocks.block_size] * blocks.block_size + pos % blocks.block_size)
+        if not seq.announced:
+            seq.announced = True
+            new_seqs.append(NewSequence(seq.seq_id, seq.request_id, seq.sampling))
+    return Step(
+        step_id=step_id,
+        num_decodes=sum(1 for s in scheduled if s.is_decode),
+        seq_ids=np.array([s.seq.seq_id for s in scheduled], np.int64),
+        input_token_ids=np.array(tokens, np.int64),
+        positions=np.array(positions, np.int64),
+        slot_mapping=np.array(slots, np.int64),
+        query_start_loc=query_start_loc,
+        context_lens=context_lens,
+        block_tables=block_tables,
+        sample_mask=sample_mask,
+        new_seqs=new_seqs,
+        finished_seq_ids=list(finished_seq_ids),
+        swap_out=_pairs(swap_out),
+        swap_in=_pairs(swap_in),
+    )
