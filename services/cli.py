@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--world-size", type=int, default=1)
     _add_endpoint_arguments(ex, ("step", "result"))
 
+    sim = sub.add_parser("simulate", help="replay requests through the block manager under both KV policies")
+    from services.scheduler.simulate import add_simulate_arguments
+
+    add_simulate_arguments(sim)
+
     fe = sub.add_parser("frontend", help="the HTTP frontend alone")
     from services.frontend.main import add_frontend_arguments
 
@@ -104,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             from services.launcher import serve
 
             return serve(args)
+        if args.command == "simulate":
+            from services.scheduler.simulate import run_simulate
+
+            return run_simulate(args)
         if args.command == "scheduler":
             from services.scheduler.main import SchedulerProcessConfig, run_scheduler
 
