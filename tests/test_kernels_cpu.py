@@ -1,0 +1,228 @@
+"""The Numba CPU kernels (kernels/cpu.py) against the PyTorch reference (kernels/reference.py).
+
+Tolerances: inputs are float32 N(0, 1) and everything accumulates in float32 on both sides, but
+in a different order (blockwise online softmax here, one softmax over the whole row in SDPA), so
+outputs (weighted means of N(0, 1) values, |x| < ~4) differ by rounding only: a few 1e-7 measured;
+atol 2e-5 / rtol 1e-4 leaves room for the longest contexts and head_dim 128 without hiding a wrong
+mask or a missing block (those give errors of 1e-2 and more). Writes and block copies are exact.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+import torch
+
+from kernels import cpu, reference
+
+ATOL, RTOL = 2e-5, 1e-4
+
+# ragged contexts: 1, around and at block-size multiples (filled in per block size), a few hundred
+BASE_LENS = [1, 2, 7, 100, 257, 300]
+
+
+def _lens_for(block_size: int) -> list[int]:
+    return BASE_LENS + [block_size, 2 * block_size, block_size + 1, 8 * block_size - 1, 16 * block_size]
+
+
+def _make_cache(num_seqs_lens, num_kv_heads, head_dim, block_size, seed, spare_blocks=7):
+    """Random pools and a permuted (non-contiguous) block table per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-n // block_size) for n in num_seqs_lens]
+    max_blocks = max(blocks_needed) + 2  # padding columns past the last block
+    num_blocks = sum(blocks_needed) + spare_blocks
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    key_cache = torch.randn(shape, generator=g)
+    value_cache = torch.randn(shape, generator=g)
+    perm = torch.randperm(num_blocks, generator=g)
+    # padding entries point at arbitrary (valid) blocks so a read past the end would show
+    tables = torch.randint(0, num_blocks, (len(num_seqs_lens), max_blocks), generator=g)
+    used = 0
+    for s, nb in enumerate(blocks_needed):
+        tables[s, :nb] = perm[used:used + nb]
+        used += nb
+    return key_cache, value_cache, tables.to(torch.int32), g
+
+
+def _np(*tensors):
+    return [t.numpy() for t in tensors]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_write_kv_cache_exact_and_skips_negative_slots(block_size, num_heads, num_kv_heads, head_dim):
+    del num_heads
+    key_cache, value_cache, _, g = _make_cache([64], num_kv_heads, head_dim, block_size, seed=1,
+                                               spare_blocks=20)
+    num_slots = key_cache.shape[0] * block_size
+    num_tokens = 37
+    slots = torch.randperm(num_slots, generator=g)[:num_tokens]
+    slots[[0, 5, 36]] = -1  # padding tokens
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
+    ref_k, ref_v = key_cache.clone(), value_cache.clone()
+    reference.write_kv_cache(ref_k, ref_v, key, value, slots)
+    cpu.write_kv_cache(*_np(key_cache, value_cache, key, value, slots))
+    assert torch.equal(key_cache, ref_k)
+    assert torch.equal(value_cache, ref_v)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])  # GQA ratios 1 and 3
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("partition_size", [0, None, 40])  # never, auto, forced (rounded to blocks)
+def test_decode_matches_reference(block_size, num_heads, num_kv_heads, head_dim, partition_size):
+    lens = _lens_for(block_size)
+    key_cache, value_cache, tables, g = _make_cache(lens, num_kv_heads, head_dim, block_size, seed=2)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    query = torch.randn(len(lens), num_heads, head_dim, generator=g)
+    scale = head_dim ** -0.5
+    expected = torch.empty_like(query)
+    reference.paged_decode_attention(expected, query, key_cache, value_cache, tables, context_lens, scale)
+    out = torch.full_like(query, float("nan"))
+    cpu.paged_decode_attention(*_np(out, query, key_cache, value_cache, tables, context_lens), scale,
+                               partition_size=partition_size)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_partitioned_decode_small_batch_long_context():
+    """Batch 1-2, long contexts: the automatic choice partitions (as it would with 2 threads), and
+    forced partitions of one block, of a few blocks, or longer than the context all agree."""
+    assert cpu.auto_partitions(2, 2, num_threads=2) > 1
+    assert cpu.auto_partitions(32, 3, num_threads=2) == 1  # enough (sequence, KV head) tasks
+    assert cpu.auto_partitions(1, 3, num_threads=1) == 1  # one thread: nothing to balance
+    lens = [1000, 33]
+    key_cache, value_cache, tables, g = _make_cache(lens, 2, 64, 16, seed=3)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    query = torch.randn(2, 6, 64, generator=g)
+    expected = torch.empty_like(query)
+    reference.paged_decode_attention(expected, query, key_cache, value_cache, tables, context_lens, 0.125)
+    for partition_size in (None, 16, 1, 512, 4096):
+        out = torch.full_like(query, float("nan"))
+        cpu.paged_decode_attention(*_np(out, query, key_cache, value_cache, tables, context_lens),
+                                   0.125, partition_size=partition_size, num_threads=2)
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+
+
+def _prefill_case(q_lens, lens, num_heads, num_kv_heads, head_dim, block_size, seed):
+    key_cache, value_cache, tables, g = _make_cache(lens, num_kv_heads, head_dim, block_size, seed)
+    query_start_loc = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(q_lens).cumsum(0)
+    query = torch.randn(int(sum(q_lens)), num_heads, head_dim, generator=g)
+    return key_cache, value_cache, tables, query_start_loc, torch.tensor(lens, dtype=torch.int32), query
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_matches_reference(block_size, num_heads, num_kv_heads, head_dim):
+    # fresh prompts (q_len == context), chunked prefills over a cached prefix, single tokens,
+    # an empty entry, tile boundaries (16, 17, 33 rows) and block-size multiples
+    q_lens = [16, 17, 1, 0, 33, 5, block_size, 40]
+    lens = [16, 17 + 3, 1, 9, 33 + 2 * block_size, 200, block_size, 40 + 7 * block_size]
+    key_cache, value_cache, tables, qsl, context_lens, query = _prefill_case(
+        q_lens, lens, num_heads, num_kv_heads, head_dim, block_size, seed=4)
+    scale = head_dim ** -0.5
+    expected = torch.zeros_like(query)
+    reference.paged_prefill_attention(expected, query, key_cache, value_cache, tables, qsl,
+                                      context_lens, scale)
+    out = torch.full_like(query, float("nan"))
+    cpu.paged_prefill_attention(*_np(out, query, key_cache, value_cache, tables, qsl, context_lens),
+                                scale)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_copy_blocks_exact():
+    g = torch.Generator().manual_seed(5)
+    layers = 3
+    keys = [torch.randn(20, 2, 4, 64, generator=g) for _ in range(layers)]
+    values = [torch.randn(20, 2, 4, 64, generator=g) for _ in range(layers)]
+    for mapping in ([[0, 5], [3, 7], [19, 1]], [[0, 5], [5, 6], [6, 0]], []):  # disjoint, chained, none
+        block_mapping = torch.tensor(mapping, dtype=torch.int64).view(-1, 2)
+        ref_k, ref_v = [k.clone() for k in keys], [v.clone() for v in values]
+        reference.copy_blocks(ref_k, ref_v, block_mapping)
+        cpu.copy_blocks([k.numpy() for k in keys], [v.numpy() for v in values], block_mapping.numpy())
+        for got, want in zip(keys + values, ref_k + ref_v):
+            assert torch.equal(got, want)
+
+
+def test_swap_blocks_exact():
+    g = torch.Generator().manual_seed(6)
+    device_pool = torch.randn(12, 3, 16, 64, generator=g)
+    swap_pool = torch.randn(30, 3, 16, 64, generator=g)
+    out_mapping = torch.tensor([[2, 29], [11, 0], [5, 7]])  # device -> swap
+    want = swap_pool.clone()
+    reference.swap_blocks(want, device_pool, out_mapping)
+    cpu.swap_blocks(swap_pool.numpy(), device_pool.numpy(), out_mapping.numpy())
+    assert torch.equal(swap_pool, want)
+    in_mapping = torch.tensor([[29, 3], [0, 4]])  # swap -> device
+    want = device_pool.clone()
+    reference.swap_blocks(want, swap_pool, in_mapping)
+    cpu.swap_blocks(device_pool.numpy(), swap_pool.numpy(), in_mapping.numpy())
+    assert torch.equal(device_pool, want)
+
+
+def test_backend_views_dtypes_and_one_specialization():
+    """The dispatch's calls: ``out`` slices of a bigger tensor, int64 indices, non-contiguous
+    queries, a bf16 cache (reference fallback); the float32 kernels keep one specialization."""
+    backend = cpu.NumbaCPUBackend()
+    lens = [5, 64, 130]
+    q_lens = [3, 2]
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 64, 16
+    key_cache, value_cache, tables, g = _make_cache(lens + [20, 70], num_kv_heads, head_dim,
+                                                    block_size, seed=7)
+    # write the newest token of each decode and the new tokens of each prefill
+    slots = []
+    for s, n in enumerate(lens):
+        slots.append(int(tables[s, (n - 1) // block_size]) * block_size + (n - 1) % block_size)
+    for s, (q_len, n) in enumerate(zip(q_lens, [20, 70]), start=len(lens)):
+        for pos in range(n - q_len, n):
+            slots.append(int(tables[s, pos // block_size]) * block_size + pos % block_size)
+    slots.append(-1)
+    num_tokens = len(slots)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
+    q_end, k_end = num_heads * head_dim, (num_heads + num_kv_heads) * head_dim
+    q = qkv[:, :q_end].view(num_tokens, num_heads, head_dim)  # strided rows
+    k = qkv[:, q_end:k_end].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, k_end:].view(num_tokens, num_kv_heads, head_dim)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    ref_k, ref_v = key_cache.clone(), value_cache.clone()
+    reference.write_kv_cache(ref_k, ref_v, k, v, slot_mapping)
+    backend.write_kv(key_cache, value_cache, k, v, slot_mapping)
+    assert torch.equal(key_cache, ref_k) and torch.equal(value_cache, ref_v)
+
+    nd = len(lens)
+    context_lens = torch.tensor(lens + [20, 70], dtype=torch.int64)  # int64 on purpose
+    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    tables64 = tables.long()
+    for cache_dtype in (torch.float32, torch.bfloat16):
+        kc, vc = key_cache.to(cache_dtype), value_cache.to(cache_dtype)
+        qq = q.to(cache_dtype)
+        out = torch.full((num_tokens, num_heads, head_dim), float("nan"), dtype=cache_dtype)
+        backend.decode(out[:nd], qq[:nd], kc, vc, tables64[:nd], context_lens[:nd], 0.125)
+        backend.prefill(out[nd:nd + 5], qq[nd:nd + 5], kc, vc, tables64[nd:], qsl,
+                        context_lens[nd:], 0.125)
+        expected = torch.zeros_like(out)
+        reference.paged_decode_attention(expected[:nd], qq[:nd], kc, vc, tables[:nd],
+                                         context_lens[:nd], 0.125)
+        reference.paged_prefill_attention(expected[nd:nd + 5], qq[nd:nd + 5], kc, vc, tables[nd:],
+                                          qsl, context_lens[nd:], 0.125)
+        torch.testing.assert_close(out[:nd + 5], expected[:nd + 5], atol=ATOL, rtol=RTOL)
+        assert out[nd + 5:].isnan().all()  # nothing written past the view
+
+    # a non-contiguous ``out`` view (every other head) goes through a temporary and back
+    out = torch.zeros(nd, 2 * num_heads, head_dim)
+    view = out[:, ::2]
+    backend.decode(view, q[:nd], key_cache, value_cache, tables[:nd], context_lens[:nd], 0.125)
+    expected = torch.empty(nd, num_heads, head_dim)
+    reference.paged_decode_attention(expected, q[:nd], key_cache, value_cache, tables[:nd],
+                                     context_lens[:nd], 0.125)
+    torch.testing.assert_close(view, expected, atol=ATOL, rtol=RTOL)
+    assert (out[:, 1::2] == 0).all()
+
+    # numba follows torch's thread count
+    assert numba.get_num_threads() == min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    for kernel in (cpu._decode_kernel, cpu._prefill_kernel, cpu._write_kv_kernel):
+        assert len(kernel.signatures) == 1, kernel.signatures
