@@ -21,6 +21,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt plus output tokens per sequence (default: the model's)")
     g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"],
                    help="when KV blocks run out: re-prefill later (default) or swap to CPU memory")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+                   help="do not reuse the KV blocks of earlier requests' identical prefixes")
     g.add_argument("--kv-policy", default=None, choices=["paged", "contiguous"],
                    help="paged (default) or the contiguous baseline that reserves prompt + max_tokens")
 
@@ -77,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", default=None)
+    g.add_argument("--max-queue-len", type=int, default=None,
+                   help="most requests waiting for their first token; more get a 503 (default: no limit)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (or set "
+                        "PAGEDSERVE_API_KEY, which keeps the key off the command lines)")
 
     sched = sub.add_parser("scheduler", help="the scheduler process alone")
     _add_engine_arguments(sched)
@@ -119,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             run_scheduler(SchedulerProcessConfig(
                 endpoints=_endpoints(args), world_size=args.world_size,
                 **_kwargs(args, ["max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                                 "preemption_mode", "kv_policy"]),
+                                 "preemption_mode", "kv_policy", "enable_prefix_caching"]),
             ))
         elif args.command == "executor":
             from services.executor.main import ExecutorConfig, run_executor

@@ -136,8 +136,9 @@ def _flags(args, names: list[str]) -> list[str]:
 
 
 def scheduler_argv(args) -> list[str]:
-    return _flags(args, ["max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode",
+    argv = _flags(args, ["max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode",
                          "kv_policy"])
+    return argv + (["--no-prefix-caching"] if args.enable_prefix_caching is False else [])
 
 
 def executor_argv(args) -> list[str]:
@@ -146,4 +147,4 @@ def executor_argv(args) -> list[str]:
 
 
 def frontend_argv(args) -> list[str]:
-    return _flags(args, ["model", "served_model_name", "host", "port", "max_model_len"])
+    return _flags(args, ["model", "served_model_name", "host", "port", "max_model_len", "max_queue_len", "api_key"])

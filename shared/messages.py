@@ -38,10 +38,35 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    # Logits processing, applied in this order (vLLM's and OpenAI's meanings): logit_bias is added
+    # to the raw logits; tokens in stop_token_ids (and eos_token_ids unless ignore_eos) are banned
+    # until min_tokens outputs exist; repetition_penalty (Hugging Face's: divide a positive logit,
+    # multiply a negative one) counts prompt and output tokens; presence_penalty and
+    # frequency_penalty (subtracted once per distinct token / once per occurrence) count output
+    # tokens only; then temperature, min_p (relative to the most likely token), top-k, top-p.
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias_token_ids: list[int] = field(default_factory=list)
+    logit_bias_values: list[float] = field(default_factory=list)  # same length as the ids
+    # None: no logprobs. k >= 0: the sampled token's logprob and the k most likely tokens'.
+    logprobs: int | None = None
+    # The request's EOS ids again (AddRequest has them for the scheduler), so that the executor
+    # can ban them until min_tokens; empty is fine when min_tokens is 0.
+    eos_token_ids: list[int] = field(default_factory=list)
+    # Sequence groups. best_of: sample this many, return the n with the highest cumulative
+    # logprob. Beam search: width n, transformers' length_penalty and early_stopping (true, false
+    # or "never").
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflow float32 (vLLM draws the line at the same place).
+        return self.temperature < 1e-5
 
 
 @dataclass
@@ -82,6 +107,11 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     num_preemptions: int = 0  # times this choice was preempted (recompute or swap)
+    # Only when the request asked for logprobs (else empty): for each of new_token_ids, its
+    # logprob and the most likely tokens with theirs (SamplingParams.logprobs of them).
+    logprobs: list[float] = field(default_factory=list)
+    top_token_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- step-level (scheduler <-> executors)
@@ -139,6 +169,12 @@ class StepResult:
     seq_ids: np.ndarray  # [num_sampled] int64
     token_ids: np.ndarray  # [num_sampled] int64
     error: str | None = None
+    # Only when some sampled sequence asked for logprobs (else all empty). Log-probabilities of the
+    # model's raw distribution (before logit_bias, penalties and temperature), as vLLM reports them.
+    logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # [num_sampled]
+    # [num_sampled, K]: the K most likely tokens, K the most any of these sequences asked for.
+    top_token_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
 
 
 @dataclass
@@ -196,6 +232,10 @@ class EngineStats:
     num_preemptions: int = 0
     num_swapped: int = 0
     max_num_running: int = 0
+    # Prefix cache: prompt tokens looked up, and how many of them were found (0 until it exists).
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
+    num_cached_blocks: int = 0  # unused blocks kept for their content (evictable)
 
 
 MESSAGE_TYPES: dict[int, type] = {

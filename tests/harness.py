@@ -36,7 +36,7 @@ class InProcessEngine:
     def __init__(self, hf_model, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  backend: str = "torch", dtype=torch.float32, preemption_mode: str = "recompute",
-                 kv_policy: str = "paged", num_cpu_blocks: int = 0):
+                 kv_policy: str = "paged", num_cpu_blocks: int = 0, enable_prefix_caching: bool = True):
         cfg = hf_model.config
         max_model_len = max_model_len or cfg.max_position_embeddings
         device = torch.device("cpu")
@@ -48,7 +48,8 @@ class InProcessEngine:
                                   select_backend(backend, device), device,
                                   cpu_kv_caches=allocate_kv_cache(mcfg, num_cpu_blocks, block_size, dtype, device))
         manager = ContiguousBlockManager if kv_policy == "contiguous" else BlockManager
-        self.blocks = manager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks)
+        self.blocks = manager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
+                              enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode, kv_policy),
             self.blocks,

@@ -8,7 +8,7 @@ import pytest
 
 from services.frontend.config import FrontendConfig
 from services.frontend.main import add_frontend_arguments, frontend_config_from_args
-from services.frontend.preprocess import chat_prompt_ids, completion_prompt_ids, sampling_params
+from services.frontend.preprocess import chat_prompt_ids, completion_inputs, sampling_params
 from services.frontend.errors import APIError
 from services.frontend.protocol import parse_chat_body, parse_completion_body, parse_json_body
 from services.frontend.testing import default_served_model
@@ -56,7 +56,9 @@ def test_defaults():
     opts = completion().options
     assert (opts.max_tokens, opts.temperature, opts.top_p, opts.top_k, opts.seed) == (None, 1.0, 1.0, None, None)
     assert (opts.stream, opts.include_usage, opts.stop, opts.ignore_eos) == (False, False, [], False)
-    assert parse_completion_body({"prompt": "x"}, NAME).prompt == "x"  # model may be left out
+    assert parse_completion_body({"prompt": "x"}, NAME).prompts == ["x"]  # model may be left out
+    assert (opts.min_p, opts.presence_penalty, opts.frequency_penalty, opts.repetition_penalty) == (0, 0, 0, 1)
+    assert (opts.logit_bias, opts.logprobs, completion().echo) == ({}, None, False)
 
 
 def test_model_name():
@@ -103,10 +105,25 @@ def test_max_completion_tokens_wins_in_chat():
         ("stop_token_ids", [1, "a"], "token ids"),
         ("n", 2, "n > 1 is not supported yet"),
         ("n", 0, "at least 1"),
-        ("echo", True, "not supported"),
-        ("logprobs", 2, "not supported"),
-        ("presence_penalty", 0.5, "not supported"),
-        ("best_of", 3, "not supported"),
+        ("best_of", 3, "best_of > 1 is not supported yet"),
+        ("best_of", 0, "at least 1"),
+        ("echo", "yes", "must be a boolean"),
+        ("logprobs", 21, "between 0 and 20, got 21"),
+        ("logprobs", -1, "between 0 and 20"),
+        ("logprobs", True, "must be an integer"),
+        ("presence_penalty", 2.5, "between -2 and 2, got 2.5"),
+        ("frequency_penalty", -3, "between -2 and 2"),
+        ("repetition_penalty", 0, "(0, 2]"),
+        ("repetition_penalty", "x", "must be a number"),
+        ("min_p", 1.5, "between 0 and 1"),
+        ("temperature", 10**400, "finite number"),
+        ("logit_bias", [1], "must be an object"),
+        ("logit_bias", {"abc": 1}, "token ids (integers), got 'abc'"),
+        ("logit_bias", {"-3": 1}, "negative"),
+        ("logit_bias", {"5": 101}, "between -100 and 100"),
+        ("logit_bias", {"5": "1"}, "between -100 and 100, got string"),
+        ("logit_bias", {str(i): 1 for i in range(1025)}, "at most 1024"),
+        ("suffix", "tail", "not supported"),
     ],
 )
 def test_bad_fields_name_their_param(field, value, fragment):
@@ -122,7 +139,22 @@ def test_accepted_fields():
     assert (opts.temperature, opts.top_p, opts.top_k, opts.seed, opts.stop) == (0.0, 0.5, None, -5, ["\n"])
     assert (opts.ignore_eos, opts.stream, opts.include_usage, opts.min_tokens) == (True, True, True, 2)
     assert completion(top_k=0).options.top_k is None and completion(top_k=40).options.top_k == 40
+    opts = completion(min_p=0.1, presence_penalty=-2, frequency_penalty=1.5, repetition_penalty=1.2,
+                      logit_bias={"5": 10, "7": -100.0}, logprobs=3, best_of=1).options
+    assert (opts.min_p, opts.presence_penalty, opts.frequency_penalty, opts.repetition_penalty) == (0.1, -2, 1.5, 1.2)
+    assert (opts.logit_bias, opts.logprobs) == ({5: 10.0, 7: -100.0}, 3)
+    assert completion(echo=True).echo is True
     rejects(lambda: completion(min_tokens=5, max_tokens=4), "min_tokens", "must not exceed")
+
+
+def test_chat_logprobs():
+    assert chat().options.logprobs is None
+    assert chat(logprobs=True).options.logprobs == 0
+    assert chat(logprobs=True, top_logprobs=5).options.logprobs == 5
+    assert chat(logprobs=False).options.logprobs is None
+    rejects(lambda: chat(top_logprobs=2), "top_logprobs", "needs logprobs set to true")
+    rejects(lambda: chat(logprobs=True, top_logprobs=21), "top_logprobs", "between 0 and 20")
+    rejects(lambda: chat(logprobs=1), "logprobs", "must be a boolean")
 
 
 def test_stream_options_need_stream():
@@ -131,10 +163,15 @@ def test_stream_options_need_stream():
 
 
 def test_prompts():
-    assert completion(prompt=[1, 2, 3]).prompt == [1, 2, 3]
-    assert completion(prompt=["only one"]).prompt == "only one"
-    assert completion(prompt=[[4, 5]]).prompt == [4, 5]
-    rejects(lambda: completion(prompt=["a", "b"]), "prompt", "a list of 2 prompts", "not supported yet")
+    assert completion(prompt=[1, 2, 3]).prompts == [[1, 2, 3]]
+    assert completion(prompt=["only one"]).prompts == ["only one"]
+    assert completion(prompt=[[4, 5]]).prompts == [[4, 5]]
+    assert completion(prompt=["a", "b"]).prompts == ["a", "b"]
+    assert completion(prompt=[[1], [2, 3]]).prompts == [[1], [2, 3]]
+    rejects(lambda: completion(prompt=["a", [1]]), "prompt", "a list of strings, a list of token ids")
+    rejects(lambda: completion(prompt=["a", ""]), "prompt", "prompt[1] must not be empty")
+    rejects(lambda: completion(prompt=[[1], ["x"]]), "prompt", "prompt[1] must be a list of integer token ids")
+    rejects(lambda: completion(prompt=["a"] * 65), "prompt", "at most 64 prompts", "got 65")
     rejects(lambda: completion(prompt=""), "prompt", "must not be empty")
     rejects(lambda: completion(prompt=[]), "prompt", "must not be empty")
     rejects(lambda: completion(prompt=None), "prompt", "required")
@@ -166,8 +203,13 @@ def test_messages():
 
 def test_prompt_ids_and_default_max_tokens(model):
     body = completion(prompt="Hello world")
-    ids = completion_prompt_ids(body, model)
-    assert ids == model.tokenizer.encode("Hello world")
+    (prompt,) = completion_inputs(body, model)
+    ids = prompt.token_ids
+    assert ids == model.tokenizer.encode("Hello world") and prompt.text is None
+    echoed = completion_inputs(completion(prompt=["Hi", "there"], echo=True), model)
+    assert [p.text for p in echoed] == ["Hi", "there"]
+    (echoed_ids,) = completion_inputs(completion(prompt=ids, echo=True), model)
+    assert echoed_ids.text == "Hello world"
     assert sampling_params(body.options, len(ids), model, 16, "prompt").max_tokens == 16
     assert sampling_params(body.options, 60, model, 16, "prompt").max_tokens == 4  # a default shrinks to fit
     chat_body = chat()
@@ -184,6 +226,14 @@ def test_sampling_params_carry_the_fields(model):
     params = sampling_params(opts, 3, model, 16, "prompt")
     assert (params.n, params.temperature, params.top_p, params.top_k, params.seed) == (1, 0.5, 0.9, 5, 3)
     assert (params.max_tokens, params.min_tokens, params.ignore_eos, params.stop_token_ids) == (8, 1, True, [9])
+    assert params.eos_token_ids == model.eos_token_ids and params.logprobs is None
+    opts = completion(min_p=0.05, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3,
+                      logit_bias={"11": 5, "12": -5}, logprobs=2, top_k=10**9).options
+    params = sampling_params(opts, 3, model, 16, "prompt")
+    assert (params.min_p, params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (
+        0.05, 0.5, -0.5, 1.3)
+    assert (params.logit_bias_token_ids, params.logit_bias_values, params.logprobs) == ([11, 12], [5.0, -5.0], 2)
+    assert params.top_k is None  # a top_k beyond the vocabulary is no top_k
 
 
 def test_length_limits(model):
@@ -198,7 +248,9 @@ def test_length_limits(model):
 
 
 def test_token_id_ranges(model):
-    rejects(lambda: completion_prompt_ids(completion(prompt=[1, model.vocab_size]), model), "prompt", "out of range")
+    rejects(lambda: completion_inputs(completion(prompt=[1, model.vocab_size]), model), "prompt", "out of range")
+    rejects(lambda: sampling_params(completion(logit_bias={str(model.vocab_size): 1}).options, 3, model, 16, "prompt"),
+            "logit_bias", "out of range")
     rejects(lambda: sampling_params(completion(stop_token_ids=[10**6]).options, 3, model, 16, "prompt"),
             "stop_token_ids", "out of range")
 
@@ -219,6 +271,8 @@ def test_config_validation():
         ({"host": ""}, "--host"),
         ({"endpoints": Endpoints("", "ipc:///o", "", "")}, "--request-endpoint is required"),
         ({"endpoints": Endpoints("ipc:///r", "http://x", "", "")}, "--output-endpoint must start with"),
+        ({"max_queue_len": 0}, "--max-queue-len must be a positive integer"),
+        ({"api_key": " key"}, "--api-key must not be empty"),
     ]:
         with pytest.raises(ValueError, match=fragment):
             FrontendConfig(**({"endpoints": ENDPOINTS} | kwargs))
@@ -237,8 +291,26 @@ def test_flags(monkeypatch):
     assert frontend_config_from_args(args).endpoints.output == "ipc:///tmp/x.sock"
     assert frontend_config_from_args(args, ENDPOINTS).endpoints == ENDPOINTS  # a launcher's endpoints win
 
+    limited = frontend_config_from_args(parser.parse_args(["--max-queue-len", "8", "--api-key", "k1"]))
+    assert (limited.max_queue_len, limited.api_key) == (8, "k1") and "k1" not in repr(limited)
+    assert frontend_config_from_args(parser.parse_args([])).api_key is None
+
     monkeypatch.delenv("PAGEDSERVE_REQUEST_ENDPOINT")
     bare = argparse.ArgumentParser()
     add_frontend_arguments(bare)
     with pytest.raises(ValueError, match="--request-endpoint is required"):
         frontend_config_from_args(bare.parse_args([]))
+
+
+def test_serve_forwards_the_frontend_limits(monkeypatch):
+    from services.cli import build_parser
+    from services.launcher import frontend_argv
+
+    args = build_parser().parse_args(["serve", "--max-queue-len", "5", "--api-key", "k2"])
+    argv = frontend_argv(args)
+    assert argv[argv.index("--max-queue-len") + 1] == "5" and argv[argv.index("--api-key") + 1] == "k2"
+    assert "--api-key" not in frontend_argv(build_parser().parse_args(["serve"]))
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-env")  # the frontend child reads it from its environment
+    parser = argparse.ArgumentParser()
+    add_frontend_arguments(parser)
+    assert frontend_config_from_args(parser.parse_args([]), ENDPOINTS).api_key == "from-env"

@@ -13,6 +13,7 @@ from shared.messages import Step, StepResult
 from .attention import AttentionMetadata
 from .model import LlamaForCausalLM
 from .sampler import Sampler
+from .token_shadow import TokenShadow
 
 
 def kv_block_bytes(cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -38,7 +39,9 @@ class ModelRunner:
         self.cpu_kv_caches = cpu_kv_caches or []  # the swap pool, same layout
         self.backend = backend
         self.device = device
-        self.sampler = Sampler(seed)
+        num_cpu_blocks = self.cpu_kv_caches[0][0].shape[0] if self.cpu_kv_caches else 0
+        shadow = TokenShadow(kv_caches[0][0].shape[2], self.num_blocks, num_cpu_blocks)  # [blocks, heads, SLOTS, dim]
+        self.sampler = Sampler(seed, shadow)
 
     @property
     def num_blocks(self) -> int:
@@ -66,6 +69,7 @@ class ModelRunner:
             self.sampler.remove(seq_id)
         for new in step.new_seqs:
             self.sampler.add(new.seq_id, new.sampling)
+        self.sampler.observe(step)  # which token each slot holds, for penalties
         self._move_blocks(step)
         if len(step.seq_ids) == 0:
             return StepResult(step.step_id, step.seq_ids, step.seq_ids.copy())
@@ -91,5 +95,6 @@ class ModelRunner:
         if len(sampled_ids) == 0:
             return StepResult(step.step_id, sampled_ids, sampled_ids.copy())
         logits = self.model.compute_logits(hidden[sample_rows])
-        tokens = self.sampler.sample(logits, sampled_ids.tolist())
-        return StepResult(step.step_id, sampled_ids, tokens.cpu().numpy().astype("int64"))
+        out = self.sampler.sample(logits, sampled_ids.tolist())
+        return StepResult(step.step_id, sampled_ids, out.token_ids.cpu().numpy().astype("int64"),
+                          logprobs=out.logprobs, top_token_ids=out.top_token_ids, top_logprobs=out.top_logprobs)

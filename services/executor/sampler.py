@@ -1,58 +1,203 @@
-"""Turn logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+"""Turn logits into tokens: logit bias, min-tokens bans, penalties, greedy or random sampling with
+temperature, min-p, top-k and top-p, per-request seeds, and logprobs.
 
 A request with a ``seed`` gets its own ``torch.Generator``, so its samples do not depend on what
 else is in the batch; requests without one share the sampler's generator.
+
+Penalties need each sequence's tokens. The executor never receives a prompt on its own: every
+step goes through ``observe``, which keeps a ``TokenShadow`` of the cache (the token id in each
+slot, moved along with swaps and copy-on-write copies) and each scheduled sequence's block table
+and length. At sampling time a sequence's tokens are read through its block table: all of them,
+however its blocks were filled (chunked prefill, prefix cache, a forked parent, swap, recompute).
+Its prompt is what it held at its first sample; the rest are outputs. Every sequence counts its
+samples, for ``min_tokens``.
+
+Logprobs are those of the model's raw distribution (log-softmax of the logits before logit bias,
+bans, penalties and temperature), as vLLM reports them by default.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
 
-from shared.messages import SamplingParams
+from shared.messages import SamplingParams, Step
+
+from . import logits_processors as lp
+from .token_shadow import TokenShadow
+
+
+@dataclass
+class _SeqState:
+    params: SamplingParams
+    has_penalty: bool
+    block_table: np.ndarray | None = None  # as in the latest step that scheduled it
+    num_tokens: int = 0  # tokens in the cache after that step: the sampled token's position
+    num_prompt_tokens: int | None = None  # set at the first sample
+    num_outputs: int = 0  # tokens sampled so far
+    generator: torch.Generator | None = None  # only with a seed; made on the logits' device
+
+    @property
+    def banned_token_ids(self) -> list[int]:
+        """Tokens that would end the sequence, banned until ``min_tokens`` outputs exist."""
+        if self.num_outputs >= self.params.min_tokens:
+            return []
+        ids = list(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            ids += self.params.eos_token_ids
+        return ids
+
+
+@dataclass
+class SampleOutput:
+    token_ids: torch.Tensor  # [N] int64
+    # Empty unless a sequence asked for logprobs; then as in ``StepResult``.
+    logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # [N]
+    top_token_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))  # [N, K]
+    top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # [N, K]
+
+
+def _has_penalty(params: SamplingParams) -> bool:
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0)
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self._params: dict[int, SamplingParams] = {}
-        self._generators: dict[int, torch.Generator] = {}
-        self._shared = torch.Generator().manual_seed(seed)
+    """``shadow``: the token shadow of the runner's cache (default: one that grows as needed,
+    with blocks of 16 tokens)."""
+
+    def __init__(self, seed: int = 0, shadow: TokenShadow | None = None) -> None:
+        self._seqs: dict[int, _SeqState] = {}
+        self._seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}
+        self.shadow = shadow or TokenShadow(block_size=16)
 
     def add(self, seq_id: int, params: SamplingParams) -> None:
-        self._params[seq_id] = params
-        if params.seed is not None and not params.greedy:
-            self._generators[seq_id] = torch.Generator().manual_seed(params.seed)
+        self._seqs[seq_id] = _SeqState(params, has_penalty=_has_penalty(params))
 
     def remove(self, seq_id: int) -> None:
-        self._params.pop(seq_id, None)
-        self._generators.pop(seq_id, None)
+        self._seqs.pop(seq_id, None)
 
     def __len__(self) -> int:
-        return len(self._params)
+        return len(self._seqs)
 
-    def sample(self, logits: torch.Tensor, seq_ids: list[int]) -> torch.Tensor:
-        """logits: [N, vocab] fp32 for the sequences ``seq_ids``; returns [N] int64 token ids."""
-        tokens = torch.argmax(logits, dim=-1)
-        for row, seq_id in enumerate(seq_ids):
-            params = self._params[seq_id]
-            if params.greedy:
-                continue
-            gen = self._generators.get(seq_id, self._shared)
-            tokens[row] = _sample_row(logits[row], params, gen)
-        return tokens
+    def history(self, seq_id: int) -> list[int]:
+        """The tokens of ``seq_id`` in the cache as of the latest step (-1: never seen)."""
+        state = self._seqs[seq_id]
+        if state.block_table is None:
+            return []
+        return self.shadow.tokens(state.block_table, state.num_tokens).tolist()
 
+    def observe(self, step: Step) -> None:
+        """Record the step in the token shadow, and where each scheduled sequence stands."""
+        self.shadow.apply(step)
+        for i, seq_id in enumerate(step.seq_ids.tolist()):
+            state = self._seqs.get(seq_id)
+            if state is not None:
+                state.block_table = step.block_tables[i]
+                state.num_tokens = int(step.context_lens[i])
 
-def _sample_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """One token from ``logits`` ([vocab] fp32) under temperature, top-k and top-p."""
-    logits = logits / params.temperature
-    if params.top_k is not None and 0 < params.top_k < logits.shape[0]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p (the first always stays).
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    def sample(self, logits: torch.Tensor, seq_ids: list[int]) -> SampleOutput:
+        """logits: [N, vocab] fp32 for the sequences ``seq_ids``; one token each, and logprobs."""
+        states = [self._seqs[s] for s in seq_ids]
+        raw = logits
+        logits = self._process(logits, states)
+        tokens = torch.argmax(logits, dim=-1)  # greedy rows are done
+        random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+        if random_rows:
+            picked = self._sample_random(logits[random_rows], [states[i] for i in random_rows])
+            tokens[random_rows] = picked
+        out = self._logprobs(raw, tokens, states)
+        for state in states:
+            if state.num_prompt_tokens is None:
+                state.num_prompt_tokens = state.num_tokens
+            state.num_outputs += 1
+        return out
+
+    # ------------------------------------------------------------------ steps of ``sample``
+
+    def _process(self, logits: torch.Tensor, states: list[_SeqState]) -> torch.Tensor:
+        """Logit bias, then bans, then penalties; returns ``logits`` itself when nothing applies."""
+        bias_rows, bias_ids, bias_values = [], [], []
+        ban_rows, ban_ids = [], []
+        for row, state in enumerate(states):
+            params = state.params
+            bias_rows += [row] * len(params.logit_bias_token_ids)
+            bias_ids += params.logit_bias_token_ids
+            bias_values += params.logit_bias_values
+            banned = state.banned_token_ids
+            ban_rows += [row] * len(banned)
+            ban_ids += banned
+        penalty_rows = [i for i, s in enumerate(states) if s.has_penalty]
+        if not (bias_rows or ban_rows or penalty_rows):
+            return logits
+        logits = logits.clone()
+        lp.add_logit_bias(logits, bias_rows, bias_ids, bias_values)
+        lp.ban_tokens(logits, ban_rows, ban_ids)
+        if penalty_rows:
+            group = [states[i] for i in penalty_rows]
+            tokens = [self._tokens(s) for s in group]
+            # Before its first sample, all a sequence holds is prompt.
+            splits = [s.num_prompt_tokens if s.num_prompt_tokens is not None else s.num_tokens for s in group]
+            logits[penalty_rows] = lp.apply_penalties(
+                logits[penalty_rows],
+                prompt_tokens=[t[:n] for t, n in zip(tokens, splits)],
+                output_tokens=[t[n:] for t, n in zip(tokens, splits)],
+                repetition=[s.params.repetition_penalty for s in group],
+                presence=[s.params.presence_penalty for s in group],
+                frequency=[s.params.frequency_penalty for s in group],
+            )
+        return logits
+
+    def _tokens(self, state: _SeqState) -> np.ndarray:
+        if state.block_table is None:
+            return np.zeros(0, np.int64)
+        return self.shadow.tokens(state.block_table, state.num_tokens)
+
+    def _sample_random(self, logits: torch.Tensor, states: list[_SeqState]) -> torch.Tensor:
+        """logits: [R, vocab] of the non-greedy rows; returns [R] int64 sampled token ids."""
+        params = [s.params for s in states]
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+        logits = lp.truncate(
+            logits / temps.unsqueeze(1),
+            min_p=[p.min_p for p in params],
+            top_k=[p.top_k or 0 for p in params],
+            top_p=[p.top_p for p in params],
+        )
+        probs = logits.softmax(-1)
+        picked = torch.argmax(logits, dim=-1)
+        # A row whose distribution is not finite (it should not happen) takes its argmax rather than
+        # failing the whole step.
+        valid = torch.isfinite(probs).all(-1).tolist()
+        for row, state in enumerate(states):
+            if valid[row]:
+                picked[row] = torch.multinomial(probs[row], 1, generator=self._generator(state, logits.device))[0]
+        return picked
+
+    def _generator(self, state: _SeqState, device: torch.device) -> torch.Generator:
+        if state.params.seed is None:
+            if device not in self._shared:
+                self._shared[device] = torch.Generator(device=device).manual_seed(self._seed)
+            return self._shared[device]
+        if state.generator is None:
+            # Any 64-bit seed the API accepts, folded into what manual_seed takes.
+            state.generator = torch.Generator(device=device).manual_seed(state.params.seed % 2**64)
+        return state.generator
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, states: list[_SeqState]) -> SampleOutput:
+        wanted = [s.params.logprobs for s in states if s.params.logprobs is not None]
+        if not wanted:
+            return SampleOutput(tokens)
+        logprobs = torch.log_softmax(raw, dim=-1)  # [N, vocab]
+        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        num_top = min(max(wanted), logprobs.shape[1])
+        top = torch.topk(logprobs, num_top, dim=-1)
+        return SampleOutput(
+            tokens,
+            chosen.cpu().numpy().astype(np.float32),
+            top.indices.cpu().numpy().astype(np.int64),
+            top.values.cpu().numpy().astype(np.float32),
+        )

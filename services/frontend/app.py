@@ -1,50 +1,33 @@
-"""The aiohttp application: OpenAI routes, /health, and errors in OpenAI's shape."""
+"""The aiohttp application: its routes, its start and stop, and the middlewares for errors and
+API keys.
+
+Routes live in ``serving`` (completions and chat) and ``routes_info`` (models, health, metrics,
+tokenize, detokenize, version, openapi.json); what they share is in ``state``.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import structlog
 from aiohttp import web
 
+from services.frontend import routes_info, serving
 from services.frontend.config import DEFAULT_MAX_BODY_BYTES
 from services.frontend.engine_client import EngineClient
-from services.frontend.generation import EngineRequestError, Generation
-from services.frontend.model import ServedModel
-from services.frontend.preprocess import (
-    DEFAULT_COMPLETION_MAX_TOKENS, chat_prompt_ids, completion_prompt_ids, sampling_params,
-)
 from services.frontend.errors import APIError
-from services.frontend.protocol import GenerationOptions, parse_chat_body, parse_completion_body, parse_json_body
-from services.frontend.responses import (
-    SSE_DONE, ChatShapes, CompletionShapes, ResponseShapes, sse_event, usage,
-)
-from shared.messages import SamplingParams
+from services.frontend.logprobs import TokenFormatter
+from services.frontend.metrics import FrontendMetrics
+from services.frontend.model import ServedModel
+from services.frontend.state import REQUEST_ID, STATE, FrontendState
 
 log = structlog.get_logger()
 
-
-@dataclass
-class FrontendState:
-    model: ServedModel
-    client: EngineClient
-    # Tokenization runs off the event loop, on one thread (HF tokenizers are not thread-safe).
-    tokenizer_pool: ThreadPoolExecutor
-    # Handler tasks with a request at the scheduler, so that shutdown can end them (and abort).
-    generating: set[asyncio.Task] = field(default_factory=set)
-    shutdown_grace_s: float = 5.0
-
-    async def tokenize(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
-
-
-STATE = web.AppKey("state", FrontendState)
-REQUEST_ID = web.RequestKey("request_id", str)
+OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balancers, the launcher)
 
 
 def create_app(
@@ -53,19 +36,27 @@ def create_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     shutdown_grace_s: float = 5.0,
+    max_queue_len: int | None = None,
+    api_key: str | None = None,
 ) -> web.Application:
     """The frontend's application. Starting it starts ``client`` (ZMQ reader); shutting it down
     gives running requests ``shutdown_grace_s`` to finish, then cancels (and so aborts) them;
     cleaning it up closes the client. Run it with ``handler_cancellation=True`` so that a client
-    that goes away cancels its handler, which aborts its request."""
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[error_middleware])
+    that goes away cancels its handler, which aborts its request.
+
+    ``max_queue_len``: at most this many engine requests may wait for their first output; more
+    get a 503 with ``Retry-After``. ``api_key``: every route but /health needs
+    ``Authorization: Bearer <api_key>``."""
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[error_middleware, auth_middleware])
     pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-    app[STATE] = FrontendState(model, client, pool, shutdown_grace_s=shutdown_grace_s)
-    app.router.add_post("/v1/completions", create_completion)
-    app.router.add_post("/v1/chat/completions", create_chat_completion)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model_id}", retrieve_model)
-    app.router.add_get("/health", health)
+    metrics = FrontendMetrics(lambda: client.latest_stats)
+    app[STATE] = FrontendState(
+        model, client, pool, metrics, TokenFormatter(model.tokenizer), max_queue_len=max_queue_len,
+        api_key=api_key or None, shutdown_grace_s=shutdown_grace_s,
+    )
+    app.router.add_post("/v1/completions", serving.create_completion)
+    app.router.add_post("/v1/chat/completions", serving.create_chat_completion)
+    routes_info.add_routes(app.router)
     app.on_startup.append(_start_client)
     app.on_shutdown.append(_end_generations)
     app.on_cleanup.append(_stop_client)
@@ -98,11 +89,11 @@ async def _stop_client(app: web.Application) -> None:
     state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 
-# ---------------------------------------------------------------- errors
+# ---------------------------------------------------------------- middlewares
 
 
 def error_response(exc: APIError, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(exc.to_dict(), status=exc.status, headers=headers)
+    return web.json_response(exc.to_dict(), status=exc.status, headers={**(exc.headers or {}), **(headers or {})})
 
 
 @web.middleware
@@ -132,6 +123,24 @@ async def error_middleware(request: web.Request, handler: Callable) -> web.Strea
     return response
 
 
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """With an API key set, refuse (401) any request but /health without ``Bearer <key>``."""
+    state = request.app.get(STATE)
+    key = state.api_key if state is not None else None
+    if key is None or request.path in OPEN_PATHS:
+        return await handler(request)
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    given = token.strip().encode("utf-8", "replace")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode("utf-8", "replace")):
+        reason = "no API key was given" if not token else "the API key is not valid"
+        raise APIError(
+            401, f"Unauthorized: {reason}; send the header 'Authorization: Bearer <key>'.",
+            "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+        )
+    return await handler(request)
+
+
 def _http_error(request: web.Request, exc: web.HTTPException) -> APIError:
     if exc.status == 404:
         return APIError(404, f"Invalid URL ({request.method} {request.path})", code="not_found")
@@ -142,136 +151,3 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> APIError:
     if exc.status == 413:
         return APIError(413, f"The request body is too large: {exc.text}", code="request_too_large")
     return APIError(exc.status, exc.text or exc.reason)
-
-
-# ---------------------------------------------------------------- generation routes
-
-
-async def create_completion(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    request_id = request[REQUEST_ID] = f"cmpl-{uuid.uuid4().hex}"
-    with structlog.contextvars.bound_contextvars(request_id=request_id):
-        body = parse_completion_body(parse_json_body(await request.read()), state.model.name)
-        prompt_ids = await state.tokenize(completion_prompt_ids, body, state.model)
-        sampling = sampling_params(body.options, len(prompt_ids), state.model, DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
-        shapes = CompletionShapes(request_id, int(time.time()), state.model.name, body.options.include_usage)
-        return await _generate(request, state, shapes, prompt_ids, sampling, body.options)
-
-
-async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    request_id = request[REQUEST_ID] = f"chatcmpl-{uuid.uuid4().hex}"
-    with structlog.contextvars.bound_contextvars(request_id=request_id):
-        body = parse_chat_body(parse_json_body(await request.read()), state.model.name)
-        prompt_ids = await state.tokenize(chat_prompt_ids, body, state.model)
-        sampling = sampling_params(body.options, len(prompt_ids), state.model, None, "messages")
-        shapes = ChatShapes(request_id, int(time.time()), state.model.name, body.options.include_usage)
-        return await _generate(request, state, shapes, prompt_ids, sampling, body.options)
-
-
-async def _generate(
-    request: web.Request,
-    state: FrontendState,
-    shapes: ResponseShapes,
-    prompt_ids: list[int],
-    sampling: SamplingParams,
-    options: GenerationOptions,
-) -> web.StreamResponse:
-    gen = Generation(
-        state.client, shapes.request_id, prompt_ids, sampling, state.model.eos_token_ids,
-        state.model.tokenizer, options.stop,
-    )
-    gen.start()
-    task = asyncio.current_task()
-    state.generating.add(task)
-    try:
-        if options.stream:
-            return await _stream(request, gen, shapes)
-        while not gen.finished:
-            await gen.next_delta()
-    except EngineRequestError as exc:
-        raise _api_error(exc) from None
-    finally:
-        state.generating.discard(task)
-        gen.close()  # aborts unless finished: client gone, handler cancelled, or a bug
-    assert gen.finish_reason is not None
-    body = shapes.full(gen.text, gen.finish_reason, usage(gen.num_prompt_tokens, gen.num_completion_tokens))
-    return web.json_response(body)
-
-
-async def _stream(request: web.Request, gen: Generation, shapes: ResponseShapes) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
-    await response.prepare(request)
-    try:
-        for chunk in shapes.opening_chunks():
-            await response.write(sse_event(chunk))
-        try:
-            while not gen.finished:
-                delta = await gen.next_delta()
-                if delta.text or delta.finish_reason is not None:
-                    await response.write(sse_event(shapes.chunk(delta.text, delta.finish_reason)))
-            if shapes.include_usage:
-                final_usage = usage(gen.num_prompt_tokens, gen.num_completion_tokens)
-                await response.write(sse_event(shapes.usage_chunk(final_usage)))
-        except EngineRequestError as exc:
-            await response.write(sse_event(_api_error(exc).to_dict()))
-        await response.write(SSE_DONE)
-        await response.write_eof()
-    except ConnectionResetError:
-        log.info("client disconnected mid-stream", num_completion_tokens=gen.num_completion_tokens)
-    return response
-
-
-def _api_error(exc: EngineRequestError) -> APIError:
-    return APIError(exc.status, exc.message, "invalid_request_error" if exc.status < 500 else "server_error")
-
-
-# ---------------------------------------------------------------- models and health
-
-
-def _model_card(model: ServedModel) -> dict[str, Any]:
-    return {
-        "id": model.name,
-        "object": "model",
-        "created": model.created,
-        "owned_by": "pagedserve",
-        "root": model.name,
-        "parent": None,
-        "max_model_len": model.max_model_len,
-    }
-
-
-async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE].model)]})
-
-
-async def retrieve_model(request: web.Request) -> web.Response:
-    model = request.app[STATE].model
-    model_id = request.match_info["model_id"]
-    if model_id != model.name:
-        raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
-    return web.json_response(_model_card(model))
-
-
-async def health(request: web.Request) -> web.Response:
-    """200 when the scheduler's latest ``EngineStats`` says ready, else 503."""
-    client = request.app[STATE].client
-    stats = client.latest_stats
-    if stats is None:
-        return web.json_response({"status": "unavailable", "reason": "no stats from the scheduler yet"}, status=503)
-    body = {
-        "status": "ok" if stats.ready else "unavailable",
-        "seconds_since_stats": round(time.monotonic() - (client.latest_stats_time or 0.0), 3),
-        "num_running": stats.num_running,
-        "num_waiting": stats.num_waiting,
-        "num_blocks_total": stats.num_blocks_total,
-        "num_blocks_used": stats.num_blocks_used,
-        "num_preemptions": stats.num_preemptions,
-        # mean over all steps so far of slots holding tokens / slots allocated
-        "kv_slot_utilization": (
-            stats.sum_slots_used / stats.sum_slots_allocated if stats.sum_slots_allocated else None
-        ),
-    }
-    return web.json_response(body, status=200 if stats.ready else 503)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.endpoints import Endpoints
 
@@ -18,7 +18,10 @@ class FrontendConfig:
     embedded SmolLM2). ``served_model_name`` is what clients must put in ``"model"`` (default: the
     model's own name). ``max_model_len`` caps prompt + completion tokens (default: the model's
     ``max_position_embeddings``). Only ``endpoints.request`` and ``endpoints.output`` are used.
-    ``max_body_bytes`` caps a request body (a larger one gets a 413). Keyword arguments only.
+    ``max_body_bytes`` caps a request body (a larger one gets a 413). ``max_queue_len`` caps the
+    engine requests waiting for their first output (more get a 503 with ``Retry-After``; ``None``:
+    no cap). ``api_key``: when set, every route but /health needs ``Authorization: Bearer <key>``.
+    Keyword arguments only.
     """
 
     model: str | None = None
@@ -28,6 +31,8 @@ class FrontendConfig:
     max_model_len: int | None = None
     endpoints: Endpoints
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_queue_len: int | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.served_model_name is not None and not self.served_model_name.strip():
@@ -40,6 +45,10 @@ class FrontendConfig:
             raise ValueError(f"--max-model-len must be an integer of at least 2, got {self.max_model_len!r}")
         if not _is_int(self.max_body_bytes) or self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be an integer of at least 1024, got {self.max_body_bytes!r}")
+        if self.max_queue_len is not None and (not _is_int(self.max_queue_len) or self.max_queue_len < 1):
+            raise ValueError(f"--max-queue-len must be a positive integer, got {self.max_queue_len!r}")
+        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
+            raise ValueError("--api-key must not be empty or start or end with spaces")
         for flag, value in (
             ("--request-endpoint", self.endpoints.request),
             ("--output-endpoint", self.endpoints.output),

@@ -17,6 +17,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -24,6 +25,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers  # extra response headers (Retry-After, WWW-Authenticate)
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -48,9 +50,15 @@ def optional_number(body: dict[str, Any], name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad_request(f"{name} must be a number, got {describe(value)}", name)
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer with hundreds of digits
+        number = math.inf
+    if not math.isfinite(number):
+        raise bad_request(f"{name} must be a finite number, got {describe(value)}", name)
+    return number
 
 
 def optional_bool(body: dict[str, Any], name: str) -> bool:

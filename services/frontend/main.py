@@ -35,7 +35,8 @@ class FrontendServer:
         self.model = model
         self.client = EngineClient(config.endpoints)
         self.app = create_app(
-            model, self.client, max_body_bytes=config.max_body_bytes, shutdown_grace_s=shutdown_grace_s
+            model, self.client, max_body_bytes=config.max_body_bytes, shutdown_grace_s=shutdown_grace_s,
+            max_queue_len=config.max_queue_len, api_key=config.api_key,
         )
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=HANDLER_SHUTDOWN_TIMEOUT_S
@@ -94,6 +95,11 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: b
     group.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="most prompt + completion tokens per request (default: the model's context length)")
+    group.add_argument("--max-queue-len", type=int, default=None,
+                       help="most requests waiting for their first token; more get a 503 (default: no limit)")
+    group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on every route but /health "
+                            "(default: env PAGEDSERVE_API_KEY, else no key)")
     if endpoint_flags:
         group.add_argument("--request-endpoint", default=os.environ.get("PAGEDSERVE_REQUEST_ENDPOINT"),
                            help="ZMQ endpoint the scheduler pulls requests from (env PAGEDSERVE_REQUEST_ENDPOINT)")
@@ -118,6 +124,8 @@ def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | N
         port=args.port,
         max_model_len=args.max_model_len,
         endpoints=endpoints,
+        max_queue_len=getattr(args, "max_queue_len", None),
+        api_key=getattr(args, "api_key", None) or None,
     )
 
 

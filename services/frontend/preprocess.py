@@ -5,28 +5,46 @@ Tokenization is CPU work: the routes run these functions on the tokenizer's own 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from services.frontend.model import ServedModel
 from services.frontend.errors import bad_request
-from services.frontend.protocol import ChatBody, CompletionBody, GenerationOptions
+from services.frontend.model import ServedModel
+from services.frontend.options import GenerationOptions
+from services.frontend.protocol import ChatBody, CompletionBody
 from shared.messages import SamplingParams
 
 # The legacy completions API's default; chat defaults to whatever context is left.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
-def completion_prompt_ids(body: CompletionBody, model: ServedModel) -> list[int]:
-    if isinstance(body.prompt, str):
-        return list(model.tokenizer.encode(body.prompt))
-    _check_token_ids(body.prompt, model.vocab_size, "prompt")
-    return body.prompt
+@dataclass
+class PromptInput:
+    """One prompt as the engine gets it; ``text`` is set only when the client wants it echoed."""
+
+    token_ids: list[int]
+    text: str | None = None
 
 
-def chat_prompt_ids(body: ChatBody, model: ServedModel) -> list[int]:
+def completion_inputs(body: CompletionBody, model: ServedModel) -> list[PromptInput]:
+    """Tokenize (or check) every prompt of a completions request, in order."""
+    inputs = []
+    for prompt in body.prompts:
+        if isinstance(prompt, str):
+            ids = list(model.tokenizer.encode(prompt))
+            text = prompt
+        else:
+            _check_token_ids(prompt, model.vocab_size, "prompt")
+            ids = prompt
+            text = model.tokenizer.decode(ids, skip_special_tokens=True) if body.echo else None
+        inputs.append(PromptInput(ids, text if body.echo else None))
+    return inputs
+
+
+def chat_prompt_ids(body: ChatBody, model: ServedModel, add_generation_prompt: bool = True) -> list[int]:
     try:
         ids = model.tokenizer.apply_chat_template(
-            body.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            body.messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
         )
     except Exception as exc:  # a Jinja template may raise anything (TemplateError, ValueError...)
         raise bad_request(f"cannot apply the chat template to these messages: {exc}", "messages") from None
@@ -71,16 +89,26 @@ def sampling_params(
     if options.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({options.min_tokens}) exceeds the {max_tokens} tokens left", "min_tokens")
     _check_token_ids(options.stop_token_ids, model.vocab_size, "stop_token_ids")
+    _check_token_ids(list(options.logit_bias), model.vocab_size, "logit_bias")
+    top_k = options.top_k if options.top_k is not None and options.top_k < model.vocab_size else None
     return SamplingParams(
         n=1,
         temperature=options.temperature,
         top_p=options.top_p,
-        top_k=options.top_k,
+        top_k=top_k,
         seed=options.seed,
         max_tokens=max_tokens,
         min_tokens=options.min_tokens,
         ignore_eos=options.ignore_eos,
         stop_token_ids=list(options.stop_token_ids),
+        min_p=options.min_p,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
+        repetition_penalty=options.repetition_penalty,
+        logit_bias_token_ids=list(options.logit_bias),
+        logit_bias_values=list(options.logit_bias.values()),
+        logprobs=options.logprobs,
+        eos_token_ids=list(model.eos_token_ids),
     )
 
 

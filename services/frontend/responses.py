@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
+
+from services.frontend.logprobs import TokenFormatter, TokenLogprob
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
@@ -23,27 +26,43 @@ def sse_event(payload: dict[str, Any] | str) -> bytes:
 SSE_DONE = sse_event("[DONE]")
 
 
+@dataclass
+class Choice:
+    """One finished choice. ``logprobs`` is None when the request asked for none."""
+
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
+
+
 class ResponseShapes:
     """Builds the bodies of one request. ``include_usage``: streamed chunks carry ``"usage": null``
-    and a last chunk with empty ``choices`` carries the usage."""
+    and a last chunk with empty ``choices`` carries the usage. ``tokens`` formats logprobs."""
 
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, request_id: str, created: int, model: str, include_usage: bool = False) -> None:
+    def __init__(
+        self, request_id: str, created: int, model: str, include_usage: bool = False,
+        tokens: TokenFormatter | None = None,
+    ) -> None:
         self.request_id = request_id
         self.created = created
         self.model = model
         self.include_usage = include_usage
+        self.tokens = tokens
 
-    def full(self, text: str, finish_reason: str, usage_: dict[str, int]) -> dict[str, Any]:
-        return self._envelope(self.object_full, [self._full_choice(text, finish_reason)]) | {"usage": usage_}
+    def full(self, choices: list[Choice], usage_: dict[str, int]) -> dict[str, Any]:
+        return self._envelope(self.object_full, [self._full_choice(c) for c in choices]) | {"usage": usage_}
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
+    def opening_chunks(self, indices: list[int]) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return self._chunk([self._chunk_choice(text, finish_reason)])
+    def chunk(
+        self, index: int, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None
+    ) -> dict[str, Any]:
+        return self._chunk([self._chunk_choice(index, text, finish_reason, logprobs)])
 
     def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
         return self._envelope(self.object_chunk, []) | {"usage": usage_}
@@ -57,10 +76,12 @@ class ResponseShapes:
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
+    def _full_choice(self, choice: Choice) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _chunk_choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def _chunk_choice(
+        self, index: int, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None
+    ) -> dict[str, Any]:
         raise NotImplementedError
 
 
@@ -68,25 +89,45 @@ class CompletionShapes(ResponseShapes):
     object_full = "text_completion"
     object_chunk = "text_completion"
 
-    def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._text_offsets: dict[int, int] = {}  # per streamed choice: characters sent so far
 
-    def _chunk_choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _full_choice(self, choice: Choice) -> dict[str, Any]:
+        logprobs = None
+        if choice.logprobs is not None and self.tokens is not None:
+            logprobs, _ = self.tokens.completion(choice.logprobs, 0)
+        return {"index": choice.index, "text": choice.text, "logprobs": logprobs,
+                "finish_reason": choice.finish_reason}
+
+    def _chunk_choice(
+        self, index: int, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None
+    ) -> dict[str, Any]:
+        body = None
+        if logprobs is not None and self.tokens is not None:
+            body, self._text_offsets[index] = self.tokens.completion(logprobs, self._text_offsets.get(index, 0))
+        return {"index": index, "text": text, "logprobs": body, "finish_reason": finish_reason}
 
 
 class ChatShapes(ResponseShapes):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
-        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [self._chunk([role])]
+    def opening_chunks(self, indices: list[int]) -> list[dict[str, Any]]:
+        return [
+            self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+            for i in indices
+        ]
 
-    def _full_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    def _full_choice(self, choice: Choice) -> dict[str, Any]:
+        message = {"role": "assistant", "content": choice.text}
+        logprobs = self.tokens.chat(choice.logprobs) if choice.logprobs is not None and self.tokens else None
+        return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
-    def _chunk_choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def _chunk_choice(
+        self, index: int, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None
+    ) -> dict[str, Any]:
         delta = {"content": text} if text or finish_reason is None else {}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        body = self.tokens.chat(logprobs) if logprobs is not None and self.tokens else None
+        return {"index": index, "delta": delta, "logprobs": body, "finish_reason": finish_reason}

@@ -30,6 +30,12 @@ REPLY_TEXT = (
 ERROR_MARKER = "[[error]]"  # a prompt containing this gets finish_reason "error"
 SLOW_MARKER = "[[slow]]"  # a prompt containing this gets one token per 20 ms until max_tokens
 MALFORMED_MARKER = "[[malformed]]"  # a prompt containing this gets an undecodable RequestOutput frame
+HOLD_MARKER = "[[hold]]"  # a prompt containing this gets no output at all until it is aborted
+
+
+def fake_logprob(token_id: int) -> float:
+    """The logprob the fake scheduler reports for ``token_id``."""
+    return -((token_id % 7) + 1) / 8
 
 
 @functools.cache
@@ -59,7 +65,9 @@ class FakeScheduler:
     """Binds the scheduler's two endpoints and answers each ``AddRequest`` deterministically.
 
     The reply is ``REPLY_TEXT``'s tokens then the first EOS id (finish "stop"), cut to
-    ``max_tokens`` (finish "length"); ``tokens_per_output`` tokens per ``RequestOutput``. It sends
+    ``max_tokens`` (finish "length"); ``tokens_per_output`` tokens per ``RequestOutput``. With
+    ``sampling.logprobs = k`` each token gets the logprob ``fake_logprob(token)`` and the top list
+    ``[token, token + 1, ...]`` (k long) with logprobs ``fake_logprob(token) - rank``. It sends
     ``EngineStats(ready=self.ready)`` every 50 ms and records every ``AddRequest`` and
     ``AbortRequest``; an aborted request gets no more outputs.
     """
@@ -149,6 +157,8 @@ class FakeScheduler:
             return _Active(request, [], "error", 0.0)
         if MALFORMED_MARKER in prompt:
             return _Active(request, [], "malformed", 0.0)
+        if HOLD_MARKER in prompt:
+            return _Active(request, [], "length", 0.0, next_time=float("inf"))
         if SLOW_MARKER in prompt:
             cycle = self.reply_token_ids * (max_tokens // len(self.reply_token_ids) + 1)
             return _Active(request, cycle[:max_tokens], "length", 0.02)
@@ -168,6 +178,11 @@ class FakeScheduler:
             num_prompt_tokens=0 if active.sent_first else len(active.request.prompt_token_ids),
             error="simulated engine failure" if done and active.finish_reason == "error" else None,
         )
+        num_top = active.request.sampling.logprobs
+        if num_top is not None:
+            output.logprobs = [fake_logprob(t) for t in new]
+            output.top_token_ids = [[t + r for r in range(num_top)] for t in new]
+            output.top_logprobs = [[fake_logprob(t) - r for r in range(num_top)] for t in new]
         active.sent_first = True
         active.next_time = now + active.interval_s
         if active.finish_reason == "malformed":
@@ -188,11 +203,13 @@ class FrontendThread:
     """``FrontendServer`` on a uvloop event loop in a background thread (port 0: a free port)."""
 
     def __init__(
-        self, model: ServedModel, endpoints: Endpoints, max_body_bytes: int | None = None, shutdown_grace_s: float = 5.0
+        self, model: ServedModel, endpoints: Endpoints, max_body_bytes: int | None = None,
+        shutdown_grace_s: float = 5.0, **config: Any,
     ) -> None:
+        """``config``: more ``FrontendConfig`` fields (``max_queue_len``, ``api_key``)."""
         self.shutdown_grace_s = shutdown_grace_s
         kwargs = {"max_body_bytes": max_body_bytes} if max_body_bytes else {}
-        self.config = FrontendConfig(served_model_name=model.name, port=0, endpoints=endpoints, **kwargs)
+        self.config = FrontendConfig(served_model_name=model.name, port=0, endpoints=endpoints, **kwargs, **config)
         self.model = model
         self.server: FrontendServer | None = None
         self.loop = uvloop.new_event_loop()

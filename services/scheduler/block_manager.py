@@ -1,24 +1,46 @@
-"""The KV block pool and the per-sequence block tables. Plain Python, no I/O.
+"""The KV block pool, the per-sequence block tables and the prefix cache. Plain Python, no I/O.
 
 Contract:
-- ``num_blocks`` physical blocks of ``block_size`` slots each. A block is either free (in the
-  free queue, reference count 0) or in use (count >= 1, held by that many block tables).
+- ``num_blocks`` physical blocks of ``block_size`` slots each. A block is in exactly one of three
+  states: *in use* (reference count >= 1, held by that many block tables), *cached* (count 0 but
+  holding a full block of known content, reusable by hash, evictable least recently used first),
+  or *free* (count 0, no content). Allocation takes free blocks first, then evicts cached ones.
 - A sequence's block table maps its logical block ``i`` (tokens ``[i * block_size, (i + 1) *
   block_size)``) to a physical block; slot of token ``t`` is
   ``table[t // block_size] * block_size + t % block_size``.
+- Prefix cache: a full block's hash covers its tokens and the hash of the block before it
+  (``hash_block``, 128-bit BLAKE2b), so equal hashes mean equal whole prefixes. ``match_prefix``
+  finds the leading cached blocks of a prompt; ``cache_full_blocks`` registers a sequence's blocks
+  once their tokens are computed.
 - Blocks are taken one at a time as a sequence grows (``allocate_slots``) and all given back at
-  once (``free``), tail first, so the free queue holds chain tails before heads.
+  once (``free``), tail first, so a chain's tail is evicted before its head.
+- Copy-on-write: when ``allocate_slots`` is about to let a sequence write into a block whose count
+  is above one (a partly filled block shared after ``fork``), the sequence gets a fresh block and a
+  ``(src, dst)`` copy is queued in ``pending_copies`` for the executors. Full blocks stay shared.
 - Swap: ``swap_out`` moves a group of sequences' blocks to the CPU pool of ``num_cpu_blocks``
   (a block shared inside the group moves once) and returns the ``(device, cpu)`` copies the
   executors must make; ``swap_in`` brings them back and returns ``(cpu, device)`` copies.
-- ``check_integrity`` verifies conservation in both pools: free + in use = total, and every count
-  equals the number of tables that hold the block.
+- ``check_integrity`` verifies conservation in both pools and the consistency of the cache.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
 from enum import Enum
+from typing import NewType, Sequence
+
+import numpy as np
+
+BlockHash = NewType("BlockHash", bytes)
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """128-bit hash of a full block's tokens chained to its parent block's hash."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"root")
+    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    return BlockHash(h.digest())
 
 
 class AllocStatus(Enum):
@@ -29,7 +51,7 @@ class AllocStatus(Enum):
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, enable_prefix_caching: bool = True) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
@@ -38,23 +60,35 @@ class BlockManager:
         self.block_size = block_size
         # Blocks kept free at admission so a new prompt does not force an immediate preemption.
         self.watermark_blocks = int(watermark * num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
         self.free_queue: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, count 0, oldest first
+        self.cached: dict[BlockHash, int] = {}
         self.block_tables: dict[int, list[int]] = {}
+        self.pending_copies: list[tuple[int, int]] = []
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_ref_counts = [0] * num_cpu_blocks
         self.cpu_free_queue: deque[int] = deque(range(num_cpu_blocks))
         self.cpu_tables: dict[int, list[int]] = {}  # swapped-out sequences
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
 
     # ------------------------------------------------------------------ queries
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        """Blocks an allocation can take: free plus cached-but-unused (evictable)."""
+        return len(self.free_queue) + len(self.evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.evictable)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -64,11 +98,13 @@ class BlockManager:
         held = len(self.block_tables.get(seq_id, ()))
         return max(0, self.blocks_needed(num_tokens) - held)
 
-    def can_admit(self, num_tokens: int, num_prompt_tokens: int) -> AllocStatus:
+    def can_admit(self, num_tokens: int, num_prompt_tokens: int, cached_blocks: Sequence[int] = ()) -> AllocStatus:
         """Whether a new sequence may take blocks for ``num_tokens`` now, keeping the watermark."""
         if self.blocks_needed(num_prompt_tokens) > self.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        if self.blocks_needed(num_tokens) + self.watermark_blocks > self.num_free_blocks:
+        revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
+        needed = self.blocks_needed(num_tokens) - len(cached_blocks) + revived
+        if needed + self.watermark_blocks > self.num_free_blocks:
             return AllocStatus.LATER
         return AllocStatus.OK
 
@@ -76,21 +112,102 @@ class BlockManager:
         table = self.block_tables[seq_id]
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
+    # ------------------------------------------------------------------ prefix cache
+
+    def prefix_hashes(self, token_ids: Sequence[int], num_blocks: int,
+                      known: list[BlockHash] | None = None) -> list[BlockHash]:
+        """Chained hashes of the first ``num_blocks`` full blocks; extends ``known`` in place."""
+        hashes = known if known is not None else []
+        bs = self.block_size
+        for i in range(len(hashes), num_blocks):
+            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def match_prefix(self, hashes: Sequence[BlockHash], num_prompt_tokens: int) -> list[int]:
+        """Leading cached blocks of a prompt, leaving at least its last token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        limit = (num_prompt_tokens - 1) // self.block_size
+        blocks = []
+        for h in hashes[:limit]:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted prompt's lookup for the hit rate."""
+        self.num_queried_tokens += num_prompt_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def cache_full_blocks(self, seq_id: int, hashes: Sequence[BlockHash]) -> None:
+        """Register the sequence's full, computed blocks ``hashes[i] -> table[i]``."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables[seq_id]
+        for block_id, h in zip(table, hashes):
+            if self.block_hashes[block_id] is None and h not in self.cached:
+                self.block_hashes[block_id] = h
+                self.cached[h] = block_id
+
     # ------------------------------------------------------------------ changes
 
-    def allocate_slots(self, seq_id: int, num_tokens: int) -> bool:
+    def _take(self) -> int:
+        if self.free_queue:
+            block_id = self.free_queue.popleft()
+        else:
+            block_id, _ = self.evictable.popitem(last=False)  # least recently used
+            del self.cached[self.block_hashes[block_id]]
+            self.block_hashes[block_id] = None
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            if self.block_hashes[block_id] is not None:
+                self.evictable[block_id] = None  # most recently used end
+            else:
+                self.free_queue.append(block_id)
+
+    def _acquire(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            del self.evictable[block_id]
+        self.ref_counts[block_id] += 1
+
+    def allocate_slots(self, seq_id: int, num_tokens: int, num_computed_tokens: int | None = None,
+                       cached_blocks: Sequence[int] = ()) -> bool:
         """Grow ``seq_id``'s table so it holds ``num_tokens`` tokens in total.
 
+        A new sequence first takes ``cached_blocks`` (its prefix-cache hits). If the block that
+        position ``num_computed_tokens`` falls into is shared, it is copied first (copy-on-write).
         Returns False, changing nothing, when there are not enough free blocks.
         """
-        needed = self.num_new_blocks(seq_id, num_tokens)
-        if needed > len(self.free_queue):
+        table = self.block_tables.get(seq_id)
+        if table is None:
+            revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
+            needed = self.blocks_needed(num_tokens) - len(cached_blocks)
+            if needed + revived > self.num_free_blocks:
+                return False
+            for block_id in cached_blocks:
+                self._acquire(block_id)
+            table = self.block_tables[seq_id] = list(cached_blocks)
+        cow_idx = None
+        if num_computed_tokens is not None:
+            idx = num_computed_tokens // self.block_size
+            if idx < len(table) and self.ref_counts[table[idx]] > 1:
+                cow_idx = idx
+        needed = self.num_new_blocks(seq_id, num_tokens) + (cow_idx is not None)
+        if needed > self.num_free_blocks:
             return False
-        table = self.block_tables.setdefault(seq_id, [])
-        for _ in range(needed):
-            block_id = self.free_queue.popleft()
-            self.ref_counts[block_id] = 1
-            table.append(block_id)
+        if cow_idx is not None:
+            src = table[cow_idx]
+            table[cow_idx] = self._take()
+            self._release(src)
+            self.pending_copies.append((src, table[cow_idx]))
+        for _ in range(self.num_new_blocks(seq_id, num_tokens)):
+            table.append(self._take())
         return True
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
@@ -99,18 +216,17 @@ class BlockManager:
             raise ValueError(f"sequence {child_seq_id} already has a block table")
         table = list(self.block_tables[parent_seq_id])
         for block_id in table:
-            self.ref_counts[block_id] += 1
+            self._acquire(block_id)
         self.block_tables[child_seq_id] = table
 
     def free(self, seq_id: int) -> None:
         """Release every block of ``seq_id``, tail first. Unknown ids are ignored."""
-        table = self.block_tables.pop(seq_id, None)
-        if not table:
-            return
-        for block_id in reversed(table):
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                self.free_queue.append(block_id)
+        for block_id in reversed(self.block_tables.pop(seq_id, ())):
+            self._release(block_id)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     # ------------------------------------------------------------------ swap
 
@@ -119,70 +235,83 @@ class BlockManager:
 
     def can_swap_in(self, seq_ids: list[int]) -> bool:
         needed = len(self._distinct(self.cpu_tables, seq_ids))
-        return needed + self.watermark_blocks <= len(self.free_queue)
+        return needed + self.watermark_blocks <= self.num_free_blocks
 
     def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Move the sequences' blocks to the CPU pool; returns ``(device, cpu)`` block copies."""
-        return self._move(seq_ids, self.block_tables, self.ref_counts, self.free_queue,
-                          self.cpu_tables, self.cpu_ref_counts, self.cpu_free_queue)
+        needed = self._distinct(self.block_tables, seq_ids)
+        if len(needed) > len(self.cpu_free_queue):
+            raise RuntimeError(f"cannot swap out {len(needed)} blocks: {len(self.cpu_free_queue)} free")
+        mapping = {b: self.cpu_free_queue.popleft() for b in needed}
+        for seq_id in seq_ids:
+            table = self.block_tables.pop(seq_id)
+            self.cpu_tables[seq_id] = [mapping[b] for b in table]
+            for block_id in table:
+                self.cpu_ref_counts[mapping[block_id]] += 1
+            for block_id in reversed(table):
+                self._release(block_id)  # a hashed block stays cached on the device too
+        return list(mapping.items())
 
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
         """Bring swapped sequences back; returns ``(cpu, device)`` block copies."""
-        return self._move(seq_ids, self.cpu_tables, self.cpu_ref_counts, self.cpu_free_queue,
-                          self.block_tables, self.ref_counts, self.free_queue)
+        needed = self._distinct(self.cpu_tables, seq_ids)
+        if len(needed) > self.num_free_blocks:
+            raise RuntimeError(f"cannot swap in {len(needed)} blocks: {self.num_free_blocks} free")
+        mapping = {}
+        for cpu_block in needed:
+            mapping[cpu_block] = self._take()
+            self.ref_counts[mapping[cpu_block]] = 0
+        for seq_id in seq_ids:
+            table = self.cpu_tables.pop(seq_id)
+            self.block_tables[seq_id] = [mapping[b] for b in table]
+            for block_id in table:
+                self.ref_counts[mapping[block_id]] += 1
+            self._free_cpu(table)
+        return list(mapping.items())
 
     @staticmethod
     def _distinct(tables: dict[int, list[int]], seq_ids: list[int]) -> list[int]:
         return list(dict.fromkeys(b for s in seq_ids for b in tables[s]))
 
-    def _move(self, seq_ids, src_tables, src_counts, src_free, dst_tables, dst_counts, dst_free):
-        needed = self._distinct(src_tables, seq_ids)
-        if len(needed) > len(dst_free):
-            raise RuntimeError(f"cannot move {len(needed)} blocks: {len(dst_free)} free in the target pool")
-        mapping = {src: dst_free.popleft() for src in needed}
-        for seq_id in seq_ids:
-            table = src_tables.pop(seq_id)
-            dst_tables[seq_id] = [mapping[b] for b in table]
-            for block_id in table:
-                dst_counts[mapping[block_id]] += 1
-            for block_id in reversed(table):
-                src_counts[block_id] -= 1
-                if src_counts[block_id] == 0:
-                    src_free.append(block_id)
-        return list(mapping.items())
-
-    def free_swapped(self, seq_id: int) -> None:
-        """Release a swapped-out sequence's CPU blocks (it was aborted while swapped)."""
-        table = self.cpu_tables.pop(seq_id, None) or []
+    def _free_cpu(self, table: list[int]) -> None:
         for block_id in reversed(table):
             self.cpu_ref_counts[block_id] -= 1
             if self.cpu_ref_counts[block_id] == 0:
                 self.cpu_free_queue.append(block_id)
 
+    def free_swapped(self, seq_id: int) -> None:
+        """Release a swapped-out sequence's CPU blocks (it was aborted while swapped)."""
+        self._free_cpu(self.cpu_tables.pop(seq_id, []))
+
     # ------------------------------------------------------------------ checks
 
     def check_integrity(self) -> None:
         """Raise AssertionError if blocks were lost, duplicated or miscounted."""
-        self._check_pool(self.num_blocks, self.block_tables, self.ref_counts, self.free_queue)
-        self._check_pool(self.num_cpu_blocks, self.cpu_tables, self.cpu_ref_counts, self.cpu_free_queue)
+        idle = list(self.free_queue) + list(self.evictable)
+        self._check_pool(self.num_blocks, self.block_tables, self.ref_counts, idle)
+        self._check_pool(self.num_cpu_blocks, self.cpu_tables, self.cpu_ref_counts, list(self.cpu_free_queue))
         assert not set(self.block_tables) & set(self.cpu_tables), "a sequence is in both pools"
+        for block_id in self.free_queue:
+            assert self.block_hashes[block_id] is None, f"free block {block_id} still has a hash"
+        for block_id in self.evictable:
+            assert self.block_hashes[block_id] is not None, f"evictable block {block_id} has no hash"
+        for h, block_id in self.cached.items():
+            assert self.block_hashes[block_id] == h, f"cache entry for block {block_id} is stale"
+        assert sum(h is not None for h in self.block_hashes) == len(self.cached), "hash without entry"
 
     @staticmethod
-    def _check_pool(num_blocks, tables, ref_counts, free_queue) -> None:
+    def _check_pool(num_blocks, tables, ref_counts, idle: list[int]) -> None:
         holders = [0] * num_blocks
         for table in tables.values():
             for block_id in table:
                 holders[block_id] += 1
-        free = set(free_queue)
-        assert len(free) == len(free_queue), "a block is in the free queue twice"
+        idle_set = set(idle)
+        assert len(idle_set) == len(idle), "a block is idle twice"
         for block_id in range(num_blocks):
             count = ref_counts[block_id]
             assert count == holders[block_id], (
                 f"block {block_id}: ref count {count} but held by {holders[block_id]} tables"
             )
-            assert (count == 0) == (block_id in free), (
-                f"block {block_id}: ref count {count} but {'in' if block_id in free else 'not in'} free queue"
+            assert (count == 0) == (block_id in idle_set), (
+                f"block {block_id}: ref count {count} but {'idle' if block_id in idle_set else 'not idle'}"
             )
-        used = sum(1 for c in ref_counts if c > 0)
-        assert used + len(free) == num_blocks, f"{used} used + {len(free)} free != {num_blocks} blocks"
-

@@ -13,6 +13,10 @@ from .block_manager import AllocStatus, BlockManager
 
 
 class ContiguousBlockManager(BlockManager):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["enable_prefix_caching"] = False
+        super().__init__(*args, **kwargs)
+
     def _find_run(self, num_blocks: int) -> int | None:
         """First block id of the lowest free run of ``num_blocks`` consecutive blocks, or None."""
         if num_blocks == 0:
@@ -27,13 +31,13 @@ class ContiguousBlockManager(BlockManager):
                 return run_start
         return None
 
-    def can_admit(self, num_tokens: int, num_prompt_tokens: int) -> AllocStatus:
+    def can_admit(self, num_tokens: int, num_prompt_tokens: int, cached_blocks=()) -> AllocStatus:
         needed = self.blocks_needed(max(num_tokens, num_prompt_tokens))
         if needed > self.num_blocks:
             return AllocStatus.NEVER
         return AllocStatus.OK if self._find_run(needed) is not None else AllocStatus.LATER
 
-    def allocate_slots(self, seq_id: int, num_tokens: int) -> bool:
+    def allocate_slots(self, seq_id: int, num_tokens: int, num_computed_tokens=None, cached_blocks=()) -> bool:
         held = self.block_tables.get(seq_id)
         if held is not None:
             return self.blocks_needed(num_tokens) <= len(held)  # a reservation never grows

@@ -41,6 +41,7 @@ class SchedulerProcessConfig:
     max_model_len: int | None = None  # None: what the executors report
     preemption_mode: str = "recompute"
     kv_policy: str = "paged"
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -119,12 +120,13 @@ class SchedulerProcess:
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len,
                             cfg.preemption_mode, cfg.kv_policy),
-            manager(num_blocks, first.block_size, num_cpu_blocks=num_cpu_blocks),
+            manager(num_blocks, first.block_size, num_cpu_blocks=num_cpu_blocks,
+                    enable_prefix_caching=cfg.enable_prefix_caching),
         )
         self.log.info("scheduler ready", num_blocks=num_blocks, block_size=first.block_size,
                       max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs,
                       num_cpu_blocks=num_cpu_blocks, preemption_mode=cfg.preemption_mode,
-                      kv_policy=cfg.kv_policy)
+                      kv_policy=cfg.kv_policy, prefix_caching=cfg.enable_prefix_caching)
         self._send_stats(force=True)
 
     # ------------------------------------------------------------------ main loop

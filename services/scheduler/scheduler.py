@@ -12,12 +12,15 @@ freed and it goes back to the head of the queue, to be prefilled again with its 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
 from shared.messages import AddRequest, RequestOutput, Step, StepResult
 
 from .block_manager import AllocStatus, BlockManager
+from .groups import SequenceGroupsMixin
+from .logprobs import attach_logprobs
 from .sequence import Sequence, SequenceStatus
 from .step_builder import Scheduled as _Scheduled
 from .step_builder import build_step
@@ -62,8 +65,9 @@ class _Plan:
         self.scheduled = keep
 
 
-class Scheduler:
+class Scheduler(SequenceGroupsMixin):
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self._init_groups()
         self.config = config
         self.blocks = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -103,23 +107,33 @@ class Scheduler:
                 f"has {self.blocks.num_blocks} ({self.blocks.watermark_blocks} kept as watermark)",
             )]
         seqs = []
-        for choice_idx in range(req.sampling.n):
+        group_sampling, num_seqs = self._group_sampling(req.request_id, req.sampling, len(prompt), req.eos_token_ids)
+        for choice_idx in range(num_seqs):
+            sampling = group_sampling
+            if sampling.seed is not None and choice_idx:  # distinct, reproducible streams
+                sampling = dataclasses.replace(sampling, seed=sampling.seed + choice_idx)
             seq = Sequence(
                 seq_id=self._next_seq_id, request_id=req.request_id, choice_idx=choice_idx,
-                prompt_token_ids=prompt, sampling=req.sampling,
+                prompt_token_ids=prompt, sampling=sampling,
                 eos_token_ids=frozenset(req.eos_token_ids), arrival_time=req.arrival_time,
             )
             self._next_seq_id += 1
             seqs.append(seq)
-            self.waiting.append(seq)
+        # The first sequence prefills the prompt; the others fork from it once the prompt is in
+        # the cache, sharing its blocks (the last, partly filled one is copied on first write).
+        self.waiting.append(seqs[0])
+        seqs[0].pending_children = seqs[1:]
         self.requests[req.request_id] = seqs
+        self._start_groups(req.request_id, seqs, req.sampling)
         return []
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request wherever it is and free its blocks at once."""
+        self._forget_groups(request_id)
         for seq in self.requests.pop(request_id, ()):
             if seq.status is SequenceStatus.WAITING:
-                self.waiting.remove(seq)
+                if seq in self.waiting:  # else a child not yet forked
+                    self.waiting.remove(seq)
             elif seq.status is SequenceStatus.RUNNING:
                 self.running.remove(seq)
             elif seq.status is SequenceStatus.SWAPPED:
@@ -144,9 +158,13 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and plan.token_budget > 0:
             seq = self.running[idx]
+            if seq.num_pending_tokens == 0:  # a beam waiting for its group's decision
+                idx += 1
+                continue
             num_new = min(seq.num_pending_tokens, plan.token_budget)
             if self._make_room(seq, num_new, plan):
                 plan.add(seq, num_new)
+                self._fork_children(seq, num_new, plan)
                 idx += 1
             else:
                 break  # seq itself was preempted, and with it every newer sequence
@@ -163,46 +181,71 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 self._insert_running(seq)
                 num_new = min(seq.num_pending_tokens, plan.token_budget)
-                if num_new and self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new):
+                if num_new and self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new,
+                                                          seq.num_computed_tokens):
                     plan.add(seq, num_new)
 
         # 3. Waiting sequences, first come first served.
         while (not self.swapped and self.waiting and plan.token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            num_new = min(seq.num_pending_tokens, plan.token_budget)
-            reserve = self._admission_tokens(seq, num_new)
-            if self.blocks.can_admit(reserve, seq.num_tokens) is not AllocStatus.OK:
+            cached = self._prefix_hits(seq)
+            num_computed = len(cached) * self.blocks.block_size
+            num_new = min(seq.num_tokens - num_computed, plan.token_budget)
+            reserve = self._admission_tokens(seq, num_computed + num_new)
+            if self.blocks.can_admit(reserve, seq.num_tokens, cached) is not AllocStatus.OK:
+                break
+            if not self.blocks.allocate_slots(seq.seq_id, reserve, num_computed, cached):
                 break
             self.waiting.popleft()
-            if not self.blocks.allocate_slots(seq.seq_id, reserve):
-                self.waiting.appendleft(seq)
-                break
+            self.blocks.record_lookup(seq.num_tokens, num_computed)
+            if not seq.announced:
+                seq.num_cached_tokens = min(num_computed, seq.num_prompt_tokens)
+            seq.num_computed_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
             plan.add(seq, num_new)
+            self._fork_children(seq, num_new, plan)
 
         self.max_num_running = max(self.max_num_running, len(self.running))
         if not plan.scheduled and not plan.swap_out and not plan.swap_in:
             return None
         self._account_utilization(plan.scheduled)
         step = build_step(self._next_step_id, plan.scheduled, self.blocks, self._freed_seq_ids,
-                          plan.swap_out, plan.swap_in)
+                          plan.swap_out, plan.swap_in, self.blocks.take_copies())
         self._freed_seq_ids = []
         self._in_flight[step.step_id] = plan.scheduled
         self._next_step_id += 1
         return step
 
-    def _admission_tokens(self, seq: Sequence, num_new: int) -> int:
+    def _admission_tokens(self, seq: Sequence, num_tokens: int) -> int:
         """Slots a newly admitted sequence takes: what it computes now, or a whole reservation."""
         if self.config.kv_policy == "contiguous":
             want = seq.num_prompt_tokens + seq.sampling.max_tokens
-            return max(min(want, self.config.max_model_len), seq.num_computed_tokens + num_new)
-        return seq.num_computed_tokens + num_new
+            return max(min(want, self.config.max_model_len), num_tokens)
+        return num_tokens
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks that hold this sequence's leading tokens (at least one token is left)."""
+        if not self.blocks.enable_prefix_caching:
+            return []
+        limit = (seq.num_tokens - 1) // self.blocks.block_size
+        if len(seq.block_hashes) < limit:
+            self.blocks.prefix_hashes(seq.token_ids, limit, seq.block_hashes)
+        return self.blocks.match_prefix(seq.block_hashes, seq.num_tokens)
+
+    def _cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's blocks that are now full of computed tokens."""
+        full = seq.num_computed_tokens // self.blocks.block_size
+        if self.blocks.enable_prefix_caching and full > 0:
+            if len(seq.block_hashes) < full:
+                self.blocks.prefix_hashes(seq.token_ids, full, seq.block_hashes)
+            self.blocks.cache_full_blocks(seq.seq_id, seq.block_hashes[:full])
 
     def _make_room(self, seq: Sequence, num_new: int, plan: "_Plan") -> bool:
         """Allocate ``seq``'s slots, preempting the newest groups as needed; False if ``seq`` went."""
-        while not self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new):
+        while not self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new,
+                                             seq.num_computed_tokens):
             victim = self.running[-1]
             group = [s for s in self.requests[victim.request_id] if s.status is SequenceStatus.RUNNING]
             plan.drop(group)
@@ -210,6 +253,25 @@ class Scheduler:
             if seq in group:
                 return False
         return True
+
+    def _fork_children(self, parent: Sequence, num_new: int, plan: "_Plan") -> None:
+        """When ``parent`` finishes its prompt in this step, its siblings start sharing its blocks.
+
+        Each child joins the step with no new token, right after the parent, so its first token
+        is sampled from the parent's last hidden state.
+        """
+        if not parent.pending_children or parent.num_computed_tokens + num_new < parent.num_tokens:
+            return
+        plan.scheduled[-1].is_fork_parent = True
+        for child in parent.pending_children:
+            self.blocks.fork(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = parent.num_computed_tokens + num_new
+            child.block_hashes = list(parent.block_hashes)
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = SequenceStatus.RUNNING
+            self._insert_running(child)
+            plan.scheduled.append(_Scheduled(child, 0))
+        parent.pending_children = []
 
     def _insert_running(self, seq: Sequence) -> None:
         bisect.insort(self.running, seq, key=lambda s: (s.arrival_time, s.seq_id))
@@ -229,21 +291,34 @@ class Scheduler:
         if result.error is not None:
             return self._fail_step(scheduled, result.error)
         sampled = dict(zip(result.seq_ids.tolist(), result.token_ids.tolist()))
-        outputs = []
+        rows = {seq_id: row for row, seq_id in enumerate(result.seq_ids.tolist())}  # for logprobs
+        outputs: list[RequestOutput] = []
+        beam_requests: set[str] = set()
         for s in scheduled:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step was in flight
             seq.num_computed_tokens += s.num_new_tokens
+            self._cache_computed_blocks(seq)
             token_id = sampled.get(seq.seq_id)
             if token_id is None:
                 continue  # a prefill chunk that is not the last one
+            row = rows[seq.seq_id]
+            if self._take_group_token(seq, result, row):
+                beam_requests.add(seq.request_id)
+                continue
             seq.append_token(token_id)
+            if len(result.logprobs) > row:
+                seq.cum_logprob += float(result.logprobs[row])
             reason = seq.stop_reason(self.config.max_model_len)
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
-            outputs.append(self._delta(seq))
+            delta = self._delta(seq)
+            attach_logprobs(delta, result, row, seq.sampling.logprobs)
+            outputs += self._route_delta(seq, delta)
+        for request_id in beam_requests:
+            outputs += self._advance_beams(request_id)
         return outputs
 
     # ------------------------------------------------------------------ helpers
@@ -266,6 +341,7 @@ class Scheduler:
         for seq in reversed(group):  # recompute: free now, prefill prompt + output again later
             self.blocks.free(seq.seq_id)
             seq.num_computed_tokens = 0
+            seq.beam_candidates = None  # the re-prefill samples them again
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
         self.num_recomputes += 1
@@ -290,7 +366,7 @@ class Scheduler:
         return RequestOutput(
             request_id=seq.request_id, choice_idx=seq.choice_idx, new_token_ids=new,
             finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
-            num_preemptions=seq.num_preemptions,
+            num_preemptions=seq.num_preemptions, num_cached_tokens=seq.num_cached_tokens,
         )
 
     def _fail_step(self, scheduled: list[_Scheduled], error: str) -> list[RequestOutput]:
@@ -322,4 +398,7 @@ class Scheduler:
             "num_preemptions": self.num_preemptions,
             "num_swapped": sum(len(g) for g in self.swapped),
             "max_num_running": self.max_num_running,
+            "num_cached_blocks": self.blocks.num_cached_blocks,
+            "num_prefix_cache_queries": self.blocks.num_queried_tokens,
+            "num_prefix_cache_hits": self.blocks.num_hit_tokens,
         }

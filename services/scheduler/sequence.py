@@ -38,6 +38,11 @@ class Sequence:
     # how many output tokens the frontend has been sent
     num_output_sent: int = 0
     announced: bool = False  # executors have its sampling params
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
+    block_hashes: list = field(default_factory=list)  # chained hashes of its full blocks so far
+    pending_children: list = field(default_factory=list)  # siblings that fork once the prompt is in
+    cum_logprob: float = 0.0  # sum of the sampled tokens' logprobs (best_of, beam search)
+    beam_candidates: tuple | None = None  # (token ids, logprobs) awaiting the beam decision
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -55,6 +60,10 @@ class Sequence:
     def token_id(self, position: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -41,7 +41,7 @@ def simulate(requests: list[tuple[int, int]], num_slots: int, block_size: int, m
     if num_slots % block_size:
         raise ValueError(f"--num-slots {num_slots} is not a multiple of --block-size {block_size}")
     manager = ContiguousBlockManager if kv_policy == "contiguous" else BlockManager
-    blocks = manager(num_slots // block_size, block_size, watermark=0.0)
+    blocks = manager(num_slots // block_size, block_size, watermark=0.0, enable_prefix_caching=False)
     sched = Scheduler(SchedulerConfig(max_num_seqs=len(requests), max_num_batched_tokens=max_model_len * len(requests),
                                       max_model_len=max_model_len, kv_policy=kv_policy), blocks)
     answer_len = {}

@@ -16,10 +16,11 @@ from .sequence import Sequence
 class Scheduled:
     seq: Sequence
     num_new_tokens: int
+    is_fork_parent: bool = False  # forked children follow it in the prefill part, sharing its last row
 
     @property
     def is_decode(self) -> bool:
-        return self.num_new_tokens == 1 and self.seq.num_pending_tokens == 1
+        return self.num_new_tokens == 1 and self.seq.num_pending_tokens == 1 and not self.is_fork_parent
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
@@ -29,6 +30,7 @@ def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
 def build_step(
     step_id: int, scheduled: list[Scheduled], blocks: BlockManager, finished_seq_ids: list[int],
     swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+    block_copies: list[tuple[int, int]] = (),
 ) -> Step:
     """Flatten ``scheduled`` (reordered in place: decodes first, then prefill chunks) into a Step.
 
@@ -73,4 +75,5 @@ def build_step(
         finished_seq_ids=list(finished_seq_ids),
         swap_out=_pairs(swap_out),
         swap_in=_pairs(swap_in),
+        block_copies=_pairs(list(block_copies)),
     )

@@ -1,0 +1,110 @@
+"""Prometheus metrics of the frontend, in their own registry (one per application).
+
+Gauges and engine counters come from the scheduler's latest ``EngineStats`` at scrape time;
+request counters and latency histograms are observed here as generations progress (times from
+the request's arrival at the frontend):
+
+- time to first token: arrival -> the first generated token reaches the frontend;
+- time per output token: (last token - first token) / (tokens - 1), once per request with at
+  least two tokens;
+- end-to-end latency: arrival -> the last token, for requests that finished (stop or length).
+
+``num_queued`` counts engine requests sent that have had no output yet (waiting at the
+scheduler or being prefilled): what ``--max-queue-len`` limits.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from services.frontend.generation import Generation
+from shared.messages import EngineStats
+
+PREFIX = "pagedserve:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0)
+
+
+class _EngineStatsCollector(Collector):
+    """Reads the latest ``EngineStats`` when scraped (all zero before the first one arrives)."""
+
+    def __init__(self, latest: Callable[[], EngineStats | None]) -> None:
+        self._latest = latest
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._latest()
+        get = (lambda name: getattr(stats, name)) if stats is not None else (lambda name: 0)
+        yield _gauge("num_requests_running", "Sequences in the running batch.", get("num_running"))
+        yield _gauge("num_requests_waiting", "Sequences waiting to be scheduled.", get("num_waiting"))
+        yield _gauge("num_requests_swapped", "Sequences swapped out to CPU memory.", get("num_swapped"))
+        total = get("num_blocks_total")
+        yield _gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).",
+                     get("num_blocks_used") / total if total else 0.0)
+        allocated = get("sum_slots_allocated")
+        yield _gauge("kv_slot_utilization",
+                     "Mean over all steps of KV slots holding tokens / slots allocated (0 to 1).",
+                     get("sum_slots_used") / allocated if allocated else 0.0)
+        yield _gauge("num_kv_blocks_total", "KV blocks in the device pool.", total)
+        yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                       get("num_prefix_cache_queries"))
+        yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", get("num_prefix_cache_hits"))
+        yield _counter("num_preemptions", "Sequence groups preempted (recompute or swap).", get("num_preemptions"))
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+class FrontendMetrics:
+    """The registry /metrics serves, and the ``GenerationObserver`` that feeds it."""
+
+    def __init__(self, latest_stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineStatsCollector(latest_stats))
+        r = self.registry
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
+        self.request_success = Counter(PREFIX + "request_success", "Requests finished, by reason.",
+                                       ["finished_reason"], registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to the first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Mean time per output token after the first.",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.num_queued = 0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ------------------------------------------------------------------ GenerationObserver
+
+    def on_start(self, gen: Generation) -> None:
+        self.num_queued += 1
+
+    def on_first_output(self, gen: Generation) -> None:
+        self.num_queued -= 1
+
+    def on_tokens(self, gen: Generation, num_tokens: int) -> None:
+        self.generation_tokens.inc(num_tokens)
+        if gen.num_completion_tokens == num_tokens and gen.first_token_time is not None:  # the first ones
+            self.prompt_tokens.inc(gen.num_prompt_tokens)
+            self.ttft.observe(gen.first_token_time - gen.arrival_time)
+
+    def on_finish(self, gen: Generation) -> None:
+        assert gen.finish_time is not None and gen.finish_reason is not None
+        self.request_success.labels(finished_reason=gen.finish_reason).inc()
+        self.e2e.observe(gen.finish_time - gen.arrival_time)
+        if gen.num_completion_tokens > 1 and gen.first_token_time is not None:
+            self.tpot.observe((gen.finish_time - gen.first_token_time) / (gen.num_completion_tokens - 1))

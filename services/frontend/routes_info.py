@@ -1,0 +1,148 @@
+"""The routes that generate nothing: models, health, metrics, tokenize, detokenize, version, the
+OpenAPI description."""
+
+from __future__ import annotations
+
+import time
+from importlib import metadata
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from services.frontend.errors import APIError, bad_request, is_int, optional_bool
+from services.frontend.model import ServedModel
+from services.frontend.openapi import openapi_spec
+from services.frontend.options import GenerationOptions
+from services.frontend.preprocess import chat_prompt_ids
+from services.frontend.protocol import ChatBody, check_model, parse_json_body, parse_messages
+from services.frontend.state import STATE
+
+
+def add_routes(router: web.UrlDispatcher) -> None:
+    router.add_get("/v1/models", list_models)
+    router.add_get("/v1/models/{model_id}", retrieve_model)
+    router.add_get("/health", health)
+    router.add_get("/metrics", metrics)
+    router.add_post("/tokenize", tokenize)
+    router.add_post("/detokenize", detokenize)
+    router.add_get("/version", version)
+    router.add_get("/openapi.json", openapi)
+
+
+def _model_card(model: ServedModel) -> dict[str, Any]:
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": model.created,
+        "owned_by": "pagedserve",
+        "root": model.name,
+        "parent": None,
+        "max_model_len": model.max_model_len,
+    }
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app[STATE].model)]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    model = request.app[STATE].model
+    model_id = request.match_info["model_id"]
+    if model_id != model.name:
+        raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+    return web.json_response(_model_card(model))
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 when the scheduler's latest ``EngineStats`` says ready, else 503."""
+    client = request.app[STATE].client
+    stats = client.latest_stats
+    if stats is None:
+        return web.json_response({"status": "unavailable", "reason": "no stats from the scheduler yet"}, status=503)
+    body = {
+        "status": "ok" if stats.ready else "unavailable",
+        "seconds_since_stats": round(time.monotonic() - (client.latest_stats_time or 0.0), 3),
+        "num_running": stats.num_running,
+        "num_waiting": stats.num_waiting,
+        "num_blocks_total": stats.num_blocks_total,
+        "num_blocks_used": stats.num_blocks_used,
+        "num_preemptions": stats.num_preemptions,
+        "num_swapped": stats.num_swapped,
+        "max_num_running": stats.max_num_running,
+        # mean over all steps so far of slots holding tokens / slots allocated
+        "kv_slot_utilization": (
+            stats.sum_slots_used / stats.sum_slots_allocated if stats.sum_slots_allocated else None
+        ),
+    }
+    return web.json_response(body, status=200 if stats.ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text exposition."""
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """``{"prompt": str, "add_special_tokens": bool}`` or ``{"messages": [...], "add_generation_prompt":
+    bool}`` -> ``{"tokens": [...], "count": n, "max_model_len": m}``."""
+    state = request.app[STATE]
+    body = parse_json_body(await request.read())
+    check_model(body, state.model.name)
+    if "messages" in body and body.get("prompt") is None:
+        chat = ChatBody(parse_messages(body.get("messages")), GenerationOptions())
+        add_generation_prompt = body.get("add_generation_prompt", True)
+        if not isinstance(add_generation_prompt, bool):
+            raise bad_request("add_generation_prompt must be a boolean", "add_generation_prompt")
+        ids = await state.tokenize(chat_prompt_ids, chat, state.model, add_generation_prompt)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad_request("prompt must be a string (or send messages instead)", "prompt")
+        add_special = body.get("add_special_tokens", True)
+        if not isinstance(add_special, bool):
+            raise bad_request("add_special_tokens must be a boolean", "add_special_tokens")
+        ids = await state.tokenize(_encode, state.model, prompt, add_special)
+    return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.model.max_model_len})
+
+
+def _encode(model: ServedModel, text: str, add_special_tokens: bool) -> list[int]:
+    return list(model.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """``{"tokens": [ids]}`` -> ``{"prompt": text}``."""
+    state = request.app[STATE]
+    body = parse_json_body(await request.read())
+    check_model(body, state.model.name)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
+        raise bad_request("tokens must be a list of integer token ids", "tokens")
+    vocab = state.model.vocab_size
+    bad = next((t for t in tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"tokens: token id {bad} is out of range [0, {vocab})", "tokens")
+    skip = optional_bool(body, "skip_special_tokens") if "skip_special_tokens" in body else True
+    text = await state.tokenize(_decode, state.model, tokens, skip)
+    return web.json_response({"prompt": text})
+
+
+def _decode(model: ServedModel, tokens: list[int], skip_special_tokens: bool) -> str:
+    return model.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("pagedserve")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": package_version()})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response(openapi_spec(package_version(), state.model.name, state.api_key is not None))

@@ -1,0 +1,179 @@
+"""The executor's sampler: logits processing, sampling, seeds, logprobs and token histories."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.executor import logits_processors as lp
+from services.executor.sampler import Sampler
+from services.executor.token_shadow import TokenShadow
+from shared.messages import SamplingParams, Step
+
+VOCAB = 10
+NEG_INF = float("-inf")
+
+
+def logits_of(*rows: list[float]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+BLOCK_SIZE = 4
+
+
+def step_of(chunks: list[tuple[int, int, list[int], list[int]]], **moves: np.ndarray) -> Step:
+    """A Step holding, per sequence, ``(seq_id, start position, new tokens, block table)``, with
+    its slots computed from the table; ``moves``: swap_out, swap_in, block_copies."""
+    tokens = [t for _, _, toks, _ in chunks for t in toks]
+    positions = [p for _, start, toks, _ in chunks for p in range(start, start + len(toks))]
+    slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+             for _, start, toks, table in chunks for p in range(start, start + len(toks))]
+    qsl = np.cumsum([0] + [len(toks) for _, _, toks, _ in chunks]).astype(np.int32)
+    width = max(len(table) for *_, table in chunks)
+    tables = np.array([table + [0] * (width - len(table)) for *_, table in chunks], np.int32)
+    context_lens = np.array([start + len(toks) for _, start, toks, _ in chunks], np.int32)
+    return Step(0, 0, np.array([c[0] for c in chunks], np.int64), np.array(tokens, np.int64),
+                np.array(positions, np.int64), np.array(slots, np.int64), qsl, context_lens, tables,
+                np.ones(len(chunks), bool), **{k: np.array(v, np.int64).reshape(-1, 2) for k, v in moves.items()})
+
+
+def shadowed_sampler() -> Sampler:
+    return Sampler(shadow=TokenShadow(BLOCK_SIZE, num_blocks=4))
+
+
+def test_greedy_without_processing_is_argmax_and_leaves_logits_alone():
+    sampler = Sampler()
+    sampler.add(0, SamplingParams(temperature=0.0))
+    logits = logits_of([0.0, 3.0, 1.0, 2.0])
+    out = sampler.sample(logits, [0])
+    assert out.token_ids.tolist() == [1] and len(out.logprobs) == 0
+    assert logits.tolist() == [[0.0, 3.0, 1.0, 2.0]]
+
+
+def test_logit_bias_is_added_before_sampling():
+    sampler = Sampler()
+    sampler.add(0, SamplingParams(temperature=0.0, logit_bias_token_ids=[0], logit_bias_values=[100.0]))
+    sampler.add(1, SamplingParams(temperature=0.0, logit_bias_token_ids=[1], logit_bias_values=[-100.0]))
+    sampler.add(2, SamplingParams(temperature=1.0, seed=3, logit_bias_token_ids=[2], logit_bias_values=[100.0]))
+    sampler.add(3, SamplingParams(temperature=0.0, logit_bias_token_ids=[99], logit_bias_values=[100.0],
+                                  min_tokens=1, stop_token_ids=[98]))  # beyond the logits: ignored
+    row = [0.0, 3.0, 1.0, 2.0]
+    assert sampler.sample(logits_of(row, row, row, row), [0, 1, 2, 3]).token_ids.tolist() == [0, 3, 2, 1]
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
+    sampler = Sampler()
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3], eos_token_ids=[1])
+    sampler.add(0, params)
+    sampler.add(1, SamplingParams(temperature=0.0, min_tokens=2, eos_token_ids=[1], ignore_eos=True))
+    row = [0.0, 5.0, 1.0, 4.0]
+    assert sampler.sample(logits_of(row, row), [0, 1]).token_ids.tolist() == [2, 1]  # EOS and stop banned
+    assert sampler.sample(logits_of(row, row), [0, 1]).token_ids.tolist() == [2, 1]
+    assert sampler.sample(logits_of(row, row), [0, 1]).token_ids.tolist() == [1, 1]  # two outputs: free
+
+
+def test_penalties_follow_hf_and_openai():
+    logits = logits_of([2.0, -2.0, 1.0, 1.0, 1.0])
+    out = lp.apply_penalties(logits, prompt_tokens=[np.array([0, 1])], output_tokens=[np.array([2, 2, 3])],
+                             repetition=[2.0], presence=[0.0], frequency=[0.0])
+    assert out.tolist() == [[1.0, -4.0, 0.5, 0.5, 1.0]]  # prompt and output count; divide +, multiply -
+    out = lp.apply_penalties(logits, prompt_tokens=[np.array([0, 1])], output_tokens=[np.array([2, 2, 3, -1])],
+                             repetition=[1.0], presence=[0.5], frequency=[0.25])
+    assert out.tolist() == [[2.0, -2.0, 1.0 - 0.5 - 0.5, 1.0 - 0.5 - 0.25, 1.0]]  # output only; -1 skipped
+
+
+def test_truncation_min_p_top_k_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
+    out = lp.truncate(logits, min_p=[0.0, 0.2, 0.0, 0.0], top_k=[0, 0, 2, 0], top_p=[1.0, 1.0, 1.0, 0.8])
+    kept = torch.isfinite(out).tolist()
+    assert kept == [
+        [True, True, True, True],  # nothing asked
+        [True, True, True, False],  # min_p 0.2: below 0.1 goes
+        [True, True, False, False],  # top_k 2
+        [True, True, False, False],  # top_p 0.8: 0.5 + 0.3 reaches it
+    ]
+    assert torch.equal(out[0], logits[0])
+
+
+def test_seeded_requests_repeat_whatever_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 50)
+
+    def draws(seeds: list[int | None], rows: torch.Tensor, shared_seed: int) -> list[int]:
+        sampler = Sampler(seed=shared_seed)
+        for seq_id, seed in enumerate(seeds):
+            sampler.add(seq_id, SamplingParams(temperature=1.0, top_p=0.95, seed=seed))
+        return [sampler.sample(rows, list(range(len(seeds)))).token_ids[0].item() for _ in range(30)]
+
+    alone = draws([7], logits[:1], shared_seed=0)
+    assert draws([7, None], logits, shared_seed=1) == alone  # an unseeded neighbour changes nothing
+    assert draws([8], logits[:1], shared_seed=0) != alone
+    assert len(set(alone)) > 1  # it does sample
+
+
+def test_logprobs_are_raw_and_ranked():
+    sampler = Sampler()
+    sampler.add(0, SamplingParams(temperature=0.0, logprobs=2, logit_bias_token_ids=[3], logit_bias_values=[50.0]))
+    sampler.add(1, SamplingParams(temperature=0.0))
+    sampler.add(2, SamplingParams(temperature=0.0, logprobs=0))
+    logits = logits_of([1.0, 3.0, 2.0, 0.0], [1.0, 3.0, 2.0, 0.0], [4.0, 3.0, 2.0, 0.0])
+    out = sampler.sample(logits, [0, 1, 2])
+    raw = torch.log_softmax(logits, -1)
+    assert out.token_ids.tolist() == [3, 1, 0]
+    assert out.logprobs.tolist() == pytest.approx([raw[0, 3].item(), raw[1, 1].item(), raw[2, 0].item()])
+    assert out.top_token_ids.shape == (3, 2) and out.top_token_ids[0].tolist() == [1, 2]  # raw ranking
+    assert out.top_logprobs[0].tolist() == pytest.approx([raw[0, 1].item(), raw[0, 2].item()])
+
+
+def test_history_follows_chunks_decodes_recompute_forks_and_swaps():
+    sampler = shadowed_sampler()
+    sampler.add(0, SamplingParams(temperature=0.0, repetition_penalty=1.5))
+    sampler.add(1, SamplingParams(temperature=0.0))
+    sampler.observe(step_of([(0, 0, [5, 6, 7, 8], [2, 0]), (1, 0, [1, 2, 3], [1])]))  # chunk 1 of 0's prompt
+    sampler.observe(step_of([(0, 4, [9], [2, 0])]))  # last chunk, in the second block
+    assert sampler.history(0) == [5, 6, 7, 8, 9] and sampler.history(1) == [1, 2, 3]
+    row = [0.0] * VOCAB
+    row[4] = 1.0
+    sampler.sample(logits_of(row), [0])  # samples 4
+    sampler.observe(step_of([(0, 5, [4], [2, 0])]))  # decode: feeds back the sampled token
+    assert sampler.history(0) == [5, 6, 7, 8, 9, 4]
+    # Preempted, prefilled again elsewhere from the start; the old blocks are somebody else's now.
+    sampler.observe(step_of([(1, 3, [0, 0, 0, 0, 0, 0], [1, 2, 0])]))
+    sampler.observe(step_of([(0, 0, [5, 6, 7, 8, 9, 4], [3, 5])]))
+    assert sampler.history(0) == [5, 6, 7, 8, 9, 4]
+    # A forked sample (n > 1) shares its parent's blocks and joins with no token of its own.
+    sampler.add(2, SamplingParams(temperature=0.0, repetition_penalty=1.5))
+    sampler.observe(step_of([(0, 6, [4], [3, 5]), (2, 7, [], [3, 5])]))
+    assert sampler.history(2) == [5, 6, 7, 8, 9, 4, 4]
+    # Copy-on-write: 2 writes into a copy of block 5; swap out and back in moves both blocks.
+    sampler.observe(step_of([(2, 7, [1], [3, 6])], block_copies=[[5, 6]]))
+    assert sampler.history(2) == [5, 6, 7, 8, 9, 4, 4, 1] and sampler.history(0) == [5, 6, 7, 8, 9, 4, 4]
+    sampler.observe(step_of([(1, 9, [2], [1, 2, 0])], swap_out=[[3, 0], [6, 1]]))
+    sampler.observe(step_of([(2, 8, [3], [7, 8, 9])], swap_in=[[0, 7], [1, 8]]))  # the pool grows
+    assert sampler.history(2) == [5, 6, 7, 8, 9, 4, 4, 1, 3]
+
+
+def test_prefix_cached_prompt_counts_for_repetition_but_not_presence():
+    sampler = shadowed_sampler()
+    sampler.add(0, SamplingParams(temperature=0.0))
+    sampler.observe(step_of([(0, 0, [1, 1, 1, 1], [0])]))  # computed by another request
+    sampler.add(1, SamplingParams(temperature=0.0, repetition_penalty=2.0))
+    sampler.add(2, SamplingParams(temperature=0.0, presence_penalty=2.0))
+    # Both reuse block 0 from the prefix cache and compute only their last prompt token.
+    sampler.observe(step_of([(1, 4, [2], [0, 1]), (2, 4, [2], [0, 2])]))
+    row = [1.2, 2.0, 1.0] + [0.0] * (VOCAB - 3)
+    assert sampler.sample(logits_of(row, row), [1, 2]).token_ids.tolist() == [0, 1]
+
+
+def test_penalized_greedy_uses_prompt_and_outputs():
+    sampler = shadowed_sampler()
+    sampler.add(0, SamplingParams(temperature=0.0, presence_penalty=2.0))
+    sampler.add(1, SamplingParams(temperature=0.0, repetition_penalty=2.0))
+    sampler.observe(step_of([(0, 0, [1], [0]), (1, 0, [1], [1])]))
+    row = [0.0, 3.0, 2.0] + [0.0] * (VOCAB - 3)
+    # presence counts outputs only: token 1 is in the prompt, not penalized; repetition halves it.
+    assert sampler.sample(logits_of(row, row), [0, 1]).token_ids.tolist() == [1, 2]
+    sampler.observe(step_of([(0, 1, [1], [0]), (1, 1, [2], [1])]))  # the decodes feed them back
+    # 0: 3 - 2 < 2 now that 1 is an output. 1: both seen, both halved: 1.5 > 1.
+    assert sampler.sample(logits_of(row, row), [0, 1]).token_ids.tolist() == [2, 1]
