@@ -1,4 +1,4 @@
-"""The Numba CPU kernels (kernels/cpu.py) against the PyTorch reference (kernels/reference.py).
+"""The Numba CPU kernels (kernels/cpu/) against the PyTorch reference (kernels/reference.py).
 
 Tolerances: inputs are float32 N(0, 1) and everything accumulates in float32 on both sides, but
 in a different order (blockwise online softmax here, one softmax over the whole row in SDPA), so
@@ -224,5 +224,6 @@ def test_backend_views_dtypes_and_one_specialization():
 
     # numba follows torch's thread count
     assert numba.get_num_threads() == min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    for kernel in (cpu._decode_kernel, cpu._prefill_kernel, cpu._write_kv_kernel):
+    for kernel in (cpu.decode._decode_kernel, cpu.prefill._prefill_kernel,
+                   cpu.cache_ops._write_kv_kernel):
         assert len(kernel.signatures) == 1, kernel.signatures

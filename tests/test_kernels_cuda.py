@@ -1,4 +1,4 @@
-"""The Numba CUDA kernels (kernels/cuda.py) against the PyTorch reference, at tiny shapes.
+"""The Numba CUDA kernels (kernels/cuda/) against the PyTorch reference, at tiny shapes.
 
 Runs under the CUDA simulator, in its own pytest invocation (numba reads the variable when it is
 first imported, so it must be set before the process starts):

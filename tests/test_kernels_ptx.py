@@ -8,6 +8,8 @@ simulator (no compiler there), so it runs in the normal pytest invocation.
 
 from __future__ import annotations
 
+import sys
+
 import numba
 import pytest
 
@@ -54,9 +56,11 @@ def test_kernel_compiles_to_ptx_for_sm90(name):
 @pytest.mark.parametrize("name", ["decode_kernel", "prefill_kernel"])
 def test_shared_memory_reduction_variant_compiles(name, monkeypatch):
     """The simulator's variant (shared-memory reductions) is valid CUDA too."""
-    monkeypatch.setattr(kcuda, "USE_SHUFFLE", False)
-    monkeypatch.setattr(kcuda, "PARTIALS", kcuda.THREADS * kcuda.WARP)
     fn, sig = kcuda.ptx_signatures()[name]
+    # a kernel reads the constants from its own module's globals when it is compiled
+    module = sys.modules[fn.py_func.__module__]
+    monkeypatch.setattr(module, "USE_SHUFFLE", False)
+    monkeypatch.setattr(module, "PARTIALS", kcuda.THREADS * kcuda.WARP)
     ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=CC)
     assert "shfl.sync" not in ptx
     assert ".f64" not in ptx

@@ -8,6 +8,7 @@ from tests.harness import InProcessEngine
 
 pytestmark = pytest.mark.slow
 
+MAX_NEW = 40
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -22,25 +23,28 @@ def smollm2():
     src = resolve_model(None)
     tok = AutoTokenizer.from_pretrained(src.directory, **src.pretrained_kwargs())
     model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=torch.float32, **src.pretrained_kwargs())
-    return tok, model.eval()
+    model.eval()
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    refs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW,
+                                 do_sample=False, eos_token_id=None)
+        refs.append(out[0, len(ids):].tolist())
+        assert len(refs[-1]) == MAX_NEW
+    return tok, model, prompts, refs
 
 
 @pytest.mark.parametrize("backend", ["torch", "numba"])
 def test_smollm2_greedy_matches_transformers(smollm2, backend):
     if backend == "numba":
         pytest.importorskip("kernels.cpu")
-    tok, model = smollm2
-    max_new = 40
+    tok, model, prompts, refs = smollm2
     engine = InProcessEngine(model, num_blocks=64, block_size=16, backend=backend, max_model_len=512)
-    prompts = [tok(p)["input_ids"] for p in PROMPTS]
     for i, ids in enumerate(prompts):
-        engine.add(f"r{i}", ids, temperature=0.0, max_tokens=max_new, ignore_eos=True)
+        engine.add(f"r{i}", ids, temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     got = engine.run()
-    for i, ids in enumerate(prompts):
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                                 do_sample=False, eos_token_id=None)[0, len(ids):].tolist()
-        assert len(ref) == max_new
+    for i, ref in enumerate(refs):
         assert got[f"r{i}"] == ref, f"prompt {i}: {tok.decode(got[f'r{i}'])!r} != {tok.decode(ref)!r}"
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks

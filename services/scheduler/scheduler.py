@@ -1,11 +1,13 @@
 """Continuous batching policy: which sequences run in the next step. Plain Python, no I/O.
 
 Each call to ``schedule`` builds one ``Step``: running sequences first (decodes, and prefills
-still in progress, oldest first), then waiting sequences admitted first come first served while
-the sequence budget, the token budget and free blocks (above the watermark) allow. A long prompt
-is prefilled in chunks of at most the remaining token budget. When a running sequence cannot get
-a block, the most recently arrived running sequence is preempted by recompute: its blocks are
-freed and it goes back to the head of the queue, to be prefilled again with its generated tokens.
+still in progress, oldest first), then swapped groups coming back, then waiting sequences
+admitted first come first served (reusing their prefix-cache hits) while the sequence budget, the
+token budget and free blocks (above the watermark) allow; nothing new is admitted while a group
+is swapped out. A long prompt is prefilled in chunks of at most the remaining token budget. When
+a running sequence cannot get a block, the most recently arrived group is preempted, all its
+sequences together: swapped to the CPU pool (``preemption_mode="swap"``, when there is room) or
+freed and re-queued at the head to be prefilled again with its generated tokens (recompute).
 ``update`` applies a step's sampled tokens and returns the deltas for the frontend.
 """
 
@@ -14,55 +16,19 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections import deque
-from dataclasses import dataclass, field
 
 from shared.messages import AddRequest, RequestOutput, Step, StepResult
 
 from .block_manager import AllocStatus, BlockManager
 from .groups import SequenceGroupsMixin
 from .logprobs import attach_logprobs
+from .plan import Plan as _Plan
+from .plan import SchedulerConfig
 from .sequence import Sequence, SequenceStatus
 from .step_builder import Scheduled as _Scheduled
 from .step_builder import build_step
 
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    preemption_mode: str = "recompute"  # or "swap"
-    kv_policy: str = "paged"  # or "contiguous" (the baseline that reserves up front)
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
-        if self.kv_policy not in ("paged", "contiguous"):
-            raise ValueError(f"--kv-policy must be paged or contiguous, got {self.kv_policy!r}")
-
-
-@dataclass
-class _Plan:
-    """What one ``schedule`` call has decided so far."""
-
-    token_budget: int
-    scheduled: list[_Scheduled] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    preempted: bool = False
-
-    def add(self, seq: Sequence, num_new: int) -> None:
-        self.scheduled.append(_Scheduled(seq, num_new))
-        self.token_budget -= num_new
-
-    def drop(self, group: list[Sequence]) -> None:
-        """Unschedule sequences that are being preempted, giving their tokens back."""
-        keep = [s for s in self.scheduled if s.seq not in group]
-        self.token_budget += sum(s.num_new_tokens for s in self.scheduled if s.seq in group)
-        self.scheduled = keep
+__all__ = ["Scheduler", "SchedulerConfig"]
 
 
 class Scheduler(SequenceGroupsMixin):
@@ -111,7 +77,7 @@ class Scheduler(SequenceGroupsMixin):
         for choice_idx in range(num_seqs):
             sampling = group_sampling
             if sampling.seed is not None and choice_idx:  # distinct, reproducible streams
-                sampling = dataclasses.replace(sampling, seed=sampling.seed + choice_idx)
+                sampling = dataclasses.replace(sampling, seed=(sampling.seed + choice_idx) % 2**63)
             seq = Sequence(
                 seq_id=self._next_seq_id, request_id=req.request_id, choice_idx=choice_idx,
                 prompt_token_ids=prompt, sampling=sampling,
@@ -242,7 +208,7 @@ class Scheduler(SequenceGroupsMixin):
                 self.blocks.prefix_hashes(seq.token_ids, full, seq.block_hashes)
             self.blocks.cache_full_blocks(seq.seq_id, seq.block_hashes[:full])
 
-    def _make_room(self, seq: Sequence, num_new: int, plan: "_Plan") -> bool:
+    def _make_room(self, seq: Sequence, num_new: int, plan: _Plan) -> bool:
         """Allocate ``seq``'s slots, preempting the newest groups as needed; False if ``seq`` went."""
         while not self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new,
                                              seq.num_computed_tokens):
@@ -254,7 +220,7 @@ class Scheduler(SequenceGroupsMixin):
                 return False
         return True
 
-    def _fork_children(self, parent: Sequence, num_new: int, plan: "_Plan") -> None:
+    def _fork_children(self, parent: Sequence, num_new: int, plan: _Plan) -> None:
         """When ``parent`` finishes its prompt in this step, its siblings start sharing its blocks.
 
         Each child joins the step with no new token, right after the parent, so its first token
@@ -323,7 +289,7 @@ class Scheduler(SequenceGroupsMixin):
 
     # ------------------------------------------------------------------ helpers
 
-    def _preempt(self, group: list[Sequence], plan: "_Plan") -> None:
+    def _preempt(self, group: list[Sequence], plan: _Plan) -> None:
         """Preempt a whole group: swap its blocks out when configured and possible, else recompute."""
         ids = [s.seq_id for s in group]
         for seq in group:

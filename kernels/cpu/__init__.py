@@ -1,0 +1,30 @@
+"""Numba CPU forms of the paged-attention kernels (layouts and semantics: ``kernels/reference.py``).
+
+The entry points take numpy arrays, in the reference's argument order, and write their output
+argument in place. ``NumbaCPUBackend`` adapts them to the torch tensors of the attention dispatch
+(``services/executor/attention.py``), zero-copy through ``Tensor.numpy()``.
+
+- ``common``: the prefetch intrinsic and the fastmath flags the attention kernels share.
+- ``decode``: ``paged_decode_attention``, one task per (sequence, KV head), partitioned for small
+  batches (``auto_partitions``, ``MIN_PARTITION_SIZE``).
+- ``prefill``: ``paged_prefill_attention``, one task per (sequence, KV head, tile of query rows).
+- ``cache_ops``: ``write_kv_cache``, ``copy_blocks``, ``swap_blocks``.
+- ``backend``: ``NumbaCPUBackend`` and ``sync_threads`` (numba follows torch's thread count).
+
+Compilation: ``cache=True`` (the cache lives in ``kernels/cpu/__pycache__``, or
+``NUMBA_CACHE_DIR``). The wrappers pass C-contiguous float32 / int32 / int64 arrays and a Python
+float, so each kernel has a single specialization for float32 caches.
+"""
+
+from __future__ import annotations
+
+from kernels.cpu.backend import NumbaCPUBackend, sync_threads
+from kernels.cpu.cache_ops import copy_blocks, swap_blocks, write_kv_cache
+from kernels.cpu.decode import MIN_PARTITION_SIZE, auto_partitions, paged_decode_attention
+from kernels.cpu.prefill import paged_prefill_attention
+
+__all__ = [
+    "MIN_PARTITION_SIZE", "NumbaCPUBackend", "auto_partitions", "copy_blocks",
+    "paged_decode_attention", "paged_prefill_attention", "swap_blocks", "sync_threads",
+    "write_kv_cache",
+]

@@ -1,0 +1,48 @@
+"""Numba CUDA forms of the paged-attention kernels (layouts and semantics: ``kernels/reference.py``).
+
+Importing this package needs no GPU (kernels compile lazily, on first launch);
+``NumbaCUDABackend()`` raises ImportError where CUDA is unavailable, so the dispatch's ``auto``
+falls back to torch.
+
+Kernels (all module-level ``cuda.jit`` kernels, float32 in, float32 accumulation). No device
+functions, not even the library's: ``min``/``max`` and ``cuda.shfl_xor_sync`` are device functions
+in numba, which ``cuda.compile_ptx`` cannot compile without a current device, so the kernels use
+``if`` and ``cuda.shfl_sync_intrinsic``.
+
+- ``config``: threads per block, warp-shuffle or shared-memory reductions (the simulator's),
+  shared-memory sizes.
+- ``cache_ops``: ``write_kv_kernel`` (one thread block per token) and ``copy_blocks_kernel`` (one
+  thread block per (src, dst) pair; serves ``copy_blocks`` and ``swap_blocks`` between two device
+  pools; host <-> device swaps are plain copies).
+- ``decode``: ``decode_kernel``, one thread block per (sequence, query head, partition).
+- ``prefill``: ``prefill_kernel``, one thread block per (query token, query head, partition).
+- ``merge``: ``merge_kernel``, the log-sum-exp combination of the partitions of decode and prefill.
+- ``launch``: the host-side entry points (``paged_decode_attention``, ...), on device arrays.
+- ``backend``: ``NumbaCUDABackend``, on torch CUDA tensors.
+- ``ptx``: ``ptx_signatures`` for ahead-of-time compilation in the tests.
+"""
+
+from __future__ import annotations
+
+from kernels.cuda.backend import NumbaCUDABackend
+from kernels.cuda.cache_ops import copy_blocks_kernel, write_kv_kernel
+from kernels.cuda.config import (
+    FULL_MASK, MAX_HEAD_DIM, MAX_PARTITION, NEG_INF, NUM_WARPS, PARTIALS, SHFL_XOR, SIMULATOR,
+    THREADS, USE_SHUFFLE, WARP,
+)
+from kernels.cuda.decode import decode_kernel
+from kernels.cuda.launch import (
+    choose_partition_size, copy_blocks, paged_decode_attention, paged_prefill_attention,
+    swap_blocks, write_kv_cache,
+)
+from kernels.cuda.merge import merge_kernel
+from kernels.cuda.prefill import prefill_kernel
+from kernels.cuda.ptx import ptx_signatures
+
+__all__ = [
+    "FULL_MASK", "MAX_HEAD_DIM", "MAX_PARTITION", "NEG_INF", "NUM_WARPS", "NumbaCUDABackend",
+    "PARTIALS", "SHFL_XOR", "SIMULATOR", "THREADS", "USE_SHUFFLE", "WARP", "choose_partition_size",
+    "copy_blocks", "copy_blocks_kernel", "decode_kernel", "merge_kernel", "paged_decode_attention",
+    "paged_prefill_attention", "prefill_kernel", "ptx_signatures", "swap_blocks", "write_kv_cache",
+    "write_kv_kernel",
+]

@@ -1,0 +1,109 @@
+"""The Numba CUDA backend of ``services/executor/attention.py``."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from kernels.cuda.config import SIMULATOR
+from kernels.cuda.launch import paged_decode_attention, paged_prefill_attention, write_kv_cache
+
+
+class NumbaCUDABackend:
+    """Numba CUDA kernels behind the dispatch's backend interface (torch CUDA tensors, in place).
+
+    Launches go on torch's current stream, workspaces come from torch's caching allocator; float32
+    caches only (other dtypes fall back to the PyTorch reference).
+    """
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        if SIMULATOR or not cuda.is_available():
+            raise ImportError("Numba CUDA backend: no CUDA device available to numba"
+                              + (" (the CUDA simulator is enabled)" if SIMULATOR else ""))
+        import torch
+
+        self._torch = torch
+
+    def _fast(self, *tensors) -> bool:
+        return all(t.is_cuda and t.dtype == self._torch.float32 for t in tensors)
+
+    @staticmethod
+    def _dev(t):
+        return cuda.as_cuda_array(t.detach(), sync=False)  # ordering: same stream as torch
+
+    def _stream(self, t):
+        handle = self._torch.cuda.current_stream(t.device).cuda_stream
+        # torch's default stream is the legacy default stream (handle 0)
+        return cuda.default_stream() if handle == 0 else cuda.external_stream(handle)
+
+    def _empty(self, device):
+        torch = self._torch
+        dtypes = {np.dtype(np.float32): torch.float32, np.dtype(np.int32): torch.int32}
+        keep = self._keep = []  # workspaces live until the next call (stream-ordered reuse)
+
+        def empty(shape, dtype):
+            t = torch.empty(shape, dtype=dtypes[np.dtype(dtype)], device=device)
+            keep.append(t)
+            return cuda.as_cuda_array(t, sync=False)
+
+        return empty
+
+    def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
+        from kernels import reference
+
+        if not (self._fast(key_cache, value_cache, key, value)
+                and key_cache.is_contiguous() and value_cache.is_contiguous()):
+            return reference.write_kv_cache(key_cache, value_cache, key, value, slot_mapping)
+        with cuda.gpus[key_cache.device.index or 0]:
+            write_kv_cache(self._dev(key_cache), self._dev(value_cache),
+                           self._dev(key.contiguous()), self._dev(value.contiguous()),
+                           self._dev(slot_mapping.to(self._torch.int64).contiguous()),
+                           stream=self._stream(key_cache))
+
+    def _attention(self, kind, out, query, key_cache, value_cache, block_tables, query_start_loc,
+                   context_lens, scale):
+        torch = self._torch
+        target = out if out.is_contiguous() else torch.empty_like(out)
+        device = query.device
+        args = [self._dev(query.contiguous()), self._dev(key_cache), self._dev(value_cache),
+                self._dev(block_tables.to(torch.int32).contiguous())]
+        if kind == "prefill":
+            args.append(self._dev(query_start_loc.to(torch.int32).contiguous()))
+        lens = context_lens.to(torch.int32).contiguous()
+        if lens.is_cuda:  # no device-to-host sync: the block table's width bounds every context
+            max_len = block_tables.shape[1] * key_cache.shape[2]
+        else:
+            max_len = int(lens.max())
+            lens = lens.to(device)
+        with cuda.gpus[device.index or 0]:
+            fn = paged_decode_attention if kind == "decode" else paged_prefill_attention
+            fn(self._dev(target), *args, self._dev(lens), scale, max_len=max_len,
+               empty=self._empty(device), stream=self._stream(query))
+        if target is not out:
+            out.copy_(target)
+
+    def decode(self, out, query, key_cache, value_cache, block_tables, context_lens, scale) -> None:
+        from kernels import reference
+
+        if not (self._fast(out, query, key_cache, value_cache)
+                and key_cache.is_contiguous() and value_cache.is_contiguous()):
+            return reference.paged_decode_attention(
+                out, query, key_cache, value_cache, block_tables, context_lens, scale)
+        if query.shape[0]:
+            self._attention("decode", out, query, key_cache, value_cache, block_tables, None,
+                            context_lens, scale)
+
+    def prefill(self, out, query, key_cache, value_cache, block_tables, query_start_loc,
+                context_lens, scale) -> None:
+        from kernels import reference
+
+        if not (self._fast(out, query, key_cache, value_cache)
+                and key_cache.is_contiguous() and value_cache.is_contiguous()):
+            return reference.paged_prefill_attention(
+                out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
+                scale)
+        if query.shape[0]:
+            self._attention("prefill", out, query, key_cache, value_cache, block_tables,
+                            query_start_loc, context_lens, scale)

@@ -1,0 +1,31 @@
+"""Launch geometry and constants of the Numba CUDA kernels, fixed when this module is imported.
+
+Reductions: on a GPU, warp shuffles (``shfl_sync_intrinsic`` in xor mode) and a shared array of
+one value per warp; the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, read by numba when it is first
+imported) has no warp shuffles, so there the same kernels reduce through shared memory
+(``USE_SHUFFLE``), and the simulator runs 64-thread blocks, two warps, instead of 128.
+
+The kernels read these names as globals when they are compiled, from their own module's
+namespace (``from kernels.cuda.config import ...``): to compile a variant, patch the kernel's
+module, not this one.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
+USE_SHUFFLE = not SIMULATOR
+WARP = 32
+THREADS = 64 if SIMULATOR else 128  # threads per block (the simulator runs each as a Python thread)
+NUM_WARPS = THREADS // WARP
+MAX_HEAD_DIM = 256
+MAX_PARTITION = 512  # tokens per partition: the logits of one partition live in shared memory
+# per-token partial dot products of the shared-memory (simulator) reduction; 1 when unused
+PARTIALS = 1 if USE_SHUFFLE else THREADS * WARP
+# warp shuffles go through the intrinsic: cuda.shfl_xor_sync is a device function, which
+# cannot be compiled ahead of time without a current device
+FULL_MASK = np.int32(-1)  # all 32 lanes
+SHFL_XOR = 3  # shfl_sync_intrinsic mode: lane ^ offset
+NEG_INF = np.float32(-np.inf)

@@ -1,0 +1,203 @@
+"""Numba CUDA paged prefill kernel: new tokens attend causally to themselves and their prefix.
+
+One thread block per (query token, query head, partition): the decode kernel's algorithm for each
+new token, over positions ``[0, its position]`` (causal), sharing ``merge_kernel``. The steps are
+repeated here, not shared: the kernels have no device functions (see ``kernels/cuda``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32
+
+from kernels.cuda.config import (
+    FULL_MASK, MAX_HEAD_DIM, MAX_PARTITION, NEG_INF, NUM_WARPS, PARTIALS, SHFL_XOR, THREADS,
+    USE_SHUFFLE, WARP,
+)
+
+
+# grid: (num_tokens, num_heads, num_partitions); block: (THREADS,)
+@cuda.jit(fastmath=False)
+def prefill_kernel(part_out, part_max, part_sum, row_lens, query, key_cache, value_cache,
+                   block_tables, query_start_loc, context_lens, scale, partition_size):
+    # part_out: [num_tokens, num_heads, num_partitions, head_dim] float32 (as in decode_kernel)
+    # part_max, part_sum: [num_tokens, num_heads, num_partitions] float32
+    # row_lens: [num_tokens] int32, written here: positions each query row attends to
+    # query: [num_tokens, num_heads, head_dim] float32
+    # key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim] float32
+    # block_tables: [num_seqs, max_blocks] int32; query_start_loc: [num_seqs + 1] int32;
+    # context_lens: [num_seqs] int32; scale: float32; partition_size: int32 <= MAX_PARTITION
+    r = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    p = cuda.blockIdx.z
+    tid = cuda.threadIdx.x
+    warp = tid // WARP
+    lane = tid - warp * WARP
+    num_heads = query.shape[1]
+    head_dim = query.shape[2]
+    num_kv_heads = key_cache.shape[1]
+    block_size = key_cache.shape[2]
+    kvh = h // (num_heads // num_kv_heads)
+    # the sequence of row r: the last s with query_start_loc[s] <= r (binary search)
+    lo = 0
+    hi = context_lens.shape[0] - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if query_start_loc[mid] <= r:
+            lo = mid
+        else:
+            hi = mid - 1
+    s = lo
+    q_len = query_start_loc[s + 1] - query_start_loc[s]
+    length = context_lens[s] - q_len + (r - query_start_loc[s]) + 1  # causal: [0, position]
+    if h == 0 and p == 0 and tid == 0:
+        row_lens[r] = length
+    start = p * partition_size
+    if start >= length:
+        return
+    end = start + partition_size
+    if end > length:
+        end = length
+    n = end - start
+
+    q_sh = cuda.shared.array(MAX_HEAD_DIM, float32)
+    logits = cuda.shared.array(MAX_PARTITION, float32)
+    red = cuda.shared.array(THREADS, float32)
+    partials = cuda.shared.array(PARTIALS, float32)
+    for d in range(tid, head_dim, THREADS):
+        q_sh[d] = query[r, h, d]
+    cuda.syncthreads()
+
+    # 1. logits (as in decode_kernel)
+    if USE_SHUFFLE:
+        for tok in range(start + warp, end, NUM_WARPS):
+            blk = block_tables[s, tok // block_size]
+            off = tok - (tok // block_size) * block_size
+            acc = float32(0.0)
+            for d in range(lane, head_dim, WARP):
+                acc += q_sh[d] * key_cache[blk, kvh, off, d]
+            step = np.int32(WARP // 2)
+            while step > 0:
+                acc += cuda.shfl_sync_intrinsic(FULL_MASK, SHFL_XOR, acc, step, 0x1F)[0]
+                step //= 2
+            if lane == 0:
+                logits[tok - start] = acc * scale
+    else:
+        for base in range(start, end, THREADS):
+            for j in range(warp, THREADS, NUM_WARPS):
+                tok = base + j
+                acc = float32(0.0)
+                if tok < end:
+                    blk = block_tables[s, tok // block_size]
+                    off = tok - (tok // block_size) * block_size
+                    for d in range(lane, head_dim, WARP):
+                        acc += q_sh[d] * key_cache[blk, kvh, off, d]
+                partials[j * WARP + lane] = acc
+            cuda.syncthreads()
+            tok = base + tid
+            if tok < end:
+                acc = float32(0.0)
+                for k in range(WARP):
+                    acc += partials[tid * WARP + k]
+                logits[tok - start] = acc * scale
+            cuda.syncthreads()
+    cuda.syncthreads()
+
+    # 2. block-wide max
+    m = NEG_INF
+    for i in range(tid, n, THREADS):
+        if logits[i] > m:
+            m = logits[i]
+    if USE_SHUFFLE:
+        step = np.int32(WARP // 2)
+        while step > 0:
+            other = cuda.shfl_sync_intrinsic(FULL_MASK, SHFL_XOR, m, step, 0x1F)[0]
+            if other > m:
+                m = other
+            step //= 2
+        if lane == 0:
+            red[warp] = m
+        cuda.syncthreads()
+        m = red[lane] if lane < NUM_WARPS else NEG_INF
+        step = np.int32(WARP // 2)
+        while step > 0:
+            other = cuda.shfl_sync_intrinsic(FULL_MASK, SHFL_XOR, m, step, 0x1F)[0]
+            if other > m:
+                m = other
+            step //= 2
+    else:
+        red[tid] = m
+        cuda.syncthreads()
+        step = THREADS // 2
+        while step > 0:
+            if tid < step:
+                if red[tid + step] > red[tid]:
+                    red[tid] = red[tid + step]
+            cuda.syncthreads()
+            step //= 2
+        m = red[0]
+    cuda.syncthreads()
+
+    # 3. exponentials and their block-wide sum
+    total = float32(0.0)
+    for i in range(tid, n, THREADS):
+        e = math.exp(logits[i] - m)
+        logits[i] = e
+        total += e
+    if USE_SHUFFLE:
+        step = np.int32(WARP // 2)
+        while step > 0:
+            total += cuda.shfl_sync_intrinsic(FULL_MASK, SHFL_XOR, total, step, 0x1F)[0]
+            step //= 2
+        if lane == 0:
+            red[warp] = total
+        cuda.syncthreads()
+        total = red[lane] if lane < NUM_WARPS else float32(0.0)
+        step = np.int32(WARP // 2)
+        while step > 0:
+            total += cuda.shfl_sync_intrinsic(FULL_MASK, SHFL_XOR, total, step, 0x1F)[0]
+            step //= 2
+    else:
+        red[tid] = total
+        cuda.syncthreads()
+        step = THREADS // 2
+        while step > 0:
+            if tid < step:
+                red[tid] = red[tid] + red[tid + step]
+            cuda.syncthreads()
+            step //= 2
+        total = red[0]
+    cuda.syncthreads()
+
+    # 4. weighted sum of the values
+    inv = float32(1.0) / total
+    if head_dim <= THREADS:
+        groups = THREADS // head_dim
+        g = tid // head_dim
+        d = tid - g * head_dim
+        acc = float32(0.0)
+        if g < groups:
+            for i in range(g, n, groups):
+                tok = start + i
+                blk = block_tables[s, tok // block_size]
+                acc += logits[i] * value_cache[blk, kvh, tok - (tok // block_size) * block_size, d]
+        red[tid] = acc
+        cuda.syncthreads()
+        if tid < head_dim:
+            acc = float32(0.0)
+            for k in range(groups):
+                acc += red[k * head_dim + tid]
+            part_out[r, h, p, tid] = acc * inv
+    else:
+        for d in range(tid, head_dim, THREADS):
+            acc = float32(0.0)
+            for i in range(n):
+                tok = start + i
+                blk = block_tables[s, tok // block_size]
+                acc += logits[i] * value_cache[blk, kvh, tok - (tok // block_size) * block_size, d]
+            part_out[r, h, p, d] = acc * inv
+    if tid == 0:
+        part_max[r, h, p] = m
+        part_sum[r, h, p] = total

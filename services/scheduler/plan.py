@@ -1,0 +1,47 @@
+"""The scheduler's configuration and the plan one ``schedule`` call builds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sequence import Sequence
+from .step_builder import Scheduled
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    preemption_mode: str = "recompute"  # or "swap"
+    kv_policy: str = "paged"  # or "contiguous" (the baseline that reserves up front)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.kv_policy not in ("paged", "contiguous"):
+            raise ValueError(f"--kv-policy must be paged or contiguous, got {self.kv_policy!r}")
+
+
+@dataclass
+class Plan:
+    """What one ``schedule`` call has decided so far."""
+
+    token_budget: int
+    scheduled: list[Scheduled] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: bool = False
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        self.scheduled.append(Scheduled(seq, num_new))
+        self.token_budget -= num_new
+
+    def drop(self, group: list[Sequence]) -> None:
+        """Unschedule sequences that are being preempted, giving their tokens back."""
+        keep = [s for s in self.scheduled if s.seq not in group]
+        self.token_budget += sum(s.num_new_tokens for s in self.scheduled if s.seq in group)
+        self.scheduled = keep
