@@ -241,7 +241,7 @@ def test_chat_stop_string(client, model):
     ("/v1/completions", {"prompt": " ".join(["word"] * 100), "max_tokens": 50}, "max_tokens",
      ["100 prompt tokens + 50 max_tokens", f"maximum context length is {MAX_MODEL_LEN}"]),
     ("/v1/completions", {"prompt": "hi", "temperature": "warm"}, "temperature", ["must be a number, got string"]),
-    ("/v1/completions", {"prompt": "hi", "n": 3}, "n", ["n > 1 is not supported yet"]),
+    ("/v1/completions", {"prompt": "hi", "n": 129}, "n", ["n must be between 1 and 128, got 129"]),
     ("/v1/chat/completions", {"messages": "hi"}, "messages", ["non-empty list"]),
 ])
 def test_invalid_requests_get_a_400_and_the_server_carries_on(frontend, model, client, path, payload, param, fragments):

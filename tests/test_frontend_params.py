@@ -179,8 +179,8 @@ def test_several_prompts_are_several_choices(client, fake, model, prompt, stream
 
 
 @pytest.mark.parametrize("field, value, fragment", [
-    ("n", 2, "n > 1 is not supported yet"),
-    ("best_of", 2, "best_of > 1 is not supported yet"),
+    ("n", 200, "n must be between 1 and 128"),
+    ("best_of", 200, "best_of must be between 1 and 128"),
     ("logprobs", 50, "between 0 and 20"),
     ("logit_bias", {"999999999": 1}, "out of range"),
     ("presence_penalty", 3, "between -2 and 2"),

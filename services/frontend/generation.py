@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from dataclasses import dataclass, field
@@ -40,19 +41,46 @@ class GenerationObserver(Protocol):
 
 @dataclass
 class Delta:
-    """New text since the previous delta; ``finish_reason`` is set on the last one."""
+    """New text of one choice since its previous delta; ``finish_reason`` is set on its last one.
+    ``index`` is the choice's index in the response."""
 
+    index: int
     text: str
     num_new_tokens: int
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for: one per new token
 
 
+class ChoiceState:
+    """One choice of a generation: its own text, stop strings and end."""
+
+    def __init__(self, index: int, tokenizer: Any, stop: list[str]) -> None:
+        self.index = index
+        self.detokenizer = IncrementalDetokenizer(tokenizer, stop)
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.engine_done = False  # the scheduler sent this choice's last output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+
 class Generation:
-    """Drives one engine request (one choice). Use as ``start()``, ``await next_delta()`` until
-    ``finished``, and ``close()`` in a ``finally``: closing a request that has not finished aborts
-    it at the scheduler (client gone, handler cancelled); a stop string aborts it as soon as it is
-    found. ``index`` is the choice's index in the response.
+    """Drives one engine request: ``sampling.n`` choices of one prompt (``best_of`` samples or a
+    beam search of width ``n`` return at most ``n``). Use as ``start()``, ``await next_deltas()``
+    until ``finished``, and ``close()`` in a ``finally``: closing a request that has not finished
+    aborts it at the scheduler (client gone, handler cancelled).
+
+    Each choice is detokenized and checked for stop strings on its own: a stop string finishes
+    only its choice (its later tokens are dropped), and once every choice has finished the request
+    is aborted at the scheduler if some of its sequences still run. Choice ``i`` is
+    ``index_base + i`` in the response. ``choices`` lists the choices the response will have:
+    after a beam search that found fewer than ``n`` hypotheses, only those.
     """
 
     def __init__(
@@ -65,26 +93,27 @@ class Generation:
         tokenizer: Any,
         stop: list[str],
         *,
-        index: int = 0,
+        index_base: int = 0,
         arrival_time: float | None = None,
         observer: GenerationObserver | None = None,
     ) -> None:
         self._client = client
         self.request_id = request_id
-        self.index = index
+        self.index_base = index_base
         self.prompt_token_ids = prompt_token_ids
         self._sampling = sampling
         self._eos_token_ids = eos_token_ids
-        self._detokenizer = IncrementalDetokenizer(tokenizer, stop)
+        self._all_choices = [ChoiceState(index_base + i, tokenizer, stop) for i in range(max(1, sampling.n))]
+        self.choices = list(self._all_choices)
         self._observer = observer
-        self._queue = None
+        self._queue: asyncio.Queue[RequestOutput | None] | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_output_time: float | None = None  # any output came back (it left the queue)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self.num_completion_tokens = 0
-        self.finish_reason: str | None = None
+        self.num_completion_tokens = 0  # over every choice
         self.finished = False
+        self._engine_done = False  # nothing more will come from the scheduler
         self._closed = False
 
     @property
@@ -92,12 +121,17 @@ class Generation:
         return len(self.prompt_token_ids)
 
     @property
-    def text(self) -> str:
-        return self._detokenizer.text
-
-    @property
     def wants_logprobs(self) -> bool:
         return self._sampling.logprobs is not None
+
+    @property
+    def beam_search(self) -> bool:
+        """Beam search: how many choices come back is known only at the end."""
+        return self._sampling.use_beam_search
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [c.finish_reason for c in self.choices if c.finish_reason is not None]
 
     def start(self) -> None:
         request = AddRequest(
@@ -110,44 +144,59 @@ class Generation:
         self._queue = self._client.add_request(request)
         if self._observer is not None:
             self._observer.on_start(self)
-        log.info("request sent", num_prompt_tokens=self.num_prompt_tokens, max_tokens=self._sampling.max_tokens)
+        log.info("request sent", num_prompt_tokens=self.num_prompt_tokens, max_tokens=self._sampling.max_tokens,
+                 n=self._sampling.n)
 
-    async def next_delta(self) -> Delta:
-        """Wait for the scheduler's next output(s) and return the text they release.
+    async def next_deltas(self) -> list[Delta]:
+        """Wait for the scheduler's next output(s) and return the text they release, one delta per
+        choice that got any (in choice order; maybe none).
 
         Raises ``EngineRequestError`` when the scheduler reports an error or aborts on its own."""
         assert self._queue is not None and not self.finished
         outputs = [await self._queue.get()]
-        while not self._queue.empty() and outputs[-1].finish_reason is None:
+        while not self._queue.empty():
             outputs.append(self._queue.get_nowait())  # a slow client gets fewer, larger chunks
+        deltas: dict[int, Delta] = {}
         num_new = 0
-        text = ""
-        logprobs: list[TokenLogprob] = []
         for output in outputs:
+            if output is None:  # a beam search returned fewer hypotheses than n
+                self._engine_done = True
+                self.choices = [c for c in self.choices if c.finished]
+                continue
+            if output.finish_reason is not None:
+                self._check_failure(output)
+            choice = self._all_choices[output.choice_idx]  # the client checked the range
+            choice.engine_done = choice.engine_done or output.finish_reason is not None
+            if choice.finished:
+                continue  # a stop string ended it: the rest is cut
+            delta = deltas.setdefault(choice.index, Delta(choice.index, "", 0))
+            delta.num_new_tokens += len(output.new_token_ids)
+            choice.num_tokens += len(output.new_token_ids)
             num_new += len(output.new_token_ids)
-            text += self._detokenizer.add(output.new_token_ids)
+            delta.text += choice.detokenizer.add(output.new_token_ids)
             if self.wants_logprobs:
-                logprobs += _token_logprobs(output)
-            if self._detokenizer.stopped:
-                break
+                delta.logprobs += _token_logprobs(output)
+            if choice.detokenizer.stopped:
+                choice.finish_reason = delta.finish_reason = "stop"
+            elif output.finish_reason is not None:
+                delta.text += choice.detokenizer.finish()
+                choice.finish_reason = delta.finish_reason = output.finish_reason
+        self._engine_done = self._engine_done or all(c.engine_done for c in self.choices)
         self._observe_output(num_new)
-        last = outputs[-1]
-        if self._detokenizer.stopped:
-            self._finish("stop")
-            if last.finish_reason is None:
-                self._client.abort(self.request_id)  # the rest would be cut anyway
-        elif last.finish_reason is not None:
-            self._check_failure(last)
-            text += self._detokenizer.finish()
-            self._finish(last.finish_reason)
-        return Delta(text, num_new, self.finish_reason, logprobs)
+        if all(c.finished for c in self.choices):
+            if not self._engine_done:
+                self._engine_done = True
+                self._client.abort(self.request_id)  # stop strings ended every choice: the rest would be cut
+            self._finish()
+        return [deltas[i] for i in sorted(deltas)]
 
     def close(self) -> None:
         """Abort the request unless it finished; idempotent."""
         if self._closed:
             return
         self._closed = True
-        if not self.finished and self._queue is not None:
+        if not self._engine_done and self._queue is not None:
+            self._engine_done = True
             self._client.abort(self.request_id)
         if self.first_output_time is None and self._queue is not None:
             self._observe_output(0)  # it leaves the queue all the same
@@ -166,26 +215,25 @@ class Generation:
         if num_new and self._observer is not None:
             self._observer.on_tokens(self, num_new)
 
-    def _finish(self, reason: str) -> None:
+    def _finish(self) -> None:
         self.finished = True
-        self.finish_reason = reason
         self.finish_time = time.monotonic()
-        if self._observer is not None and reason in ("stop", "length"):
+        if self._observer is not None:
             self._observer.on_finish(self)
         log.info(
             "request finished",
-            finish_reason=reason,
+            finish_reasons=self.finish_reasons,
             num_prompt_tokens=self.num_prompt_tokens,
             num_completion_tokens=self.num_completion_tokens,
         )
 
     def _check_failure(self, output: RequestOutput) -> None:
         if output.finish_reason == "error":
-            self.finished = True
+            self.finished = self._engine_done = True
             log.warning("request failed in the engine", error=output.error)
             raise EngineRequestError(400, output.error or "the engine failed to run this request")
         if output.finish_reason not in ("stop", "length"):
-            self.finished = True
+            self.finished = self._engine_done = True
             log.warning("request ended by the engine", finish_reason=output.finish_reason)
             message = output.error or f"the engine ended the request early ({output.finish_reason})"
             raise EngineRequestError(503, message)

@@ -9,6 +9,10 @@ the request's arrival at the frontend):
   least two tokens;
 - end-to-end latency: arrival -> the last token, for requests that finished (stop or length).
 
+A request with several choices (n, best_of, beam search) is one engine request: it counts once in
+the latencies (time per output token over its longest choice), and each returned choice counts
+in ``request_success`` by its finish reason (as vLLM counts finished sequences).
+
 ``num_queued`` counts engine requests sent that have had no output yet (waiting at the
 scheduler or being prefilled): what ``--max-queue-len`` limits.
 """
@@ -75,7 +79,7 @@ class FrontendMetrics:
         r = self.registry
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
-        self.request_success = Counter(PREFIX + "request_success", "Requests finished, by reason.",
+        self.request_success = Counter(PREFIX + "request_success", "Choices finished, by reason.",
                                        ["finished_reason"], registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to the first token.",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -103,8 +107,10 @@ class FrontendMetrics:
             self.ttft.observe(gen.first_token_time - gen.arrival_time)
 
     def on_finish(self, gen: Generation) -> None:
-        assert gen.finish_time is not None and gen.finish_reason is not None
-        self.request_success.labels(finished_reason=gen.finish_reason).inc()
+        assert gen.finish_time is not None
+        for reason in gen.finish_reasons:
+            self.request_success.labels(finished_reason=reason).inc()
         self.e2e.observe(gen.finish_time - gen.arrival_time)
-        if gen.num_completion_tokens > 1 and gen.first_token_time is not None:
-            self.tpot.observe((gen.finish_time - gen.first_token_time) / (gen.num_completion_tokens - 1))
+        num_tokens = max((c.num_tokens for c in gen.choices), default=0)  # the choices decode side by side
+        if num_tokens > 1 and gen.first_token_time is not None:
+            self.tpot.observe((gen.finish_time - gen.first_token_time) / (num_tokens - 1))

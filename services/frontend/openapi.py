@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.frontend.options import MAX_LOGPROBS, MAX_STOP_STRINGS
+from services.frontend.options import MAX_LENGTH_PENALTY, MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
 from services.frontend.protocol import MAX_PROMPTS
 
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
@@ -40,7 +40,18 @@ def _sampling_properties() -> dict[str, Any]:
         "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
         "ignore_eos": {"type": "boolean"},
         "min_tokens": {"type": "integer", "minimum": 0},
-        "n": {"type": "integer", "minimum": 1, "maximum": 1, "description": "Only 1 for now."},
+        "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "description": "Choices per prompt (beam width "
+              "with use_beam_search)."},
+        "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_N, "description": (
+            "Sample this many (at least n) and return the n most likely; not with stream unless equal to n.")},
+        "use_beam_search": {"type": "boolean", "description": (
+            "vLLM's beam search of width n: temperature must be 0 or left out; sampling and penalty fields, "
+            "logit_bias, min_tokens, stop_token_ids and logprobs are refused with it. Streamed, each hypothesis "
+            "comes as one chunk when the search ends.")},
+        "length_penalty": _NUMBER | {"minimum": -MAX_LENGTH_PENALTY, "maximum": MAX_LENGTH_PENALTY, "default": 1,
+                                     "description": "Beam search only: scores are divided by length ** this."},
+        "early_stopping": {"oneOf": [{"type": "boolean"}, {"const": "never"}], "default": False,
+                           "description": "Beam search only, as in transformers."},
         "stream": {"type": "boolean"},
         "stream_options": _ref("StreamOptions"),
         "user": {"type": "string"},
@@ -65,7 +76,6 @@ def _schemas() -> dict[str, Any]:
             ]},
             "echo": {"type": "boolean"},
             "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
-            "best_of": {"type": "integer", "minimum": 1, "maximum": 1, "description": "Only 1 for now."},
         },
     }
     message = {

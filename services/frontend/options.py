@@ -4,6 +4,17 @@ Every problem raises ``APIError`` naming the parameter. Ranges follow OpenAI whe
 them (temperature, penalties, logit_bias, logprobs) and vLLM for its extensions (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids). Token ids are checked against the
 vocabulary later, in ``preprocess``, which knows the model.
+
+Several choices per prompt: ``n`` (1 to ``MAX_N``) samples, or ``best_of`` (``n`` to ``MAX_N``)
+samples of which the ``n`` with the highest cumulative log-probability are returned (OpenAI's
+completions field; accepted on chat too, as vLLM does), or vLLM's beam search (``use_beam_search``,
+beam width ``n``, ``length_penalty``, ``early_stopping``). ``best_of > n`` cannot stream (nothing
+is known before every sample has finished), as OpenAI says. Beam search can: each returned
+hypothesis comes as one chunk when the search ends. Beam search scores candidates by the model's
+raw log-probabilities, greedily, so the sampling and logits-processing fields it would ignore
+(temperature above 0, top_p, top_k, min_p, penalties, logit_bias, min_tokens, stop_token_ids,
+logprobs, a ``best_of`` other than ``n``) are refused with it rather than silently dropped;
+``length_penalty`` and ``early_stopping`` are refused without it.
 """
 
 from __future__ import annotations
@@ -18,6 +29,8 @@ from services.frontend.errors import (
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_N = 128  # choices (n), samples (best_of) or beams per prompt, OpenAI's limit for n
+MAX_LENGTH_PENALTY = 10.0  # |length_penalty|: length ** penalty stays a finite, non-zero float
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
@@ -45,6 +58,11 @@ class GenerationOptions:
     logprobs: int | None = None
     stream: bool = False
     include_usage: bool = False
+    n: int = 1
+    best_of: int | None = None  # None: n
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
 
 def parse_options(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> GenerationOptions:
@@ -88,7 +106,7 @@ def parse_options(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> Ge
     opts.stop = _parse_stop(body.get("stop"))
     opts.stream = optional_bool(body, "stream")
     opts.include_usage = _parse_stream_options(body.get("stream_options"), opts.stream)
-    _check_n_and_best_of(body)
+    _parse_groups(body, opts)
     return opts
 
 
@@ -107,17 +125,70 @@ def _number_in(body: dict[str, Any], name: str, default: float, low: float, high
     return value
 
 
-def _check_n_and_best_of(body: dict[str, Any]) -> None:
+def _parse_groups(body: dict[str, Any], opts: GenerationOptions) -> None:
+    """``n``, ``best_of`` and beam search (see the module docstring)."""
     n = optional_int(body, "n")
-    if n is not None and n < 1:
-        raise bad_request(f"n must be at least 1, got {n}", "n")
-    if n is not None and n > 1:
-        raise bad_request("n > 1 is not supported yet", "n")
+    if n is not None:
+        if not 1 <= n <= MAX_N:
+            raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
+        opts.n = n
     best_of = optional_int(body, "best_of")
-    if best_of is not None and best_of < 1:
-        raise bad_request(f"best_of must be at least 1, got {best_of}", "best_of")
-    if best_of is not None and best_of > 1:
-        raise bad_request(f"best_of > 1 is not supported yet (got {best_of})", "best_of")
+    if best_of is not None:
+        if not 1 <= best_of <= MAX_N:
+            raise bad_request(f"best_of must be between 1 and {MAX_N}, got {best_of}", "best_of")
+        if best_of < opts.n:
+            raise bad_request(f"best_of must be greater than or equal to n, got best_of={best_of} and n={opts.n}",
+                              "best_of")
+        if opts.stream and best_of > opts.n:
+            raise bad_request("best_of cannot be used with stream (unless it equals n): the best choices are known "
+                              "only when every sample has finished", "best_of")
+        opts.best_of = best_of
+    opts.use_beam_search = optional_bool(body, "use_beam_search")
+    opts.length_penalty = _number_in(body, "length_penalty", 1.0, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)
+    opts.early_stopping = _parse_early_stopping(body.get("early_stopping"))
+    if opts.use_beam_search:
+        _check_beam_search(body, opts)
+        return
+    if opts.length_penalty != 1.0:
+        raise bad_request(f"length_penalty applies only with use_beam_search; got {opts.length_penalty} without it",
+                          "length_penalty")
+    if opts.early_stopping is not False:
+        raise bad_request(f"early_stopping applies only with use_beam_search; got {opts.early_stopping!r} without it",
+                          "early_stopping")
+
+
+def _parse_early_stopping(value: Any) -> bool | str:
+    if value is None:
+        return False
+    if isinstance(value, bool) or value == "never":
+        return value
+    raise bad_request(f'early_stopping must be true, false or "never", got {describe(value)}', "early_stopping")
+
+
+def _check_beam_search(body: dict[str, Any], opts: GenerationOptions) -> None:
+    """Refuse the fields beam search would ignore (it ranks the raw log-probabilities greedily)."""
+    if body.get("temperature") is not None and opts.temperature != 0.0:
+        raise bad_request(f"temperature must be 0 (or left out) with use_beam_search, got {opts.temperature}",
+                          "temperature")
+    opts.temperature = 0.0
+    ignored = [
+        ("top_p", opts.top_p != 1.0), ("top_k", opts.top_k is not None), ("min_p", opts.min_p != 0.0),
+        ("presence_penalty", opts.presence_penalty != 0.0), ("frequency_penalty", opts.frequency_penalty != 0.0),
+        ("repetition_penalty", opts.repetition_penalty != 1.0), ("logit_bias", bool(opts.logit_bias)),
+        ("min_tokens", opts.min_tokens != 0), ("stop_token_ids", bool(opts.stop_token_ids)),
+    ]
+    for name, set_ in ignored:
+        if set_:
+            raise bad_request(f"{name} is not supported with use_beam_search", name)
+    if opts.best_of is not None and opts.best_of != opts.n:
+        raise bad_request(f"best_of must equal n (the beam width) with use_beam_search, got best_of={opts.best_of} "
+                          f"and n={opts.n}", "best_of")
+
+
+def check_beam_logprobs(opts: GenerationOptions, param: str) -> None:
+    """Beam search returns no logprobs; called once the caller has parsed its logprobs field."""
+    if opts.use_beam_search and opts.logprobs is not None:
+        raise bad_request(f"{param} is not supported with use_beam_search", param)
 
 
 def _parse_logit_bias(value: Any) -> dict[int, float]:

@@ -92,7 +92,7 @@ def sampling_params(
     _check_token_ids(list(options.logit_bias), model.vocab_size, "logit_bias")
     top_k = options.top_k if options.top_k is not None and options.top_k < model.vocab_size else None
     return SamplingParams(
-        n=1,
+        n=options.n,
         temperature=options.temperature,
         top_p=options.top_p,
         top_k=top_k,
@@ -109,6 +109,10 @@ def sampling_params(
         logit_bias_values=list(options.logit_bias.values()),
         logprobs=options.logprobs,
         eos_token_ids=list(model.eos_token_ids),
+        best_of=options.best_of if options.best_of is not None and options.best_of > options.n else None,
+        use_beam_search=options.use_beam_search,
+        length_penalty=options.length_penalty,
+        early_stopping=options.early_stopping,
     )
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.frontend.errors import bad_request, is_int, json_type, optional_bool, reject_constant
-from services.frontend.options import GenerationOptions, parse_num_logprobs, parse_options
+from services.frontend.options import GenerationOptions, check_beam_logprobs, parse_num_logprobs, parse_options
 
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_PROMPTS = 64  # prompts in one completions request; each is its own engine request
@@ -24,7 +24,7 @@ Prompt = str | list[int]
 
 @dataclass
 class CompletionBody:
-    prompts: list[Prompt]  # one choice each, in this order
+    prompts: list[Prompt]  # options.n choices each, in this order
     options: GenerationOptions
     echo: bool = False
 
@@ -78,6 +78,7 @@ def parse_completion_body(body: dict[str, Any], served_model_name: str) -> Compl
     _refuse_unsupported(body, _UNSUPPORTED_COMPLETION)
     options = parse_options(body, ("max_tokens",))
     options.logprobs = parse_num_logprobs(body, "logprobs")
+    check_beam_logprobs(options, "logprobs")
     echo = optional_bool(body, "echo")
     return CompletionBody(parse_prompts(body.get("prompt")), options, echo)
 
@@ -91,6 +92,7 @@ def parse_chat_body(body: dict[str, Any], served_model_name: str) -> ChatBody:
         options.logprobs = top_logprobs or 0
     elif top_logprobs is not None:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    check_beam_logprobs(options, "logprobs")
     return ChatBody(parse_messages(body.get("messages")), options)
 
 

@@ -1,10 +1,16 @@
 """/v1/completions and /v1/chat/completions: parse, tokenize, admit, generate, answer.
 
 A completions request with several prompts runs one engine request per prompt (ids
-``<request id>-<index>``), concurrently; choice ``i`` answers prompt ``i``. Streamed, their chunks
-interleave as tokens arrive, each naming its choice's index. With ``echo`` the prompt's text comes
-first (streamed: in a chunk of its own), and with logprobs its tokens are listed with ``null``
-logprobs.
+``<request id>-<index>``), concurrently. Each engine request has ``n`` choices (see
+``generation``); as in OpenAI's API, choice ``j`` of prompt ``i`` has index ``i * n + j``. Streamed,
+chunks interleave as tokens arrive, each naming its choice's index. ``usage`` counts each prompt
+once and the tokens of every returned choice (with ``best_of``, not those of the samples dropped).
+With ``echo`` each choice's text starts with its prompt's (streamed: in a chunk of its own), and
+with logprobs its tokens are listed with ``null`` logprobs.
+
+Streamed beam search (vLLM's extension) is accepted: the hypotheses are known only when the search
+ends, so each comes as one chunk then (for chat, after its own opening ``role`` chunk), best first.
+``best_of > n`` is refused with ``stream`` when the body is parsed.
 """
 
 from __future__ import annotations
@@ -113,7 +119,7 @@ async def _generate(
         Generation(
             state.client, shapes.request_id if single else f"{shapes.request_id}-{idx}", prompt.token_ids,
             sampling, model.eos_token_ids, model.tokenizer, options.stop,
-            index=idx, arrival_time=arrival, observer=state.metrics,
+            index_base=idx * options.n, arrival_time=arrival, observer=state.metrics,
         )
         for idx, (prompt, sampling) in enumerate(zip(inputs, samplings))
     ]
@@ -124,11 +130,11 @@ async def _generate(
             gen.start()
         if options.stream:
             return await _stream(request, gens, shapes, echoes)
-        logprobs: list[list[TokenLogprob]] = [list(e.logprobs or []) for e in echoes]
+        logprobs: dict[int, list[TokenLogprob]] = {}  # choice index -> its logprobs so far
         for gen in gens:  # they run concurrently in the engine; their outputs wait in their queues
             while not gen.finished:
-                delta = await gen.next_delta()
-                logprobs[gen.index] += delta.logprobs
+                for delta in await gen.next_deltas():
+                    logprobs.setdefault(delta.index, []).extend(delta.logprobs)
     except EngineRequestError as exc:
         raise _api_error(exc) from None
     finally:
@@ -136,9 +142,10 @@ async def _generate(
         for gen in gens:
             gen.close()  # aborts unless finished: client gone, handler cancelled, or a bug
     choices = [
-        Choice(g.index, echoes[g.index].text + g.text, g.finish_reason or "stop",
-               logprobs[g.index] if g.wants_logprobs else None)
-        for g in gens
+        Choice(c.index, echo.text + c.text, c.finish_reason or "stop",
+               list(echo.logprobs or []) + logprobs.get(c.index, []) if gen.wants_logprobs else None)
+        for gen, echo in zip(gens, echoes)
+        for c in gen.choices
     ]
     return web.json_response(shapes.full(choices, _usage(gens)))
 
@@ -154,19 +161,30 @@ async def _stream(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
     await response.prepare(request)
-    try:
-        for chunk in shapes.opening_chunks([g.index for g in gens]):
+    echo_of = {c.index: echo for gen, echo in zip(gens, echoes) for c in gen.choices}
+    opened: set[int] = set()
+
+    async def open_choices(indices: list[int]) -> None:
+        """A choice's opening chunk (chat's role), then its echoed prompt."""
+        for chunk in shapes.opening_chunks(indices):
             await response.write(sse_event(chunk))
-        for gen in gens:
-            echo = echoes[gen.index]
+        for index in indices:
+            echo = echo_of[index]
             if echo.text or echo.logprobs:
-                await response.write(sse_event(shapes.chunk(gen.index, echo.text, None, echo.logprobs)))
+                await response.write(sse_event(shapes.chunk(index, echo.text, None, echo.logprobs)))
+        opened.update(indices)
+
+    try:
+        # Beam search choices open with their text: how many come back is known only at the end.
+        await open_choices([c.index for g in gens if not g.beam_search for c in g.choices])
         try:
             async with contextlib.aclosing(_deltas(gens)) as deltas:
                 async for gen, delta in deltas:
+                    if delta.index not in opened:
+                        await open_choices([delta.index])
                     if delta.text or delta.finish_reason is not None or delta.logprobs:
                         logprobs = delta.logprobs if gen.wants_logprobs else None
-                        await response.write(sse_event(shapes.chunk(gen.index, delta.text, delta.finish_reason,
+                        await response.write(sse_event(shapes.chunk(delta.index, delta.text, delta.finish_reason,
                                                                     logprobs)))
             if shapes.include_usage:
                 await response.write(sse_event(shapes.usage_chunk(_usage(gens))))
@@ -184,18 +202,20 @@ async def _deltas(gens: list[Generation]) -> AsyncIterator[tuple[Generation, Del
     if len(gens) == 1:
         gen = gens[0]
         while not gen.finished:
-            yield gen, await gen.next_delta()
+            for delta in await gen.next_deltas():
+                yield gen, delta
         return
-    pending = {asyncio.ensure_future(g.next_delta()): g for g in gens if not g.finished}
+    pending = {asyncio.ensure_future(g.next_deltas()): g for g in gens if not g.finished}
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for future in sorted(done, key=lambda f: pending[f].index):
+            for future in sorted(done, key=lambda f: pending[f].index_base):
                 gen = pending.pop(future)
-                delta = future.result()
+                deltas = future.result()
                 if not gen.finished:
-                    pending[asyncio.ensure_future(gen.next_delta())] = gen
-                yield gen, delta
+                    pending[asyncio.ensure_future(gen.next_deltas())] = gen
+                for delta in deltas:
+                    yield gen, delta
     finally:
         for future in pending:
             future.cancel()

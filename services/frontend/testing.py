@@ -31,6 +31,7 @@ ERROR_MARKER = "[[error]]"  # a prompt containing this gets finish_reason "error
 SLOW_MARKER = "[[slow]]"  # a prompt containing this gets one token per 20 ms until max_tokens
 MALFORMED_MARKER = "[[malformed]]"  # a prompt containing this gets an undecodable RequestOutput frame
 HOLD_MARKER = "[[hold]]"  # a prompt containing this gets no output at all until it is aborted
+FEW_BEAMS_MARKER = "[[fewbeams]]"  # with use_beam_search: only one hypothesis comes back, whatever n
 
 
 def fake_logprob(token_id: int) -> float:
@@ -50,12 +51,23 @@ def default_served_model(max_model_len: int = 8192, name: str | None = None) -> 
 
 
 @dataclass
-class _Active:
-    request: AddRequest
+class _Choice:
     token_ids: list[int]
     finish_reason: str
-    interval_s: float
     next_idx: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.next_idx >= len(self.token_ids)
+
+
+@dataclass
+class _Active:
+    request: AddRequest
+    choices: list[_Choice]
+    interval_s: float
+    held: bool = False  # best_of / beam search: everything in one burst, renumbered by ``order``
+    order: list[int] = field(default_factory=list)
     next_time: float = 0.0
     sent_first: bool = False
 
@@ -70,6 +82,14 @@ class FakeScheduler:
     ``[token, token + 1, ...]`` (k long) with logprobs ``fake_logprob(token) - rank``. It sends
     ``EngineStats(ready=self.ready)`` every 50 ms and records every ``AddRequest`` and
     ``AbortRequest``; an aborted request gets no more outputs.
+
+    Several choices, shaped like the real scheduler's: with ``n`` each choice ``c`` replies
+    ``choice_token_ids(c)`` (then EOS, cut to max_tokens), their outputs interleaved. With
+    ``best_of > n`` the samples are those of choices ``0 .. best_of-1``; nothing is sent until the
+    end, then the last ``n`` samples (``best_of - 1`` first: the fake's "most likely") in one output
+    each, renumbered ``0 .. n-1``, with logprobs only if the request asked for them. With
+    ``use_beam_search`` the hypotheses are choices ``0 .. n-1`` (only one with
+    ``FEW_BEAMS_MARKER``), sent at the end in one output each, without logprobs.
     """
 
     endpoints: Endpoints
@@ -81,6 +101,7 @@ class FakeScheduler:
 
     def __post_init__(self) -> None:
         self.reply_token_ids = list(self.tokenizer.encode(REPLY_TEXT))
+        self._choice_ids: dict[int, list[int]] = {0: self.reply_token_ids}
         self._context = zmq.Context()
         self._pull = self._context.socket(zmq.PULL)
         self._pull.bind(self.endpoints.request)
@@ -113,8 +134,14 @@ class FakeScheduler:
         with self._changed:
             return self._changed.wait_for(lambda: predicate(self), timeout)
 
-    def expected_reply(self, max_tokens: int, eos_token_id: int) -> tuple[list[int], str]:
-        token_ids = self.reply_token_ids + [eos_token_id]
+    def choice_token_ids(self, choice_idx: int) -> list[int]:
+        """What choice ``choice_idx`` says before EOS: the reply, after ``"(c) "`` unless c is 0."""
+        if choice_idx not in self._choice_ids:
+            self._choice_ids[choice_idx] = list(self.tokenizer.encode(f"({choice_idx}) ")) + self.reply_token_ids
+        return self._choice_ids[choice_idx]
+
+    def expected_reply(self, max_tokens: int, eos_token_id: int, choice_idx: int = 0) -> tuple[list[int], str]:
+        token_ids = self.choice_token_ids(choice_idx) + [eos_token_id]
         if len(token_ids) > max_tokens:
             return token_ids[:max_tokens], "length"
         return token_ids, "stop"
@@ -152,45 +179,76 @@ class FakeScheduler:
 
     def _plan(self, request: AddRequest) -> _Active:
         prompt = self.tokenizer.decode(request.prompt_token_ids.tolist())
-        max_tokens = request.sampling.max_tokens
+        sampling = request.sampling
+        max_tokens = sampling.max_tokens
         if ERROR_MARKER in prompt:
-            return _Active(request, [], "error", 0.0)
+            return _Active(request, [_Choice([], "error")], 0.0)
         if MALFORMED_MARKER in prompt:
-            return _Active(request, [], "malformed", 0.0)
+            return _Active(request, [_Choice([], "malformed")], 0.0)
         if HOLD_MARKER in prompt:
-            return _Active(request, [], "length", 0.0, next_time=float("inf"))
+            return _Active(request, [_Choice([], "length")], 0.0, next_time=float("inf"))
+        num_samples = sampling.n
+        if sampling.best_of is not None and sampling.best_of > sampling.n and not sampling.use_beam_search:
+            num_samples = sampling.best_of
         if SLOW_MARKER in prompt:
-            cycle = self.reply_token_ids * (max_tokens // len(self.reply_token_ids) + 1)
-            return _Active(request, cycle[:max_tokens], "length", 0.02)
-        token_ids, finish = self.expected_reply(max_tokens, request.eos_token_ids[0])
-        return _Active(request, token_ids, finish, 0.0)
+            choices = []
+            for c in range(num_samples):
+                ids = self.choice_token_ids(c)
+                choices.append(_Choice((ids * (max_tokens // len(ids) + 1))[:max_tokens], "length"))
+            interval = 0.02
+        else:
+            eos = request.eos_token_ids[0]
+            choices = [_Choice(*self.expected_reply(max_tokens, eos, c)) for c in range(num_samples)]
+            interval = 0.0
+        if sampling.use_beam_search:
+            k = 1 if FEW_BEAMS_MARKER in prompt else sampling.n
+            return _Active(request, choices, interval, held=True, order=list(range(k)))
+        if num_samples > sampling.n:
+            return _Active(request, choices, interval, held=True,
+                           order=list(range(num_samples - 1, num_samples - 1 - sampling.n, -1)))
+        return _Active(request, choices, interval)
 
     def _emit(self, rid: str, active: _Active, now: float) -> None:
         step = 1 if active.interval_s else self.tokens_per_output
-        new = active.token_ids[active.next_idx:active.next_idx + step]
-        active.next_idx += len(new)
-        done = active.next_idx >= len(active.token_ids)
+        outputs = []
+        for choice_idx, choice in enumerate(active.choices):
+            if choice.done and choice.token_ids:
+                continue
+            new = choice.token_ids[choice.next_idx:choice.next_idx + step]
+            choice.next_idx += len(new)
+            if not active.held:
+                outputs.append(self._output(rid, active, choice_idx, new, choice.finish_reason if choice.done else None))
+        if active.held and all(c.done for c in active.choices):
+            beam = active.request.sampling.use_beam_search
+            for i, sample in enumerate(active.order):
+                choice = active.choices[sample]
+                outputs.append(self._output(rid, active, i, choice.token_ids, choice.finish_reason, not beam))
+        active.next_time = now + active.interval_s
+        for output in outputs:
+            if active.choices[0].finish_reason == "malformed":
+                self._send(msgpack.packb([RequestOutput.TAG, [rid, 0, "not a list"]]))  # too few fields
+            else:
+                self._send(encode(output))
+        if all(c.done for c in active.choices):
+            del self._active[rid]
+
+    def _output(self, rid: str, active: _Active, choice_idx: int, new: list[int], finish_reason: str | None,
+                with_logprobs: bool = True) -> RequestOutput:
         output = RequestOutput(
             request_id=rid,
-            choice_idx=0,
+            choice_idx=choice_idx,
             new_token_ids=new,
-            finish_reason=active.finish_reason if done else None,
+            finish_reason=finish_reason,
             num_prompt_tokens=0 if active.sent_first else len(active.request.prompt_token_ids),
-            error="simulated engine failure" if done and active.finish_reason == "error" else None,
+            error="simulated engine failure" if finish_reason == "error" else None,
         )
         num_top = active.request.sampling.logprobs
-        if num_top is not None:
+        if num_top is not None and with_logprobs:
             output.logprobs = [fake_logprob(t) for t in new]
             output.top_token_ids = [[t + r for r in range(num_top)] for t in new]
             output.top_logprobs = [[fake_logprob(t) - r for r in range(num_top)] for t in new]
         active.sent_first = True
-        active.next_time = now + active.interval_s
-        if active.finish_reason == "malformed":
-            self._send(msgpack.packb([RequestOutput.TAG, [rid, 0, "not a list"]]))  # too few fields
-        else:
-            self._send(encode(output))
-        if done:
-            del self._active[rid]
+        return output
 
     def _send(self, frame: bytes) -> None:
         try:
