@@ -164,6 +164,18 @@ def test_bad_requests_get_400_and_server_keeps_serving(server, body, needle):
     assert ok_status == 200 and ok["usage"]["completion_tokens"] >= 1
 
 
+def test_repeated_prompt_reports_cached_tokens(server, tokenizer):
+    _, url, _ = server
+    prompt = "Here is a long list of fruit: " + ", ".join(["apple", "pear", "plum", "fig"] * 12)
+    num_prompt = len(tokenizer(prompt)["input_ids"])
+    client = _openai(url)
+    first = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=2)
+    second = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # every full 16-token block of the prompt, leaving at least its last token to compute
+    assert second.usage.prompt_tokens_details.cached_tokens == (num_prompt - 1) // 16 * 16 > 0
+
+
 def test_sigterm_stops_all_and_removes_sockets(server):
     """Runs last in this module: it stops the shared server."""
     proc, _, root = server
@@ -195,6 +207,26 @@ def test_dead_executor_stops_everything(tmp_path, tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_preempted_requests_complete_and_say_so(tmp_path, tiny_model_dir):
+    import concurrent.futures
+
+    proc, url = _start(tmp_path, "--model", str(tiny_model_dir), "--block-size", "4", "--num-kv-blocks", "24")
+    try:
+        client = _openai(url)
+
+        def ask(i):
+            return client.completions.create(model=tiny_model_dir.name, prompt=[5 + i] * 10, max_tokens=40,
+                                             temperature=0, extra_body={"ignore_eos": True})
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(ask, range(8)))  # 8 x 50 tokens need 100 blocks; the pool has 24
+        assert all(r.usage.completion_tokens == 40 for r in replies)
+        assert sum(r.usage.model_extra["num_preemptions"] for r in replies) > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
 
 
 @pytest.fixture

@@ -112,6 +112,8 @@ class Generation:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_completion_tokens = 0  # over every choice
+        self.num_cached_tokens = 0  # prompt tokens the engine reused from its prefix cache
+        self.num_preemptions = 0  # the most times any choice was preempted
         self.finished = False
         self._engine_done = False  # nothing more will come from the scheduler
         self._closed = False
@@ -165,6 +167,8 @@ class Generation:
                 continue
             if output.finish_reason is not None:
                 self._check_failure(output)
+            self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+            self.num_preemptions = max(self.num_preemptions, output.num_preemptions)
             choice = self._all_choices[output.choice_idx]  # the client checked the range
             choice.engine_done = choice.engine_done or output.finish_reason is not None
             if choice.finished:

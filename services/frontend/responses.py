@@ -9,11 +9,16 @@ from typing import Any
 from services.frontend.logprobs import TokenFormatter, TokenLogprob
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0,
+          num_preemptions: int = 0) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens reused from the prefix cache and, as an extension,
+    how many times the request was preempted for lack of KV memory."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+        "num_preemptions": num_preemptions,
     }
 
 

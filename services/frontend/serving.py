@@ -151,7 +151,8 @@ async def _generate(
 
 
 def _usage(gens: list[Generation]) -> dict[str, int]:
-    return usage(sum(g.num_prompt_tokens for g in gens), sum(g.num_completion_tokens for g in gens))
+    return usage(sum(g.num_prompt_tokens for g in gens), sum(g.num_completion_tokens for g in gens),
+                 sum(g.num_cached_tokens for g in gens), max((g.num_preemptions for g in gens), default=0))
 
 
 async def _stream(
