@@ -65,8 +65,11 @@ class InProcessEngine:
 
     def step(self) -> list:
         step = self.scheduler.schedule()
+        early = self.scheduler.take_outputs()
+        for out in early:
+            self.outputs.setdefault(out.request_id, []).append(out)
         if step is None:
-            return []
+            return early
         step = decode(encode(step))
         self.num_steps += 1
         self.max_tokens_in_step = max(self.max_tokens_in_step, len(step.input_token_ids))
@@ -77,7 +80,7 @@ class InProcessEngine:
         self.blocks.check_integrity()
         for out in outs:
             self.outputs.setdefault(out.request_id, []).append(out)
-        return outs
+        return early + outs
 
     def run(self) -> dict[str, list[int]]:
         """Step until all requests finish; returns the generated tokens per request."""

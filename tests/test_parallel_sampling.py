@@ -1,5 +1,6 @@
 """n > 1: the samples of a request share the prompt's blocks and copy the partial block on write."""
 
+import pytest
 import torch
 
 from tests.harness import InProcessEngine, tiny_llama
@@ -13,10 +14,11 @@ def _choices(engine, rid):
     return by_choice
 
 
-def test_greedy_samples_share_blocks_and_equal_transformers():
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_greedy_samples_share_blocks_and_equal_transformers(backend):
     model = tiny_llama(seed=11)
     prompt = torch.randint(1, 128, (10,), generator=torch.Generator().manual_seed(2)).tolist()  # 2.5 blocks
-    engine = InProcessEngine(model, num_blocks=64, block_size=4)
+    engine = InProcessEngine(model, num_blocks=64, block_size=4, backend=backend)
     engine.add("r", prompt, temperature=0.0, max_tokens=9, ignore_eos=True, n=3)
     engine.step()  # prefill + fork
     table = engine.blocks.block_tables

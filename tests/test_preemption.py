@@ -33,14 +33,15 @@ def unpressured(model):
     return prompts, max_new, tokens
 
 
+@pytest.mark.parametrize("backend", ["torch", "numba"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_demand_three_times_the_pool_completes_identically(model, unpressured, mode):
+def test_demand_three_times_the_pool_completes_identically(model, unpressured, mode, backend):
     prompts, max_new, expected = unpressured
     num_blocks = 40
     demand = sum(-(-(len(p) + m) // 4) for p, m in zip(prompts, max_new))
     assert demand >= 3 * num_blocks
     engine, tokens = _run(model, prompts, max_new, num_blocks=num_blocks, preemption_mode=mode,
-                          num_cpu_blocks=64 if mode == "swap" else 0)
+                          num_cpu_blocks=64 if mode == "swap" else 0, backend=backend)
     assert tokens == expected  # every request completed, token for token
     sched = engine.scheduler
     assert sched.num_preemptions > 0
@@ -103,3 +104,20 @@ def test_contiguous_policy_same_outputs_lower_utilization(model, unpressured):
     assert util(paged.scheduler) > util(contiguous.scheduler)
     assert paged.scheduler.max_num_running > contiguous.scheduler.max_num_running
     assert contiguous.scheduler.num_preemptions == 0
+
+
+def test_sequence_that_outgrows_the_pool_ends_with_length(model):
+    engine = InProcessEngine(model, num_blocks=8, block_size=4)
+    engine.add("long", list(range(1, 11)), temperature=0.0, max_tokens=60, ignore_eos=True)
+    engine.run()
+    outs = engine.outputs["long"]
+    assert outs[-1].finish_reason == "length"
+    assert 20 <= sum(len(o.new_token_ids) for o in outs) < 60  # it filled the pool, then stopped
+    assert engine.blocks.num_used_blocks == 0 and not engine.scheduler.has_work()
+
+
+def test_group_too_large_for_the_pool_is_refused(model):
+    engine = InProcessEngine(model, num_blocks=8, block_size=4)
+    outs = engine.add("wide", list(range(1, 11)), temperature=1.0, max_tokens=4, n=6)
+    assert outs[0].finish_reason == "error" and "6 sequences" in outs[0].error and "9 KV blocks" in outs[0].error
+    assert engine.add("ok", list(range(1, 11)), temperature=1.0, max_tokens=4, n=4) == []

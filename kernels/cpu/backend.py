@@ -8,7 +8,7 @@ import numba
 import torch
 
 from kernels import reference
-from kernels.cpu.cache_ops import write_kv_cache
+from kernels.cpu.cache_ops import copy_blocks, swap_blocks, write_kv_cache
 from kernels.cpu.decode import paged_decode_attention
 from kernels.cpu.prefill import paged_prefill_attention
 
@@ -74,3 +74,16 @@ class NumbaCPUBackend:
         sync_threads()
         paged_prefill_attention(_np(out), _np(query), _np(key_cache), _np(value_cache),
                                 _np(block_tables), _np(query_start_loc), _np(context_lens), scale)
+
+    def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
+        caches = (*key_caches, *value_caches)
+        if not (self._fast(*caches) and all(c.is_contiguous() for c in caches)):
+            return reference.copy_blocks(key_caches, value_caches, block_mapping)
+        sync_threads()
+        copy_blocks([_np(k) for k in key_caches], [_np(v) for v in value_caches], _np(block_mapping))
+
+    def swap_blocks(self, dst, src, block_mapping) -> None:
+        if not (self._fast(dst, src) and dst.is_contiguous() and src.is_contiguous()):
+            return reference.swap_blocks(dst, src, block_mapping)
+        sync_threads()
+        swap_blocks(_np(dst), _np(src), _np(block_mapping))

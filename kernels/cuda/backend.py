@@ -107,3 +107,16 @@ class NumbaCUDABackend:
         if query.shape[0]:
             self._attention("prefill", out, query, key_cache, value_cache, block_tables,
                             query_start_loc, context_lens, scale)
+
+    # Block copies and swaps go through PyTorch's indexing on the device for now: the CUDA copy
+    # kernel (kernels/cuda/cache_ops.py) is checked under the simulator and as PTX, but the swap
+    # path between a CUDA pool and a CPU pool has not yet run on a GPU here.
+    def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
+        from kernels import reference
+
+        reference.copy_blocks(key_caches, value_caches, block_mapping)
+
+    def swap_blocks(self, dst, src, block_mapping) -> None:
+        from kernels import reference
+
+        reference.swap_blocks(dst, src, block_mapping)

@@ -1,7 +1,7 @@
 """The one dispatch point between the model and the paged-attention kernels.
 
-A backend is a small object with ``write_kv``, ``decode`` and ``prefill`` methods taking torch
-tensors in the layouts documented in ``kernels/reference.py``. ``select_backend`` picks one by name
+A backend is a small object with ``write_kv``, ``decode``, ``prefill``, ``copy_blocks`` and
+``swap_blocks`` methods taking torch tensors in the layouts documented in ``kernels/reference.py``. ``select_backend`` picks one by name
 (``--attention-backend``): ``torch`` (the reference), ``numba`` (Numba CPU kernels) or ``cuda``
 (Numba CUDA kernels); ``auto`` means numba on CPU and cuda on CUDA devices, when available.
 """
@@ -44,6 +44,12 @@ class TorchBackend:
         reference.paged_prefill_attention(
             out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale
         )
+
+    def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
+        reference.copy_blocks(key_caches, value_caches, block_mapping)
+
+    def swap_blocks(self, dst, src, block_mapping) -> None:
+        reference.swap_blocks(dst, src, block_mapping)
 
 
 def _numba_backend():

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import copy_blocks, swap_blocks
 from shared.messages import Step, StepResult
 
 from .attention import AttentionMetadata
@@ -52,15 +51,15 @@ class ModelRunner:
         if len(step.swap_out):
             mapping = torch.from_numpy(step.swap_out)
             for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_kv_caches):
-                swap_blocks(ck, k, mapping)
-                swap_blocks(cv, v, mapping)
+                self.backend.swap_blocks(ck, k, mapping)
+                self.backend.swap_blocks(cv, v, mapping)
         if len(step.swap_in):
             mapping = torch.from_numpy(step.swap_in)
             for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_kv_caches):
-                swap_blocks(k, ck, mapping)
-                swap_blocks(v, cv, mapping)
+                self.backend.swap_blocks(k, ck, mapping)
+                self.backend.swap_blocks(v, cv, mapping)
         if len(step.block_copies):
-            copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
+            self.backend.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
                         torch.from_numpy(step.block_copies))
 
     def execute(self, step: Step) -> StepResult:

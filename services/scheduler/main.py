@@ -136,6 +136,7 @@ class SchedulerProcess:
         # Sleep on the request socket when idle; only drain it when there is work.
         self._drain_requests(timeout_ms=0 if sched.has_work() else 100)
         step = sched.schedule() if sched.has_work() else None
+        self._send_outputs(sched.take_outputs())
         if step is not None:
             self.steps.send(encode(step))
             result = self._wait_result(step)

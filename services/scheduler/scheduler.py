@@ -34,6 +34,7 @@ __all__ = ["Scheduler", "SchedulerConfig"]
 class Scheduler(SequenceGroupsMixin):
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self._init_groups()
+        self._early_outputs: list[RequestOutput] = []
         self.config = config
         self.blocks = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -71,6 +72,15 @@ class Scheduler(SequenceGroupsMixin):
                 req.request_id,
                 f"the prompt needs {self.blocks.blocks_needed(len(prompt) + 1)} KV blocks; the pool "
                 f"has {self.blocks.num_blocks} ({self.blocks.watermark_blocks} kept as watermark)",
+            )]
+        num_seqs = req.sampling.n if req.sampling.use_beam_search else max(req.sampling.n, req.sampling.best_of or 0)
+        needed = self.blocks.blocks_needed(len(prompt)) + num_seqs  # shared prompt + one block each
+        usable = self.blocks.num_blocks - self.blocks.watermark_blocks
+        if num_seqs > 1 and needed > usable:
+            return [self._error(
+                req.request_id,
+                f"{num_seqs} sequences (n/best_of) need at least {needed} KV blocks together; the pool "
+                f"has {usable} usable",
             )]
         seqs = []
         group_sampling, num_seqs = self._group_sampling(req.request_id, req.sampling, len(prompt), req.eos_token_ids)
@@ -159,7 +169,12 @@ class Scheduler(SequenceGroupsMixin):
             num_computed = len(cached) * self.blocks.block_size
             num_new = min(seq.num_tokens - num_computed, plan.token_budget)
             reserve = self._admission_tokens(seq, num_computed + num_new)
-            if self.blocks.can_admit(reserve, seq.num_tokens, cached) is not AllocStatus.OK:
+            status = self.blocks.can_admit(reserve, seq.num_tokens, cached)
+            if status is AllocStatus.NEVER:  # it grew larger than the whole pool: stop it there
+                self.waiting.popleft()
+                self._outgrown(seq)
+                continue
+            if status is not AllocStatus.OK:
                 break
             if not self.blocks.allocate_slots(seq.seq_id, reserve, num_computed, cached):
                 break
@@ -183,6 +198,26 @@ class Scheduler(SequenceGroupsMixin):
         self._in_flight[step.step_id] = plan.scheduled
         self._next_step_id += 1
         return step
+
+    def _outgrown(self, seq: Sequence) -> None:
+        """A preempted sequence that no longer fits in the pool ends with ``length``."""
+        request_id = seq.request_id
+        outputs = [RequestOutput(request_id, seq.choice_idx, seq.output_token_ids[seq.num_output_sent:], "length",
+                                 num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                                 num_preemptions=seq.num_preemptions)]
+        if request_id in self.beam_searches or request_id in self.best_of:
+            outputs = [self._error(request_id, "the sequence group outgrew the KV pool")]
+            self.abort_request(request_id)
+        else:
+            self._release(seq, "length")
+            if all(s.status is SequenceStatus.FINISHED for s in self.requests.get(request_id, [])):
+                self.requests.pop(request_id, None)
+        self._early_outputs += outputs
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """Outputs decided while scheduling rather than by a step's results."""
+        outputs, self._early_outputs = self._early_outputs, []
+        return outputs
 
     def _admission_tokens(self, seq: Sequence, num_tokens: int) -> int:
         """Slots a newly admitted sequence takes: what it computes now, or a whole reservation."""
