@@ -236,6 +236,8 @@ class EngineStats:
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
     num_cached_blocks: int = 0  # unused blocks kept for their content (evictable)
+    num_swap_outs: int = 0  # preemptions by swap
+    num_recomputes: int = 0  # preemptions by recompute
 
 
 MESSAGE_TYPES: dict[int, type] = {

@@ -68,6 +68,8 @@ async def health(request: web.Request) -> web.Response:
         "num_blocks_total": stats.num_blocks_total,
         "num_blocks_used": stats.num_blocks_used,
         "num_preemptions": stats.num_preemptions,
+        "num_preemptions_by_mode": {"swap": stats.num_swap_outs, "recompute": stats.num_recomputes},
+        "num_cached_blocks": stats.num_cached_blocks,
         "num_swapped": stats.num_swapped,
         "max_num_running": stats.max_num_running,
         # mean over all steps so far of slots holding tokens / slots allocated

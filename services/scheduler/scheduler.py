@@ -400,6 +400,8 @@ class Scheduler(SequenceGroupsMixin):
             "num_swapped": sum(len(g) for g in self.swapped),
             "max_num_running": self.max_num_running,
             "num_cached_blocks": self.blocks.num_cached_blocks,
+            "num_swap_outs": self.num_swap_outs,
+            "num_recomputes": self.num_recomputes,
             "num_prefix_cache_queries": self.blocks.num_queried_tokens,
             "num_prefix_cache_hits": self.blocks.num_hit_tokens,
         }
