@@ -14,38 +14,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from services.frontend.app import error_middleware
-from services.frontend.testing import (
-    ERROR_MARKER, MALFORMED_MARKER, REPLY_TEXT, SLOW_MARKER, FakeScheduler, FrontendThread, default_served_model,
-)
-from shared.endpoints import Endpoints
+from services.frontend.testing import ERROR_MARKER, MALFORMED_MARKER, REPLY_TEXT, SLOW_MARKER
 
 MAX_MODEL_LEN = 128
 MAX_BODY_BYTES = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def model():
-    return default_served_model(max_model_len=MAX_MODEL_LEN)
-
-
-@pytest.fixture(scope="module")
-def fake(model, tmp_path_factory):
-    endpoints = Endpoints.in_directory(str(tmp_path_factory.mktemp("zmq")))
-    scheduler = FakeScheduler(endpoints, model.tokenizer).start()
-    yield scheduler
-    scheduler.stop()
-
-
-@pytest.fixture(scope="module")
-def frontend(model, fake):
-    server = FrontendThread(model, fake.endpoints, max_body_bytes=MAX_BODY_BYTES).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(frontend):
-    return openai.OpenAI(base_url=frontend.base_url + "/v1", api_key="unused", max_retries=0, timeout=20)
 
 
 def http(method: str, url: str, *, body: object = None, data: bytes | None = None) -> tuple[int, dict, bytes]:

@@ -14,38 +14,11 @@ import pytest
 from services.frontend.errors import APIError
 from services.frontend.preprocess import sampling_params
 from services.frontend.protocol import parse_chat_body, parse_completion_body
-from services.frontend.testing import (
-    FEW_BEAMS_MARKER, SLOW_MARKER, FakeScheduler, FrontendThread, default_served_model,
-)
-from shared.endpoints import Endpoints
+from services.frontend.testing import FEW_BEAMS_MARKER, SLOW_MARKER
 from tests.test_frontend_api import http, sse_events
 
 MAX_MODEL_LEN = 256
 MESSAGES = [{"role": "user", "content": "Tell me something."}]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return default_served_model(max_model_len=MAX_MODEL_LEN)
-
-
-@pytest.fixture(scope="module")
-def fake(model, tmp_path_factory):
-    scheduler = FakeScheduler(Endpoints.in_directory(str(tmp_path_factory.mktemp("zmq"))), model.tokenizer).start()
-    yield scheduler
-    scheduler.stop()
-
-
-@pytest.fixture(scope="module")
-def frontend(model, fake):
-    server = FrontendThread(model, fake.endpoints).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(frontend):
-    return openai.OpenAI(base_url=frontend.base_url + "/v1", api_key="unused", max_retries=0, timeout=20)
 
 
 def reply(model, fake, max_tokens: int, choice_idx: int) -> tuple[str, int, str]:

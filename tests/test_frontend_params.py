@@ -11,36 +11,11 @@ import json
 import openai
 import pytest
 
-from services.frontend.testing import REPLY_TEXT, FakeScheduler, FrontendThread, default_served_model, fake_logprob
-from shared.endpoints import Endpoints
+from services.frontend.testing import REPLY_TEXT, fake_logprob
 from tests.test_frontend_api import expected, http, sse_events
 
 MAX_MODEL_LEN = 256
 MESSAGES = [{"role": "user", "content": "Tell me something."}]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return default_served_model(max_model_len=MAX_MODEL_LEN)
-
-
-@pytest.fixture(scope="module")
-def fake(model, tmp_path_factory):
-    scheduler = FakeScheduler(Endpoints.in_directory(str(tmp_path_factory.mktemp("zmq"))), model.tokenizer).start()
-    yield scheduler
-    scheduler.stop()
-
-
-@pytest.fixture(scope="module")
-def frontend(model, fake):
-    server = FrontendThread(model, fake.endpoints).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(frontend):
-    return openai.OpenAI(base_url=frontend.base_url + "/v1", api_key="unused", max_retries=0, timeout=20)
 
 
 def create(client, model, kind: str, stream: bool, **fields):

@@ -10,31 +10,11 @@ import aiohttp
 import openai
 import pytest
 
-from services.frontend.testing import HOLD_MARKER, FakeScheduler, FrontendThread, default_served_model
-from shared.endpoints import Endpoints
+from services.frontend.testing import HOLD_MARKER, FrontendThread
 from tests.test_frontend_api import http
 
 MAX_MODEL_LEN = 128
 API_KEY = "sk-test-7f3a"
-
-
-@pytest.fixture(scope="module")
-def model():
-    return default_served_model(max_model_len=MAX_MODEL_LEN)
-
-
-@pytest.fixture(scope="module")
-def fake(model, tmp_path_factory):
-    scheduler = FakeScheduler(Endpoints.in_directory(str(tmp_path_factory.mktemp("zmq"))), model.tokenizer).start()
-    yield scheduler
-    scheduler.stop()
-
-
-@pytest.fixture(scope="module")
-def frontend(model, fake):
-    server = FrontendThread(model, fake.endpoints).start()
-    yield server
-    server.stop()
 
 
 def post(frontend, path: str, body: object) -> tuple[int, dict]:

@@ -10,7 +10,6 @@ mask or a missing block (those give errors of 1e-2 and more). Writes and block c
 from __future__ import annotations
 
 import numba
-import numpy as np
 import pytest
 import torch
 

@@ -6,7 +6,6 @@ Rank 0 samples and replies with a ``StepResult``; other ranks (tensor parallelis
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 import traceback

@@ -1,0 +1,36 @@
+"""Fixtures shared by the frontend tests: the real frontend app against a fake scheduler.
+
+A test module sets ``MAX_MODEL_LEN`` to choose the served model's length (default 256) and may set
+``MAX_BODY_BYTES``.
+"""
+
+import openai
+import pytest
+
+from services.frontend.testing import FakeScheduler, FrontendThread, default_served_model
+from shared.endpoints import Endpoints
+
+
+@pytest.fixture(scope="module")
+def model(request):
+    return default_served_model(max_model_len=getattr(request.module, "MAX_MODEL_LEN", 256))
+
+
+@pytest.fixture(scope="module")
+def fake(model, tmp_path_factory):
+    scheduler = FakeScheduler(Endpoints.in_directory(str(tmp_path_factory.mktemp("zmq"))), model.tokenizer).start()
+    yield scheduler
+    scheduler.stop()
+
+
+@pytest.fixture(scope="module")
+def frontend(request, model, fake):
+    limit = getattr(request.module, "MAX_BODY_BYTES", None)
+    server = FrontendThread(model, fake.endpoints, **({"max_body_bytes": limit} if limit else {})).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(frontend):
+    return openai.OpenAI(base_url=frontend.base_url + "/v1", api_key="unused", max_retries=0, timeout=20)
