@@ -239,3 +239,25 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def tiny_server(tmp_path_factory, label: str, *flags: str):
+    """Start ``pagedserve serve`` on a tiny random Llama (SmolLM2's tokenizer); yields its URL.
+
+    A generator for module-scoped fixtures: the server is stopped when it resumes.
+    """
+    from services.frontend.testing import cached_tokenizer
+    from tests.harness import tiny_llama
+
+    tokenizer = cached_tokenizer()
+    model_dir = tmp_path_factory.mktemp("tiny-model")
+    tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    proc, url = _start(tmp_path_factory.mktemp(label), "--model", str(model_dir), *flags)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

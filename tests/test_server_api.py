@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_server import _start
+from tests.test_server import tiny_server
 
 pytestmark = pytest.mark.slow
 
@@ -36,22 +36,9 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tokenizer):
-    from tests.harness import tiny_llama
-
-    model_dir = tmp_path_factory.mktemp("tiny-model")
-    tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    root = tmp_path_factory.mktemp("serve-api")
-    proc, url = _start(root, "--model", str(model_dir), "--served-model-name", MODEL, "--max-model-len",
-                       str(MAX_MODEL_LEN), "--kv-cache-memory", "16MiB", "--max-queue-len", "200")
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except Exception:
-        proc.kill()
-        proc.wait()
+def server(tmp_path_factory):
+    yield from tiny_server(tmp_path_factory, "serve-api", "--served-model-name", MODEL, "--max-model-len",
+                           str(MAX_MODEL_LEN), "--kv-cache-memory", "16MiB", "--max-queue-len", "200")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_server import _start
+from tests.test_server import tiny_server
 from tests.test_server_api import metrics, wait_until_idle
 
 pytestmark = pytest.mark.slow
@@ -19,23 +19,8 @@ IGNORE_EOS = {"ignore_eos": True}  # a random model may end at any token; fixed 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from services.frontend.testing import cached_tokenizer
-    from tests.harness import tiny_llama
-
-    tokenizer = cached_tokenizer()
-    model_dir = tmp_path_factory.mktemp("tiny-model")
-    tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    root = tmp_path_factory.mktemp("serve-groups")
-    proc, url = _start(root, "--model", str(model_dir), "--served-model-name", MODEL, "--max-model-len",
-                       str(MAX_MODEL_LEN), "--kv-cache-memory", "16MiB")
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except Exception:
-        proc.kill()
-        proc.wait()
+    yield from tiny_server(tmp_path_factory, "serve-groups", "--served-model-name", MODEL, "--max-model-len",
+                           str(MAX_MODEL_LEN), "--kv-cache-memory", "16MiB")
 
 
 @pytest.fixture(scope="module")
