@@ -16,7 +16,7 @@ import signal
 import statistics
 import time
 
-from loadtest.throughput import _get_json, say, start_server
+from loadtest.throughput import _get_json, say, start_server, stream_completion
 
 EXAMPLES = [
     ("The weather is lovely today, so we are going to walk along the river after lunch.",
@@ -43,21 +43,10 @@ def prompt(num_examples: int, i: int) -> str:
 
 async def _one(session, url: str, text: str, max_tokens: int, t0: float) -> tuple[float, int, int]:
     body = {"model": "SmolLM2-135M-Instruct", "prompt": text, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    import json
-
-    ttft, usage = None, None
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and ttft is None:
-                ttft = time.monotonic() - t0
-            usage = chunk.get("usage") or usage
-    cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0) if usage else 0
-    return ttft or 0.0, usage["completion_tokens"], cached
+            "ignore_eos": True}
+    ttft, usage = await stream_completion(session, url, body, t0)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return ttft, usage["completion_tokens"], cached
 
 
 async def _run(url: str, texts: list[str], max_tokens: int):

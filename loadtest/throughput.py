@@ -86,9 +86,9 @@ def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-async def _one(session, url: str, model: str, req: Request, t_start: float) -> Result:
-    body = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+async def stream_completion(session, url: str, body: dict, t_start: float) -> tuple[float, dict]:
+    """POST a streamed completion with usage; returns (seconds to the first choice chunk, usage)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     ttft = None
     usage = None
     async with session.post(f"{url}/v1/completions", json=body) as resp:
@@ -100,9 +100,15 @@ async def _one(session, url: str, model: str, req: Request, t_start: float) -> R
             chunk = json.loads(line[6:])
             if chunk.get("choices") and ttft is None:
                 ttft = time.monotonic() - t_start
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    return Result(ttft or 0.0, time.monotonic() - t_start, usage["completion_tokens"])
+            usage = chunk.get("usage") or usage
+    return ttft or 0.0, usage
+
+
+async def _one(session, url: str, model: str, req: Request, t_start: float) -> Result:
+    body = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    ttft, usage = await stream_completion(session, url, body, t_start)
+    return Result(ttft, time.monotonic() - t_start, usage["completion_tokens"])
 
 
 async def run_pagedserve(url: str, model: str, reqs: list[Request]):
