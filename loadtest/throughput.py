@@ -1,12 +1,16 @@
-"""Throughput of pagedserve against Hugging Face static batching, on the same requests.
+"""Throughput of pagedserve against a peer server and Hugging Face static batching, same requests.
 
     python -m loadtest.throughput [--num-requests 64] [--static-batch 16] [--seed 0]
+    python -m loadtest.throughput --peer-url http://127.0.0.1:8100 --skip-hf [--server-flags "--dtype float32"]
 
-Starts ``pagedserve serve`` on SmolLM2, sends every request at once (token-id prompts of varied
-length, varied ``max_tokens``, ``ignore_eos`` so lengths are exact), and measures output tokens per
-second, time to first token and KV slot utilization. Then runs Hugging Face ``generate`` with
-static batches (left-padded, each batch decoding until its longest request is done) on the same
-requests, in the same process and thread settings, and prints both with their ratio.
+Starts ``pagedserve serve`` on SmolLM2 (or uses ``--url``), sends every request at once (token-id
+prompts of varied length, varied ``max_tokens``, ``ignore_eos`` so lengths are exact), and measures
+output tokens per second, time to first token and KV slot utilization. With ``--peer-url`` the same
+requests then go to another OpenAI-compatible server (vLLM-CPU from ``../shared/peers/``, say; its
+model name is read from its ``/v1/models``), one server at a time. Unless ``--skip-hf``, Hugging Face
+``generate`` then runs with static batches (left-padded, each batch decoding until its longest
+request is done) on the same requests, in the same thread settings. Prints all with the ratios to
+the first, and the CPU's model and the instruction-set flags that decide the fast paths.
 """
 
 from __future__ import annotations
@@ -111,7 +115,8 @@ async def _one(session, url: str, model: str, req: Request, t_start: float) -> R
     return Result(ttft, time.monotonic() - t_start, usage["completion_tokens"])
 
 
-async def run_pagedserve(url: str, model: str, reqs: list[Request]):
+async def run_server(url: str, model: str, reqs: list[Request], label: str = "pagedserve"):
+    """Send every request at once to an OpenAI-compatible server; (results, elapsed seconds)."""
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
@@ -122,7 +127,7 @@ async def run_pagedserve(url: str, model: str, reqs: list[Request]):
             await fut
             done += 1
             if done % 8 == 0:
-                say(f"  pagedserve: {done}/{len(reqs)} requests done ({time.monotonic() - t0:.0f} s)")
+                say(f"  {label}: {done}/{len(reqs)} requests done ({time.monotonic() - t0:.0f} s)")
         results = [t.result() for t in tasks]
         return results, time.monotonic() - t0
 
@@ -183,13 +188,54 @@ def run_hf_static(reqs: list[Request], batch_size: int, threads: int):
 
 def summarize(results: list[Result], elapsed: float) -> dict[str, float]:
     ttfts = sorted(r.ttft_s for r in results)
+    tpots = [(r.latency_s - r.ttft_s) / (r.num_output_tokens - 1) for r in results if r.num_output_tokens > 1]
     return {
         "output tokens/s": sum(r.num_output_tokens for r in results) / elapsed,
         "mean TTFT (s)": statistics.mean(ttfts),
         "median TTFT (s)": statistics.median(ttfts),
+        "median TPOT (ms)": 1000 * statistics.median(tpots) if tpots else float("nan"),
         "mean latency (s)": statistics.mean(r.latency_s for r in results),
         "elapsed (s)": elapsed,
     }
+
+
+def cpu_description() -> str:
+    """The CPU model and the flags that choose bf16 and vector paths (from /proc/cpuinfo)."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    wanted = ["avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"]
+    have = [f for f in wanted if f in flags]
+    return f"{model}, {os.cpu_count()} CPUs, flags: {' '.join(have) or 'none of ' + ' '.join(wanted)}"
+
+
+def peer_model_name(url: str) -> str:
+    """The first model a peer serves (vLLM names it after its checkpoint path)."""
+    return _get_json(f"{url}/v1/models")["data"][0]["id"]
+
+
+def print_table(rows: list[tuple[str, dict[str, float]]]) -> None:
+    """One column per server, and each other column's ratio to the first."""
+    say("")
+    say(f"{'':24}" + "".join(f"{name:>22}" for name, _ in rows)
+        + "".join(f"{'ratio ' + str(i + 2) + '/1':>12}" for i in range(len(rows) - 1)))
+    first = rows[0][1]
+    for key in first:
+        line = f"{key:24}" + "".join(f"{s[key]:>22.3f}" for _, s in rows)
+        line += "".join(f"{(s[key] / first[key] if first[key] else float('nan')):>12.2f}" for _, s in rows[1:])
+        say(line)
+    for name, s in rows[1:]:
+        say(f"throughput pagedserve / {name}: {first['output tokens/s'] / s['output tokens/s']:.2f}x;  "
+            f"median TTFT pagedserve / {name}: {first['median TTFT (s)'] / s['median TTFT (s)']:.2f}x")
 
 
 def main() -> None:
@@ -202,45 +248,54 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--server-flags", default="", help="extra flags for pagedserve serve")
+    ap.add_argument("--url", default=None, help="measure a pagedserve already running there instead of starting one")
+    ap.add_argument("--peer-url", default=None,
+                    help="also send the same requests to this OpenAI-compatible server (e.g. vLLM-CPU)")
+    ap.add_argument("--peer-name", default="peer", help="the peer's column title")
     args = ap.parse_args()
 
     reqs = make_workload(args.num_requests, args.seed, 49152, args.prompt_len, args.output_len)
+    say(f"machine: {cpu_description()}")
     say(f"workload: {len(reqs)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens "
         f"(sum {sum(len(r.prompt_ids) for r in reqs)}), outputs {args.output_len[0]}-{args.output_len[1]} "
         f"(sum {sum(r.max_tokens for r in reqs)}), seed {args.seed}, {args.threads} threads")
 
-    say("starting pagedserve ...")
-    flags = ["--max-num-seqs", str(max(64, args.num_requests)), "--num-threads", str(args.threads),
-             *args.server_flags.split()]
-    proc, url = start_server(flags)
-    try:
-        ours, elapsed = asyncio.run(run_pagedserve(url, "SmolLM2-135M-Instruct", reqs))
-        health = _get_json(f"{url}/health")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-    ours_s = summarize(ours, elapsed)
-    ours_s["KV slot utilization"] = health.get("kv_slot_utilization", float("nan"))
-
-    rows = [("pagedserve", ours_s)]
+    rows = [("pagedserve", measure_pagedserve(args, reqs))]
+    if args.peer_url:
+        name = peer_model_name(args.peer_url)
+        say(f"sending the same requests to {args.peer_name} at {args.peer_url} (model {name}) ...")
+        peer, peer_elapsed = asyncio.run(run_server(args.peer_url, name, reqs, args.peer_name))
+        rows.append((args.peer_name, summarize(peer, peer_elapsed)))
     if not args.skip_hf:
         say(f"running Hugging Face generate, static batches of {args.static_batch} ...")
         hf, hf_elapsed, hf_util = run_hf_static(reqs, args.static_batch, args.threads)
         hf_s = summarize(hf, hf_elapsed)
         hf_s["KV slot utilization"] = hf_util
         rows.append((f"HF static ({args.static_batch})", hf_s))
+    for _, s in rows[1:]:
+        s.setdefault("KV slot utilization", float("nan"))
+    print_table(rows)
 
-    say("")
-    header = f"{'':24}" + "".join(f"{name:>20}" for name, _ in rows) + ("" if len(rows) == 1 else f"{'ratio':>10}")
-    say(header)
-    for key in ours_s:
-        line = f"{key:24}" + "".join(f"{s[key]:>20.3f}" for _, s in rows)
-        if len(rows) == 2 and rows[1][1][key]:
-            line += f"{rows[0][1][key] / rows[1][1][key]:>10.2f}"
-        say(line)
-    if len(rows) == 2:
-        say(f"throughput ratio (pagedserve / HF static): "
-            f"{rows[0][1]['output tokens/s'] / rows[1][1]['output tokens/s']:.2f}")
+
+def measure_pagedserve(args, reqs: list[Request]) -> dict[str, float]:
+    """Run the workload on pagedserve (started here unless ``--url``) and summarize it."""
+    proc = None
+    url = args.url
+    if url is None:
+        say("starting pagedserve ...")
+        flags = ["--max-num-seqs", str(max(64, args.num_requests)), "--num-threads", str(args.threads),
+                 *args.server_flags.split()]
+        proc, url = start_server(flags)
+    try:
+        ours, elapsed = asyncio.run(run_server(url, "SmolLM2-135M-Instruct", reqs))
+        health = _get_json(f"{url}/health")
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+    summary = summarize(ours, elapsed)
+    summary["KV slot utilization"] = health.get("kv_slot_utilization", float("nan"))
+    return summary
 
 
 if __name__ == "__main__":
