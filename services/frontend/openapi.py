@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.frontend.options import MAX_LENGTH_PENALTY, MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
-from services.frontend.protocol import MAX_PROMPTS
+from services.frontend.request_body import MAX_PROMPTS
 
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _NUMBER = {"type": "number"}

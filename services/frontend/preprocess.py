@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.frontend.errors import bad_request
-from services.frontend.model import ServedModel
 from services.frontend.options import GenerationOptions
-from services.frontend.protocol import ChatBody, CompletionBody
+from services.frontend.request_body import ChatBody, CompletionBody
+from services.frontend.served_model import ServedModel
 from shared.messages import SamplingParams
 
 # The legacy completions API's default; chat defaults to whatever context is left.

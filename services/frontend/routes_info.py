@@ -11,11 +11,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.frontend.errors import APIError, bad_request, is_int, optional_bool
-from services.frontend.model import ServedModel
 from services.frontend.openapi import openapi_spec
 from services.frontend.options import GenerationOptions
 from services.frontend.preprocess import chat_prompt_ids
-from services.frontend.protocol import ChatBody, check_model, parse_json_body, parse_messages
+from services.frontend.request_body import ChatBody, check_model, parse_json_body, parse_messages
+from services.frontend.served_model import ServedModel
 from services.frontend.state import STATE
 
 

@@ -32,7 +32,7 @@ from services.frontend.options import GenerationOptions
 from services.frontend.preprocess import (
     DEFAULT_COMPLETION_MAX_TOKENS, PromptInput, chat_prompt_ids, completion_inputs, sampling_params,
 )
-from services.frontend.protocol import parse_chat_body, parse_completion_body, parse_json_body
+from services.frontend.request_body import parse_chat_body, parse_completion_body, parse_json_body
 from services.frontend.responses import (
     SSE_DONE, ChatShapes, Choice, CompletionShapes, ResponseShapes, sse_event, usage,
 )
