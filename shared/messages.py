@@ -62,6 +62,9 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # vLLM's prompt_logprobs: None, or k >= 0 for every prompt token's logprob and the k most
+    # likely tokens' at its position. The frontend refuses it until the engine computes them.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:

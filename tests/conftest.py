@@ -7,8 +7,8 @@ A test module sets ``MAX_MODEL_LEN`` to choose the served model's length (defaul
 import openai
 import pytest
 
-from services.frontend.testing import FakeScheduler, FrontendThread, default_served_model
 from shared.endpoints import Endpoints
+from tests.frontend_doubles import FakeScheduler, FrontendThread, default_served_model
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from services.frontend.app import error_middleware
-from services.frontend.testing import ERROR_MARKER, MALFORMED_MARKER, REPLY_TEXT, SLOW_MARKER
+from tests.frontend_doubles import ERROR_MARKER, MALFORMED_MARKER, REPLY_TEXT, SLOW_MARKER
 
 MAX_MODEL_LEN = 128
 MAX_BODY_BYTES = 1 << 20

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.frontend.detokenizer import IncrementalDetokenizer
-from services.frontend.testing import cached_tokenizer
+from tests.frontend_doubles import cached_tokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox.",

@@ -13,8 +13,8 @@ import pytest
 
 from services.frontend.errors import APIError
 from services.frontend.preprocess import sampling_params
-from services.frontend.protocol import parse_chat_body, parse_completion_body
-from services.frontend.testing import FEW_BEAMS_MARKER, SLOW_MARKER
+from services.frontend.request_body import parse_chat_body, parse_completion_body
+from tests.frontend_doubles import FEW_BEAMS_MARKER, SLOW_MARKER
 from tests.test_frontend_api import http, sse_events
 
 MAX_MODEL_LEN = 256

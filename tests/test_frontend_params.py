@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 
-from services.frontend.testing import REPLY_TEXT, fake_logprob
+from tests.frontend_doubles import REPLY_TEXT, fake_logprob
 from tests.test_frontend_api import expected, http, sse_events
 
 MAX_MODEL_LEN = 256

@@ -18,10 +18,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from services.frontend.testing import (
+from shared.endpoints import Endpoints
+from tests.frontend_doubles import (
     SLOW_MARKER, FakeScheduler, FrontendThread, cached_tokenizer, default_served_model,
 )
-from shared.endpoints import Endpoints
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,9 +10,9 @@ from services.frontend.config import FrontendConfig
 from services.frontend.main import add_frontend_arguments, frontend_config_from_args
 from services.frontend.preprocess import chat_prompt_ids, completion_inputs, sampling_params
 from services.frontend.errors import APIError
-from services.frontend.protocol import parse_chat_body, parse_completion_body, parse_json_body
-from services.frontend.testing import default_served_model
+from services.frontend.request_body import parse_chat_body, parse_completion_body, parse_json_body
 from shared.endpoints import Endpoints
+from tests.frontend_doubles import default_served_model
 
 NAME = "served-model"
 

@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 
-from services.frontend.testing import HOLD_MARKER, FrontendThread
+from tests.frontend_doubles import HOLD_MARKER, FrontendThread
 from tests.test_frontend_api import http
 
 MAX_MODEL_LEN = 128

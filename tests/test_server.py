@@ -246,7 +246,7 @@ def tiny_server(tmp_path_factory, label: str, *flags: str):
 
     A generator for module-scoped fixtures: the server is stopped when it resumes.
     """
-    from services.frontend.testing import cached_tokenizer
+    from tests.frontend_doubles import cached_tokenizer
     from tests.harness import tiny_llama
 
     tokenizer = cached_tokenizer()

@@ -30,7 +30,7 @@ NUM_FUZZ_REQUESTS = 500
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from services.frontend.testing import cached_tokenizer
+    from tests.frontend_doubles import cached_tokenizer
 
     return cached_tokenizer()
 

@@ -22,7 +22,7 @@ from services.frontend.engine_client import EngineClient
 from services.frontend.errors import APIError
 from services.frontend.logprobs import TokenFormatter
 from services.frontend.metrics import FrontendMetrics
-from services.frontend.model import ServedModel
+from services.frontend.served_model import ServedModel
 from services.frontend.state import REQUEST_ID, STATE, FrontendState
 
 log = structlog.get_logger()

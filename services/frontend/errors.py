@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 
@@ -35,36 +34,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
-def optional_int(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        return int(value)  # 16.0 is what some JSON encoders write for 16
-    if not is_int(value):
-        raise bad_request(f"{name} must be an integer, got {describe(value)}", name)
-    return value
-
-
-def optional_number(body: dict[str, Any], name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_request(f"{name} must be a number, got {describe(value)}", name)
-    try:
-        number = float(value)
-    except OverflowError:  # an integer with hundreds of digits
-        number = math.inf
-    if not math.isfinite(number):
-        raise bad_request(f"{name} must be a finite number, got {describe(value)}", name)
-    return number
-
-
 def optional_bool(body: dict[str, Any], name: str) -> bool:
     value = body.get(name)
-    if value is None:
-        return False
+    return False if value is None else as_bool(name, value)
+
+
+def as_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise bad_request(f"{name} must be a boolean, got {describe(value)}", name)
     return value

@@ -136,6 +136,9 @@ class Generation:
         return [c.finish_reason for c in self.choices if c.finish_reason is not None]
 
     def start(self) -> None:
+        if self._sampling.max_tokens == 0:
+            self._start_prompt_only()
+            return
         request = AddRequest(
             request_id=self.request_id,
             prompt_token_ids=np.asarray(self.prompt_token_ids, dtype=np.int32),
@@ -148,6 +151,17 @@ class Generation:
             self._observer.on_start(self)
         log.info("request sent", num_prompt_tokens=self.num_prompt_tokens, max_tokens=self._sampling.max_tokens,
                  n=self._sampling.n)
+
+    def _start_prompt_only(self) -> None:
+        """``max_tokens`` 0 (completions with echo): nothing to generate, so nothing is sent and
+        each choice ends at once, with no tokens and ``length``. (Once the engine computes prompt
+        logprobs, a request that wants them will have to go to it.)"""
+        self._queue = asyncio.Queue()
+        self._engine_done = True
+        for choice_idx in range(len(self._all_choices)):
+            self._queue.put_nowait(RequestOutput(self.request_id, choice_idx, [], "length"))
+        if self._observer is not None:
+            self._observer.on_start(self)
 
     async def next_deltas(self) -> list[Delta]:
         """Wait for the scheduler's next output(s) and return the text they release, one delta per

@@ -15,7 +15,7 @@ from aiohttp import web
 from services.frontend.app import create_app
 from services.frontend.config import FrontendConfig
 from services.frontend.engine_client import EngineClient
-from services.frontend.model import ServedModel, load_served_model
+from services.frontend.served_model import ServedModel, load_served_model
 from shared.endpoints import Endpoints
 from shared.logging import configure_logging
 

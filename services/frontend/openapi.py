@@ -1,61 +1,25 @@
-"""The OpenAPI 3.1 description served at /openapi.json (written by hand; the tests fuzz from it)."""
+"""The OpenAPI 3.1 description served at /openapi.json; the tests fuzz from it.
+
+The generation requests' schemas are derived from their field declarations (``fields``); the
+rest (routes, responses, tokenize) is written here.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from services.frontend.options import MAX_LENGTH_PENALTY, MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
-from services.frontend.protocol import MAX_PROMPTS
-
-_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-_NUMBER = {"type": "number"}
+from services.frontend.fields import Route, schema_properties
+from services.frontend.request_body import CHAT_MESSAGE_SCHEMA, ChatBody, CompletionBody
 
 
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _sampling_properties() -> dict[str, Any]:
-    """The fields completions and chat share (see ``services/frontend/options.py``)."""
-    return {
-        "model": {"type": "string", "description": "The served model's name; may be left out."},
-        "max_tokens": {"type": ["integer", "null"], "minimum": 1},
-        "temperature": _NUMBER | {"minimum": 0, "maximum": 2, "default": 1},
-        "top_p": _NUMBER | {"exclusiveMinimum": 0, "maximum": 1, "default": 1},
-        "top_k": {"type": "integer", "minimum": -1, "description": "-1 or 0: off."},
-        "min_p": _NUMBER | {"minimum": 0, "maximum": 1, "default": 0},
-        "presence_penalty": _NUMBER | {"minimum": -2, "maximum": 2, "default": 0},
-        "frequency_penalty": _NUMBER | {"minimum": -2, "maximum": 2, "default": 0},
-        "repetition_penalty": _NUMBER | {"exclusiveMinimum": 0, "maximum": 2, "default": 1},
-        "logit_bias": {
-            "type": "object", "description": "Token id (as a string) -> bias added to its logit.",
-            "additionalProperties": _NUMBER | {"minimum": -100, "maximum": 100},
-            "propertyNames": {"pattern": "^[0-9]+$"},
-        },
-        "seed": {"type": "integer"},
-        "stop": {"oneOf": [
-            {"type": "string", "minLength": 1},
-            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
-        ]},
-        "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-        "ignore_eos": {"type": "boolean"},
-        "min_tokens": {"type": "integer", "minimum": 0},
-        "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "description": "Choices per prompt (beam width "
-              "with use_beam_search)."},
-        "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_N, "description": (
-            "Sample this many (at least n) and return the n most likely; not with stream unless equal to n.")},
-        "use_beam_search": {"type": "boolean", "description": (
-            "vLLM's beam search of width n: temperature must be 0 or left out; sampling and penalty fields, "
-            "logit_bias, min_tokens, stop_token_ids and logprobs are refused with it. Streamed, each hypothesis "
-            "comes as one chunk when the search ends.")},
-        "length_penalty": _NUMBER | {"minimum": -MAX_LENGTH_PENALTY, "maximum": MAX_LENGTH_PENALTY, "default": 1,
-                                     "description": "Beam search only: scores are divided by length ** this."},
-        "early_stopping": {"oneOf": [{"type": "boolean"}, {"const": "never"}], "default": False,
-                           "description": "Beam search only, as in transformers."},
-        "stream": {"type": "boolean"},
-        "stream_options": _ref("StreamOptions"),
-        "user": {"type": "string"},
-    }
+def _request_schema(body_cls: type, route: Route) -> dict[str, Any]:
+    """A generation route's body, derived from its declared fields (``request_body``, ``options``)."""
+    properties, required = schema_properties(body_cls, route)
+    return {"type": "object", "required": required, "properties": properties}
 
 
 def _schemas() -> dict[str, Any]:
@@ -64,47 +28,12 @@ def _schemas() -> dict[str, Any]:
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
     }}}
-    completion = {
-        "type": "object", "required": ["prompt"],
-        "properties": _sampling_properties() | {
-            "prompt": {"oneOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
-                 "maxItems": MAX_PROMPTS},
-                _TOKEN_IDS,
-                {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": MAX_PROMPTS},
-            ]},
-            "echo": {"type": "boolean"},
-            "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
-        },
-    }
-    message = {
-        "type": "object", "required": ["role", "content"],
-        "properties": {
-            "role": {"enum": ["system", "user", "assistant"]},
-            "content": {"oneOf": [
-                {"type": "string"},
-                {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
-                    "type": {"const": "text"}, "text": {"type": "string"}}}},
-            ], "description": "May be null for an assistant message."},
-        },
-    }
-    chat = {
-        "type": "object", "required": ["messages"],
-        "properties": _sampling_properties() | {
-            "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
-            "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
-            "logprobs": {"type": "boolean"},
-            "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
-        },
-    }
     usage = {"type": "object", "properties": {
         k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
     return {
-        "CompletionRequest": completion,
-        "ChatCompletionRequest": chat,
-        "ChatMessage": message,
-        "StreamOptions": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+        "CompletionRequest": _request_schema(CompletionBody, Route.COMPLETIONS),
+        "ChatCompletionRequest": _request_schema(ChatBody, Route.CHAT),
+        "ChatMessage": CHAT_MESSAGE_SCHEMA,
         "TokenizeRequest": {"oneOf": [
             {"type": "object", "required": ["prompt"], "properties": {
                 "model": {"type": "string"}, "prompt": {"type": "string"},

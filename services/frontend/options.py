@@ -1,20 +1,20 @@
-"""The sampling, stopping, logprobs and streaming fields that completions and chat share.
+"""The generation fields of /v1/completions and /v1/chat/completions, each declared once.
 
-Every problem raises ``APIError`` naming the parameter. Ranges follow OpenAI where it defines
-them (temperature, penalties, logit_bias, logprobs) and vLLM for its extensions (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids). Token ids are checked against the
+``GenerationOptions`` is the one place a sampling, stopping, logprobs or streaming field is
+written: its type, range, default, routes, aliases, description, what beam search makes of it and
+how it reaches ``SamplingParams``. Parsing, the 400s, /openapi.json and the conversion to
+``SamplingParams`` are derived from it (``fields``); the rules that tie several fields together
+are in ``request_rules``. Ranges follow OpenAI where it defines them (temperature, penalties,
+logit_bias, logprobs) and vLLM for its extensions (top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids, beam search, prompt_logprobs). Token ids are checked against the
 vocabulary later, in ``preprocess``, which knows the model.
 
 Several choices per prompt: ``n`` (1 to ``MAX_N``) samples, or ``best_of`` (``n`` to ``MAX_N``)
 samples of which the ``n`` with the highest cumulative log-probability are returned (OpenAI's
 completions field; accepted on chat too, as vLLM does), or vLLM's beam search (``use_beam_search``,
-beam width ``n``, ``length_penalty``, ``early_stopping``). ``best_of > n`` cannot stream (nothing
-is known before every sample has finished), as OpenAI says. Beam search can: each returned
-hypothesis comes as one chunk when the search ends. Beam search scores candidates by the model's
-raw log-probabilities, greedily, so the sampling and logits-processing fields it would ignore
-(temperature above 0, top_p, top_k, min_p, penalties, logit_bias, min_tokens, stop_token_ids,
-logprobs, a ``best_of`` other than ``n``) are refused with it rather than silently dropped;
-``length_penalty`` and ``early_stopping`` are refused without it.
+beam width ``n``, ``length_penalty``, ``early_stopping``). Beam search scores candidates by the
+model's raw log-probabilities, greedily, so the fields it would ignore are refused with it rather
+than silently dropped, and the fields only it uses are refused without it.
 """
 
 from __future__ import annotations
@@ -22,230 +22,172 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.frontend.errors import (
-    bad_request, describe, is_int, json_type, optional_bool, optional_int, optional_number,
-)
+from services.frontend.errors import bad_request, describe, is_int, json_type
+from services.frontend.field_kinds import Boolean, Custom, Integer, Number
+from services.frontend.fields import BeamSearch, Route, declare, declared_fields
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_N = 128  # choices (n), samples (best_of) or beams per prompt, OpenAI's limit for n
 MAX_LENGTH_PENALTY = 10.0  # |length_penalty|: length ** penalty stays a finite, non-zero float
-_SEED_RANGE = (-(2**63), 2**64 - 1)
+PROMPT_LOGPROBS_PENDING = "the engine does not compute prompt logprobs (echo with logprobs lists null for them)"
+
+_COMPLETIONS, _CHAT = Route.COMPLETIONS, Route.CHAT
+_REFUSED, _ONLY = BeamSearch.REFUSED, BeamSearch.ONLY
 
 
-@dataclass
-class GenerationOptions:
-    """The fields completions and chat share. ``max_tokens`` is ``None`` when the client left it
-    out; ``max_tokens_param`` is the name it came under (for error messages). ``logprobs`` is
-    ``None`` (off) or how many most likely tokens to list with each token (0: only its own)."""
-
-    max_tokens: int | None = None
-    max_tokens_param: str = "max_tokens"
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    seed: int | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None
-    stream: bool = False
-    include_usage: bool = False
-    n: int = 1
-    best_of: int | None = None  # None: n
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
+# ---------------------------------------------------------------- values with a shape of their own
 
 
-def parse_options(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> GenerationOptions:
-    """The shared fields of ``body``; logprobs are left to the caller (their shape differs)."""
-    opts = GenerationOptions()
-    for name in max_tokens_names:  # the first one given wins (max_completion_tokens for chat)
-        value = optional_int(body, name)
-        if value is not None:
-            if value < 1:
-                raise bad_request(f"{name} must be at least 1, got {value}", name)
-            opts.max_tokens, opts.max_tokens_param = value, name
-            break
-    opts.temperature = _number_in(body, "temperature", 1.0, 0.0, 2.0)
-    opts.top_p = optional_number(body, "top_p", 1.0)
-    if not 0.0 < opts.top_p <= 1.0:
-        raise bad_request(f"top_p must be in (0, 1], got {opts.top_p}", "top_p")
-    top_k = optional_int(body, "top_k")
-    if top_k is not None and top_k < -1:
-        raise bad_request(f"top_k must be -1 or 0 (off) or a positive integer, got {top_k}", "top_k")
-    opts.top_k = top_k if top_k is not None and top_k > 0 else None
-    opts.min_p = _number_in(body, "min_p", 0.0, 0.0, 1.0)
-    opts.presence_penalty = _number_in(body, "presence_penalty", 0.0, -2.0, 2.0)
-    opts.frequency_penalty = _number_in(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    opts.repetition_penalty = optional_number(body, "repetition_penalty", 1.0)
-    if not 0.0 < opts.repetition_penalty <= 2.0:
-        raise bad_request(f"repetition_penalty must be in (0, 2], got {opts.repetition_penalty}",
-                          "repetition_penalty")
-    opts.logit_bias = _parse_logit_bias(body.get("logit_bias"))
-    opts.seed = optional_int(body, "seed")
-    if opts.seed is not None and not _SEED_RANGE[0] <= opts.seed <= _SEED_RANGE[1]:
-        raise bad_request(f"seed must fit in 64 bits, got {opts.seed}", "seed")
-    opts.min_tokens = optional_int(body, "min_tokens") or 0
-    if opts.min_tokens < 0:
-        raise bad_request(f"min_tokens must be at least 0, got {opts.min_tokens}", "min_tokens")
-    if opts.max_tokens is not None and opts.min_tokens > opts.max_tokens:
-        raise bad_request(
-            f"min_tokens ({opts.min_tokens}) must not exceed {opts.max_tokens_param} ({opts.max_tokens})", "min_tokens"
-        )
-    opts.ignore_eos = optional_bool(body, "ignore_eos")
-    opts.stop_token_ids = _token_id_list(body.get("stop_token_ids"), "stop_token_ids")
-    opts.stop = _parse_stop(body.get("stop"))
-    opts.stream = optional_bool(body, "stream")
-    opts.include_usage = _parse_stream_options(body.get("stream_options"), opts.stream)
-    _parse_groups(body, opts)
-    return opts
-
-
-def parse_num_logprobs(body: dict[str, Any], name: str) -> int | None:
-    """An optional count of top logprobs in ``[0, MAX_LOGPROBS]``."""
-    value = optional_int(body, name)
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise bad_request(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", name)
-    return value
-
-
-def _number_in(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
-    value = optional_number(body, name, default)
-    if not low <= value <= high:
-        raise bad_request(f"{name} must be between {low:g} and {high:g}, got {value}", name)
-    return value
-
-
-def _parse_groups(body: dict[str, Any], opts: GenerationOptions) -> None:
-    """``n``, ``best_of`` and beam search (see the module docstring)."""
-    n = optional_int(body, "n")
-    if n is not None:
-        if not 1 <= n <= MAX_N:
-            raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
-        opts.n = n
-    best_of = optional_int(body, "best_of")
-    if best_of is not None:
-        if not 1 <= best_of <= MAX_N:
-            raise bad_request(f"best_of must be between 1 and {MAX_N}, got {best_of}", "best_of")
-        if best_of < opts.n:
-            raise bad_request(f"best_of must be greater than or equal to n, got best_of={best_of} and n={opts.n}",
-                              "best_of")
-        if opts.stream and best_of > opts.n:
-            raise bad_request("best_of cannot be used with stream (unless it equals n): the best choices are known "
-                              "only when every sample has finished", "best_of")
-        opts.best_of = best_of
-    opts.use_beam_search = optional_bool(body, "use_beam_search")
-    opts.length_penalty = _number_in(body, "length_penalty", 1.0, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY)
-    opts.early_stopping = _parse_early_stopping(body.get("early_stopping"))
-    if opts.use_beam_search:
-        _check_beam_search(body, opts)
-        return
-    if opts.length_penalty != 1.0:
-        raise bad_request(f"length_penalty applies only with use_beam_search; got {opts.length_penalty} without it",
-                          "length_penalty")
-    if opts.early_stopping is not False:
-        raise bad_request(f"early_stopping applies only with use_beam_search; got {opts.early_stopping!r} without it",
-                          "early_stopping")
-
-
-def _parse_early_stopping(value: Any) -> bool | str:
-    if value is None:
-        return False
-    if isinstance(value, bool) or value == "never":
-        return value
-    raise bad_request(f'early_stopping must be true, false or "never", got {describe(value)}', "early_stopping")
-
-
-def _check_beam_search(body: dict[str, Any], opts: GenerationOptions) -> None:
-    """Refuse the fields beam search would ignore (it ranks the raw log-probabilities greedily)."""
-    if body.get("temperature") is not None and opts.temperature != 0.0:
-        raise bad_request(f"temperature must be 0 (or left out) with use_beam_search, got {opts.temperature}",
-                          "temperature")
-    opts.temperature = 0.0
-    ignored = [
-        ("top_p", opts.top_p != 1.0), ("top_k", opts.top_k is not None), ("min_p", opts.min_p != 0.0),
-        ("presence_penalty", opts.presence_penalty != 0.0), ("frequency_penalty", opts.frequency_penalty != 0.0),
-        ("repetition_penalty", opts.repetition_penalty != 1.0), ("logit_bias", bool(opts.logit_bias)),
-        ("min_tokens", opts.min_tokens != 0), ("stop_token_ids", bool(opts.stop_token_ids)),
-    ]
-    for name, set_ in ignored:
-        if set_:
-            raise bad_request(f"{name} is not supported with use_beam_search", name)
-    if opts.best_of is not None and opts.best_of != opts.n:
-        raise bad_request(f"best_of must equal n (the beam width) with use_beam_search, got best_of={opts.best_of} "
-                          f"and n={opts.n}", "best_of")
-
-
-def check_beam_logprobs(opts: GenerationOptions, param: str) -> None:
-    """Beam search returns no logprobs; called once the caller has parsed its logprobs field."""
-    if opts.use_beam_search and opts.logprobs is not None:
-        raise bad_request(f"{param} is not supported with use_beam_search", param)
-
-
-def _parse_logit_bias(value: Any) -> dict[int, float]:
+def _read_logit_bias(name: str, value: Any) -> dict[int, float]:
     """OpenAI's ``{"token id": bias}`` with biases in [-100, 100]."""
-    if value is None:
-        return {}
     if not isinstance(value, dict):
-        raise bad_request(f"logit_bias must be an object mapping token ids to numbers, got {json_type(value)}",
-                          "logit_bias")
+        raise bad_request(f"{name} must be an object mapping token ids to numbers, got {json_type(value)}", name)
     if len(value) > MAX_LOGIT_BIAS_ENTRIES:
-        raise bad_request(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(value)}", "logit_bias")
-    bias = {}
+        raise bad_request(f"{name} takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(value)}", name)
+    bias: dict[int, float] = {}
     for key, number in value.items():
         try:
             token_id = int(key)
         except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids (integers), got {key!r}", "logit_bias") from None
+            raise bad_request(f"{name} keys must be token ids (integers), got {key!r}", name) from None
         if token_id < 0:
-            raise bad_request(f"logit_bias: token id {token_id} is negative", "logit_bias")
+            raise bad_request(f"{name}: token id {token_id} is negative", name)
         if isinstance(number, bool) or not isinstance(number, (int, float)) or not -100 <= number <= 100:
-            raise bad_request(f"logit_bias[{key!r}] must be a number between -100 and 100, got {describe(number)}",
-                              "logit_bias")
+            raise bad_request(f"{name}[{key!r}] must be a number between -100 and 100, got {describe(number)}", name)
         bias[token_id] = bias.get(token_id, 0.0) + float(number)  # "5" and "05" name one token
     return bias
 
 
-def _parse_stop(stop: Any) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
+def _read_stop(name: str, value: Any) -> list[str]:
+    stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise bad_request(f"stop must be a string or a list of strings, got {json_type(stop)}", "stop")
+        raise bad_request(f"{name} must be a string or a list of strings, got {json_type(value)}", name)
     if len(stops) > MAX_STOP_STRINGS:
-        raise bad_request(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+        raise bad_request(f"{name} takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", name)
     if any(not s for s in stops):
-        raise bad_request("stop strings must not be empty", "stop")
+        raise bad_request(f"{name} strings must not be empty", name)
     return list(dict.fromkeys(stops))
 
 
-def _parse_stream_options(options: Any, stream: bool) -> bool:
-    if options is None:
-        return False
-    if not stream:
-        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if not isinstance(options, dict):
-        raise bad_request(f"stream_options must be an object, got {json_type(options)}", "stream_options")
-    include = options.get("include_usage")
+def _read_token_ids(name: str, value: Any) -> list[int]:
+    if not isinstance(value, list) or not all(is_int(t) and t >= 0 for t in value):
+        raise bad_request(f"{name} must be a list of non-negative integer token ids", name)
+    return list(value)
+
+
+def _read_include_usage(name: str, value: Any) -> bool:
+    """``stream_options``: only ``include_usage`` means anything to us."""
+    if not isinstance(value, dict):
+        raise bad_request(f"{name} must be an object, got {json_type(value)}", name)
+    include = value.get("include_usage")
     if include is not None and not isinstance(include, bool):
-        raise bad_request(
-            f"stream_options.include_usage must be a boolean, got {json_type(include)}", "stream_options.include_usage"
-        )
+        raise bad_request(f"{name}.include_usage must be a boolean, got {json_type(include)}", f"{name}.include_usage")
     return bool(include)
 
 
-def _token_id_list(value: Any, param: str) -> list[int]:
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(is_int(t) and t >= 0 for t in value):
-        raise bad_request(f"{param} must be a list of non-negative integer token ids", param)
-    return list(value)
+def _read_early_stopping(name: str, value: Any) -> bool | str:
+    if isinstance(value, bool) or value == "never":
+        return value
+    raise bad_request(f'{name} must be true, false or "never", got {describe(value)}', name)
+
+
+def _positive_or_off(top_k: int) -> int | None:
+    return top_k if top_k > 0 else None
+
+
+def _logit_bias_lists(bias: dict[int, float], options: Any) -> dict[str, Any]:
+    return {"logit_bias_token_ids": list(bias), "logit_bias_values": list(bias.values())}
+
+
+def _held_back_samples(best_of: int | None, options: Any) -> dict[str, Any]:
+    """``best_of`` equal to ``n`` holds nothing back: the engine runs it as plain ``n``."""
+    return {"best_of": best_of if best_of is not None and best_of > options.n else None}
+
+
+_TOKEN_ID_LIST = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+LOGIT_BIAS = Custom(_read_logit_bias, {
+    "type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+    "propertyNames": {"pattern": "^[0-9]+$"},
+})
+STOP = Custom(_read_stop, {"oneOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
+]})
+TOKEN_IDS = Custom(_read_token_ids, _TOKEN_ID_LIST)
+STREAM_OPTIONS = Custom(_read_include_usage, {"type": "object", "properties": {"include_usage": {"type": "boolean"}}})
+EARLY_STOPPING = Custom(_read_early_stopping, {"oneOf": [{"type": "boolean"}, {"const": "never"}]}, has_default=True)
+NUM_LOGPROBS = Integer(0, MAX_LOGPROBS)
+
+
+# ---------------------------------------------------------------- the declaration
+
+
+@dataclass
+class GenerationOptions:
+    """The generation fields of a request, parsed; a field left out keeps its default. ``logprobs``
+    is ``None`` (off) or how many most likely tokens to list with each token (0: only its own);
+    chat's ``logprobs`` / ``top_logprobs`` pair is settled into it by ``request_rules``. ``given``
+    maps each attribute the body set to the JSON name it came under."""
+
+    max_tokens: int | None = declare(
+        Integer(minimum=1), route_kinds={_COMPLETIONS: Integer(minimum=0, rule="must be at least 1")}, nullable=True,
+        aliases=("max_completion_tokens",), alias_routes=_CHAT,
+        description="Most tokens to generate; left out: 16 on completions, the context left on chat. 0 only on "
+                    "completions with echo (the prompt alone, for scoring).")
+    temperature: float = declare(Number(0.0, 2.0), 1.0, sampling=True)
+    top_p: float = declare(Number(0.0, 1.0, exclusive_minimum=True), 1.0, sampling=True, beam_search=_REFUSED)
+    top_k: int | None = declare(
+        Integer(minimum=-1, rule="must be -1 or 0 (off) or a positive integer"), convert=_positive_or_off,
+        sampling=True, beam_search=_REFUSED, description="-1 or 0: off.")
+    min_p: float = declare(Number(0.0, 1.0), 0.0, sampling=True, beam_search=_REFUSED)
+    presence_penalty: float = declare(Number(-2.0, 2.0), 0.0, sampling=True, beam_search=_REFUSED)
+    frequency_penalty: float = declare(Number(-2.0, 2.0), 0.0, sampling=True, beam_search=_REFUSED)
+    repetition_penalty: float = declare(
+        Number(0.0, 2.0, exclusive_minimum=True), 1.0, sampling=True, beam_search=_REFUSED)
+    logit_bias: dict[int, float] = declare(
+        LOGIT_BIAS, factory=dict, sampling=_logit_bias_lists, beam_search=_REFUSED,
+        description="Token id (as a string) -> bias added to its logit.")
+    seed: int | None = declare(Integer(-(2**63), 2**64 - 1, rule="must fit in 64 bits"), sampling=True)
+    min_tokens: int = declare(Integer(minimum=0), 0, sampling=True, beam_search=_REFUSED)
+    ignore_eos: bool = declare(Boolean(), False, sampling=True)
+    stop_token_ids: list[int] = declare(TOKEN_IDS, factory=list, sampling=True, beam_search=_REFUSED)
+    stop: list[str] = declare(STOP, factory=list)
+    stream: bool = declare(Boolean(), False)
+    include_usage: bool = declare(STREAM_OPTIONS, False, json_name="stream_options", requires="stream",
+                                  description="Only with stream: a last chunk carries the usage.")
+    n: int = declare(Integer(1, MAX_N), 1, sampling=True,
+                     description="Choices per prompt (beam width with use_beam_search).")
+    best_of: int | None = declare(
+        Integer(1, MAX_N), sampling=_held_back_samples,
+        description="Sample this many (at least n) and return the n most likely; not with stream unless equal to n.")
+    use_beam_search: bool = declare(
+        Boolean(), False, sampling=True,
+        description="vLLM's beam search of width n: temperature must be 0 or left out; sampling and penalty "
+                    "fields, logit_bias, min_tokens, stop_token_ids and logprobs are refused with it. Streamed, "
+                    "each hypothesis comes as one chunk when the search ends.")
+    length_penalty: float = declare(
+        Number(-MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY), 1.0, sampling=True, beam_search=_ONLY,
+        description="Beam search only: scores are divided by length ** this.")
+    early_stopping: bool | str = declare(EARLY_STOPPING, False, sampling=True, beam_search=_ONLY,
+                                         description="Beam search only, as in transformers.")
+    logprobs: int | None = declare(NUM_LOGPROBS, nullable=True, routes=_COMPLETIONS, sampling=True,
+                                   beam_search=_REFUSED)
+    top_logprobs: int | None = declare(NUM_LOGPROBS, routes=_CHAT, description="Only with logprobs true.")
+    chat_logprobs: bool = declare(Boolean(), False, json_name="logprobs", routes=_CHAT, beam_search=_REFUSED)
+    prompt_logprobs: int | None = declare(
+        NUM_LOGPROBS, nullable=True, sampling=True, beam_search=_REFUSED, pending=PROMPT_LOGPROBS_PENDING,
+        description="vLLM's extension: the logprob of every prompt token and of the k most likely at its "
+                    f"position. Not supported yet: {PROMPT_LOGPROBS_PENDING}.")
+    given: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def param(self, attr: str) -> str:
+        """The JSON name field ``attr`` came under (its own name when the body left it out)."""
+        if attr in self.given:
+            return self.given[attr]
+        return next(d.name for d in declared_fields(GenerationOptions) if d.attr == attr)
+
+    @property
+    def max_tokens_param(self) -> str:
+        return self.param("max_tokens")

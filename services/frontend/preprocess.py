@@ -1,4 +1,5 @@
-"""Parsed bodies -> prompt token ids and ``SamplingParams``, with the context-length checks.
+"""Parsed bodies -> prompt token ids and ``SamplingParams``, with the context-length and vocabulary
+checks (what needs the model).
 
 Tokenization is CPU work: the routes run these functions on the tokenizer's own thread.
 """
@@ -9,9 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.frontend.errors import bad_request
-from services.frontend.model import ServedModel
+from services.frontend.fields import sampling_values
 from services.frontend.options import GenerationOptions
-from services.frontend.protocol import ChatBody, CompletionBody
+from services.frontend.request_body import ChatBody, CompletionBody
+from services.frontend.served_model import ServedModel
 from shared.messages import SamplingParams
 
 # The legacy completions API's default; chat defaults to whatever context is left.
@@ -41,6 +43,11 @@ def completion_inputs(body: CompletionBody, model: ServedModel) -> list[PromptIn
     return inputs
 
 
+def chat_inputs(body: ChatBody, model: ServedModel) -> list[PromptInput]:
+    """A chat request's one prompt: its messages through the chat template."""
+    return [PromptInput(chat_prompt_ids(body, model))]
+
+
 def chat_prompt_ids(body: ChatBody, model: ServedModel, add_generation_prompt: bool = True) -> list[int]:
     try:
         ids = model.tokenizer.apply_chat_template(
@@ -58,6 +65,26 @@ def sampling_params(
     default_max_tokens: int | None,
     prompt_param: str,
 ) -> SamplingParams:
+    """The engine's parameters: every field ``options`` declares for the engine (``FieldSpec.sampling``),
+    checked against the model, with ``max_tokens`` settled (``settle_max_tokens``) and the EOS ids."""
+    max_tokens = settle_max_tokens(options, num_prompt_tokens, model, default_max_tokens, prompt_param)
+    if options.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({options.min_tokens}) exceeds the {max_tokens} tokens left", "min_tokens")
+    _check_token_ids(options.stop_token_ids, model.vocab_size, "stop_token_ids")
+    _check_token_ids(list(options.logit_bias), model.vocab_size, "logit_bias")
+    values = sampling_values(options)
+    if options.top_k is not None and options.top_k >= model.vocab_size:
+        values["top_k"] = None  # a top_k beyond the vocabulary is no top_k
+    return SamplingParams(**values, max_tokens=max_tokens, eos_token_ids=list(model.eos_token_ids))
+
+
+def settle_max_tokens(
+    options: GenerationOptions,
+    num_prompt_tokens: int,
+    model: ServedModel,
+    default_max_tokens: int | None,
+    prompt_param: str,
+) -> int:
     """Check the lengths against ``model.max_model_len`` and settle ``max_tokens``.
 
     ``default_max_tokens`` applies when the client gave none (``None``: all the context left); a
@@ -75,45 +102,17 @@ def sampling_params(
         )
     room = limit - num_prompt_tokens
     if options.max_tokens is None:
-        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-    elif options.max_tokens > room:
+        return room if default_max_tokens is None else min(default_max_tokens, room)
+    if options.max_tokens > room:
+        param = options.max_tokens_param
         raise bad_request(
             f"This model's maximum context length is {limit} tokens, but {num_prompt_tokens} prompt tokens "
-            f"+ {options.max_tokens} {options.max_tokens_param} = {num_prompt_tokens + options.max_tokens} "
-            f"tokens were requested; reduce the prompt or {options.max_tokens_param} (at most {room}).",
-            options.max_tokens_param,
+            f"+ {options.max_tokens} {param} = {num_prompt_tokens + options.max_tokens} "
+            f"tokens were requested; reduce the prompt or {param} (at most {room}).",
+            param,
             "context_length_exceeded",
         )
-    else:
-        max_tokens = options.max_tokens
-    if options.min_tokens > max_tokens:
-        raise bad_request(f"min_tokens ({options.min_tokens}) exceeds the {max_tokens} tokens left", "min_tokens")
-    _check_token_ids(options.stop_token_ids, model.vocab_size, "stop_token_ids")
-    _check_token_ids(list(options.logit_bias), model.vocab_size, "logit_bias")
-    top_k = options.top_k if options.top_k is not None and options.top_k < model.vocab_size else None
-    return SamplingParams(
-        n=options.n,
-        temperature=options.temperature,
-        top_p=options.top_p,
-        top_k=top_k,
-        seed=options.seed,
-        max_tokens=max_tokens,
-        min_tokens=options.min_tokens,
-        ignore_eos=options.ignore_eos,
-        stop_token_ids=list(options.stop_token_ids),
-        min_p=options.min_p,
-        presence_penalty=options.presence_penalty,
-        frequency_penalty=options.frequency_penalty,
-        repetition_penalty=options.repetition_penalty,
-        logit_bias_token_ids=list(options.logit_bias),
-        logit_bias_values=list(options.logit_bias.values()),
-        logprobs=options.logprobs,
-        eos_token_ids=list(model.eos_token_ids),
-        best_of=options.best_of if options.best_of is not None and options.best_of > options.n else None,
-        use_beam_search=options.use_beam_search,
-        length_penalty=options.length_penalty,
-        early_stopping=options.early_stopping,
-    )
+    return options.max_tokens
 
 
 def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:

@@ -11,11 +11,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.frontend.errors import APIError, bad_request, is_int, optional_bool
-from services.frontend.model import ServedModel
 from services.frontend.openapi import openapi_spec
-from services.frontend.options import GenerationOptions
 from services.frontend.preprocess import chat_prompt_ids
-from services.frontend.protocol import ChatBody, check_model, parse_json_body, parse_messages
+from services.frontend.request_body import ChatBody, check_model, parse_json_body, parse_messages
+from services.frontend.served_model import ServedModel
 from services.frontend.state import STATE
 
 
@@ -93,7 +92,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body = parse_json_body(await request.read())
     check_model(body, state.model.name)
     if "messages" in body and body.get("prompt") is None:
-        chat = ChatBody(parse_messages(body.get("messages")), GenerationOptions())
+        chat = ChatBody(messages=parse_messages(body.get("messages")))
         add_generation_prompt = body.get("add_generation_prompt", True)
         if not isinstance(add_generation_prompt, bool):
             raise bad_request("add_generation_prompt must be a boolean", "add_generation_prompt")

@@ -1,12 +1,14 @@
 """/v1/completions and /v1/chat/completions: parse, tokenize, admit, generate, answer.
 
-A completions request with several prompts runs one engine request per prompt (ids
+Both routes take one path (``_serve``); an ``Endpoint`` holds the little that differs (body
+schema, prompt building, response shapes, default ``max_tokens``). A completions request with several prompts runs one engine request per prompt (ids
 ``<request id>-<index>``), concurrently. Each engine request has ``n`` choices (see
 ``generation``); as in OpenAI's API, choice ``j`` of prompt ``i`` has index ``i * n + j``. Streamed,
 chunks interleave as tokens arrive, each naming its choice's index. ``usage`` counts each prompt
 once and the tokens of every returned choice (with ``best_of``, not those of the samples dropped).
 With ``echo`` each choice's text starts with its prompt's (streamed: in a chunk of its own), and
-with logprobs its tokens are listed with ``null`` logprobs.
+with logprobs its tokens are listed with ``null`` logprobs. ``max_tokens`` 0 (only with ``echo``)
+returns the prompt alone, each choice finished with ``length`` (see ``Generation``).
 
 Streamed beam search (vLLM's extension) is accepted: the hypotheses are known only when the search
 ends, so each comes as one chunk then (for chat, after its own opening ``role`` chunk), best first.
@@ -21,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import structlog
 from aiohttp import web
@@ -30,15 +33,33 @@ from services.frontend.generation import Delta, EngineRequestError, Generation
 from services.frontend.logprobs import TokenLogprob
 from services.frontend.options import GenerationOptions
 from services.frontend.preprocess import (
-    DEFAULT_COMPLETION_MAX_TOKENS, PromptInput, chat_prompt_ids, completion_inputs, sampling_params,
+    DEFAULT_COMPLETION_MAX_TOKENS, PromptInput, chat_inputs, completion_inputs, sampling_params,
 )
-from services.frontend.protocol import parse_chat_body, parse_completion_body, parse_json_body
+from services.frontend.request_body import RequestBody, parse_chat_body, parse_completion_body, parse_json_body
 from services.frontend.responses import (
     SSE_DONE, ChatShapes, Choice, CompletionShapes, ResponseShapes, sse_event, usage,
 )
+from services.frontend.served_model import ServedModel
 from services.frontend.state import REQUEST_ID, STATE, FrontendState
 
 log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What makes /v1/completions and /v1/chat/completions differ; everything else they share."""
+
+    id_prefix: str
+    parse: Callable[[dict[str, Any], str], RequestBody]  # JSON object, served model name -> body
+    inputs: Callable[[Any, ServedModel], list[PromptInput]]  # body -> its prompts (on the tokenizer thread)
+    shapes: type[ResponseShapes]
+    default_max_tokens: int | None  # when the client gives none (None: the context left)
+    prompt_param: str  # the field to blame for a prompt that does not fit
+
+
+COMPLETIONS = Endpoint("cmpl", parse_completion_body, completion_inputs, CompletionShapes,
+                       DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+CHAT = Endpoint("chatcmpl", parse_chat_body, chat_inputs, ChatShapes, None, "messages")
 
 
 @dataclass
@@ -50,37 +71,36 @@ class _Echo:
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    arrival = time.monotonic()
-    request_id = request[REQUEST_ID] = f"cmpl-{uuid.uuid4().hex}"
-    with structlog.contextvars.bound_contextvars(request_id=request_id):
-        body = parse_completion_body(parse_json_body(await request.read()), state.model.name)
-        inputs: list[PromptInput] = await state.tokenize(completion_inputs, body, state.model)
-        echoes = [_echo(i, body.options) if body.echo else _Echo() for i in inputs]
-        shapes = CompletionShapes(request_id, int(time.time()), state.model.name, body.options.include_usage,
-                                  state.token_formatter)
-        return await _generate(request, state, shapes, inputs, body.options, echoes, DEFAULT_COMPLETION_MAX_TOKENS,
-                               "prompt", arrival)
+    return await _serve(request, COMPLETIONS)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, CHAT)
+
+
+async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    """Parse with the endpoint's schema, tokenize, admit, generate, answer."""
     state = request.app[STATE]
     arrival = time.monotonic()
-    request_id = request[REQUEST_ID] = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = request[REQUEST_ID] = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
     with structlog.contextvars.bound_contextvars(request_id=request_id):
-        body = parse_chat_body(parse_json_body(await request.read()), state.model.name)
-        prompt_ids = await state.tokenize(chat_prompt_ids, body, state.model)
-        shapes = ChatShapes(request_id, int(time.time()), state.model.name, body.options.include_usage,
-                            state.token_formatter)
-        return await _generate(request, state, shapes, [PromptInput(prompt_ids)], body.options, [_Echo()], None,
-                               "messages", arrival)
+        body = endpoint.parse(parse_json_body(await request.read()), state.model.name)
+        inputs: list[PromptInput] = await state.tokenize(endpoint.inputs, body, state.model)
+        echoes = [_echo(prompt, body.options) for prompt in inputs]
+        shapes = endpoint.shapes(request_id, int(time.time()), state.model.name, body.options.include_usage,
+                                 state.token_formatter)
+        return await _generate(request, state, shapes, inputs, body.options, echoes, endpoint, arrival)
 
 
 def _echo(prompt: PromptInput, options: GenerationOptions) -> _Echo:
+    """The prompt's text, and its tokens with ``null`` logprobs (the engine does not compute prompt
+    logprobs yet) when logprobs are asked for; nothing unless the prompt is echoed."""
+    if prompt.text is None:
+        return _Echo()
     entries = None
     if options.logprobs is not None:
         entries = [TokenLogprob(t, None, None) for t in prompt.token_ids]
-    return _Echo(prompt.text or "", entries)
+    return _Echo(prompt.text, entries)
 
 
 def _admit(state: FrontendState, num_requests: int) -> None:
@@ -107,12 +127,12 @@ async def _generate(
     inputs: list[PromptInput],
     options: GenerationOptions,
     echoes: list[_Echo],
-    default_max_tokens: int | None,
-    prompt_param: str,
+    endpoint: Endpoint,
     arrival: float,
 ) -> web.StreamResponse:
     model = state.model
-    samplings = [sampling_params(options, len(i.token_ids), model, default_max_tokens, prompt_param) for i in inputs]
+    samplings = [sampling_params(options, len(i.token_ids), model, endpoint.default_max_tokens, endpoint.prompt_param)
+                 for i in inputs]
     _admit(state, len(inputs))
     single = len(inputs) == 1
     gens = [

@@ -12,7 +12,7 @@ from aiohttp import web
 from services.frontend.engine_client import EngineClient
 from services.frontend.logprobs import TokenFormatter
 from services.frontend.metrics import FrontendMetrics
-from services.frontend.model import ServedModel
+from services.frontend.served_model import ServedModel
 
 
 @dataclass

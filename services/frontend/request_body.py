@@ -1,9 +1,10 @@
-"""Request bodies of the OpenAI API, parsed and validated field by field.
+"""The bodies of /v1/completions and /v1/chat/completions: JSON bytes to a parsed body, or a 400.
 
 Every problem raises ``APIError`` with the offending parameter's name; nothing here tokenizes
 (``preprocess`` does, and checks the lengths). Fields this module does not know are ignored, as
 OpenAI clients send some; known fields whose non-default values we cannot honour are refused.
-The fields completions and chat share are parsed in ``options``.
+Each route's own fields (prompt, echo, messages) are declared here, the generation fields both
+routes share in ``options``, and all are read through ``fields``.
 """
 
 from __future__ import annotations
@@ -11,28 +12,19 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from services.frontend.errors import bad_request, is_int, json_type, optional_bool, reject_constant
-from services.frontend.options import GenerationOptions, check_beam_logprobs, parse_num_logprobs, parse_options
+from services.frontend.errors import bad_request, is_int, json_type, reject_constant
+from services.frontend.field_kinds import Boolean, Custom, Refused, String, ignored
+from services.frontend.fields import Route, declare, nested, read_declared
+from services.frontend.options import GenerationOptions
+from services.frontend.request_rules import check_options
 
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_PROMPTS = 64  # prompts in one completions request; each is its own engine request
 
 Prompt = str | list[int]
-
-
-@dataclass
-class CompletionBody:
-    prompts: list[Prompt]  # options.n choices each, in this order
-    options: GenerationOptions
-    echo: bool = False
-
-
-@dataclass
-class ChatBody:
-    messages: list[dict[str, str]]  # {"role": ..., "content": str}
-    options: GenerationOptions
+Body = TypeVar("Body", bound="RequestBody")
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -73,37 +65,12 @@ def _is_unicode(value: Any) -> bool:
     return True
 
 
-def parse_completion_body(body: dict[str, Any], served_model_name: str) -> CompletionBody:
-    check_model(body, served_model_name)
-    _refuse_unsupported(body, _UNSUPPORTED_COMPLETION)
-    options = parse_options(body, ("max_tokens",))
-    options.logprobs = parse_num_logprobs(body, "logprobs")
-    check_beam_logprobs(options, "logprobs")
-    echo = optional_bool(body, "echo")
-    return CompletionBody(parse_prompts(body.get("prompt")), options, echo)
-
-
-def parse_chat_body(body: dict[str, Any], served_model_name: str) -> ChatBody:
-    check_model(body, served_model_name)
-    _refuse_unsupported(body, _UNSUPPORTED_CHAT)
-    options = parse_options(body, ("max_completion_tokens", "max_tokens"))
-    top_logprobs = parse_num_logprobs(body, "top_logprobs")
-    if optional_bool(body, "logprobs"):
-        options.logprobs = top_logprobs or 0
-    elif top_logprobs is not None:
-        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    check_beam_logprobs(options, "logprobs")
-    return ChatBody(parse_messages(body.get("messages")), options)
-
-
 def check_model(body: dict[str, Any], served_model_name: str) -> None:
     """``model`` may be left out (the served model); any other name is a 400 ``model_not_found``."""
     model = body.get("model")
     if model is None:
         return
-    if not isinstance(model, str):
-        raise bad_request(f"model must be a string, got {json_type(model)}", "model")
-    if model != served_model_name:
+    if String().read("model", model) != served_model_name:
         raise bad_request(
             f"The model `{model}` does not exist. This server serves `{served_model_name}`.",
             "model",
@@ -117,8 +84,6 @@ def check_model(body: dict[str, Any], served_model_name: str) -> None:
 def parse_prompts(prompt: Any) -> list[Prompt]:
     """OpenAI's four shapes: a string, a list of strings, a list of token ids, a list of lists of
     token ids. Returns one entry per prompt; none may be empty."""
-    if prompt is None:
-        raise bad_request("prompt is required", "prompt")
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
@@ -181,22 +146,74 @@ def _message_text(content: Any, role: str, param: str) -> str:
     return "\n".join(texts)
 
 
-# Known fields we cannot honour, with the predicate that says a value means "off".
-_UNSUPPORTED_COMPLETION = frozenset({
-    ("suffix", lambda v: not v),
-})
-_UNSUPPORTED_CHAT = frozenset({
-    ("tools", lambda v: not v),
-    ("response_format", lambda v: not v or (isinstance(v, dict) and v.get("type") == "text")),
-})
+CHAT_MESSAGE_SCHEMA = {  # /openapi.json's ChatMessage
+    "type": "object", "required": ["role", "content"],
+    "properties": {
+        "role": {"enum": list(CHAT_ROLES)},
+        "content": {"oneOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+                "type": {"const": "text"}, "text": {"type": "string"}}}},
+        ], "description": "May be null for an assistant message."},
+    },
+}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+PROMPTS = Custom(lambda name, value: parse_prompts(value), {"oneOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_PROMPTS},
+    _TOKEN_IDS,
+    {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": MAX_PROMPTS},
+]})
+MESSAGES = Custom(lambda name, value: parse_messages(value),
+                  {"type": "array", "items": {"$ref": "#/components/schemas/ChatMessage"}, "minItems": 1})
 
 
-def _refuse_unsupported(body: dict[str, Any], fields: frozenset) -> None:
-    for name, is_off in sorted(fields, key=lambda f: f[0]):
-        value = body.get(name)
-        try:
-            off = is_off(value)
-        except TypeError:
-            off = False
-        if not off:
-            raise bad_request(f"{name}={json.dumps(value)[:80]} is not supported yet", name)
+def _off_when_empty(value: Any) -> bool:
+    return not value
+
+
+def _text_response_format(value: Any) -> bool:
+    return not value or (isinstance(value, dict) and value.get("type") == "text")
+
+
+# ---------------------------------------------------------------- the two bodies
+
+
+@dataclass
+class RequestBody:
+    """What both generation routes read, in this order: the model's name, the fields we refuse
+    (OpenAI's, which we cannot honour yet), then the generation options."""
+
+    model: str | None = declare(String(), description="The served model's name; may be left out.")
+    suffix: Any = declare(Refused(_off_when_empty), routes=Route.COMPLETIONS)
+    response_format: Any = declare(Refused(_text_response_format), routes=Route.CHAT)
+    tools: Any = declare(Refused(_off_when_empty), routes=Route.CHAT)
+    user: str | None = declare(ignored({"type": "string"}), description="Accepted and ignored.")
+    options: GenerationOptions = nested(GenerationOptions)
+
+
+@dataclass
+class CompletionBody(RequestBody):
+    echo: bool = declare(Boolean(), False, description="Each choice's text (and logprobs) starts with its prompt's.")
+    prompts: list[Prompt] = declare(PROMPTS, factory=list, json_name="prompt", required=True,
+                                    description="One prompt or several (strings or token ids); each gets n choices.")
+
+
+@dataclass
+class ChatBody(RequestBody):
+    messages: list[dict[str, str]] = declare(MESSAGES, factory=list, required=True)
+
+
+def parse_completion_body(body: dict[str, Any], served_model_name: str) -> CompletionBody:
+    return _parse(CompletionBody, Route.COMPLETIONS, body, served_model_name)
+
+
+def parse_chat_body(body: dict[str, Any], served_model_name: str) -> ChatBody:
+    return _parse(ChatBody, Route.CHAT, body, served_model_name)
+
+
+def _parse(cls: type[Body], route: Route, body: dict[str, Any], served_model_name: str) -> Body:
+    check_model(body, served_model_name)  # first: a request meant for another model has nothing else to fix
+    parsed = read_declared(cls, body, route)
+    check_options(parsed.options, route, echo=isinstance(parsed, CompletionBody) and parsed.echo)
+    return parsed

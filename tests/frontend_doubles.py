@@ -18,7 +18,7 @@ import zmq
 
 from services.frontend.config import FrontendConfig
 from services.frontend.main import FrontendServer
-from services.frontend.model import ServedModel, eos_token_ids, load_tokenizer
+from services.frontend.served_model import ServedModel, eos_token_ids, load_tokenizer
 from shared.endpoints import Endpoints
 from shared.messages import AbortRequest, AddRequest, EngineStats, RequestOutput, decode, encode
 from shared.model_source import resolve_model
