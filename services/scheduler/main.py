@@ -139,8 +139,8 @@ class SchedulerProcess:
         self._send_outputs(sched.take_outputs())
         if step is not None:
             self.steps.send(encode(step))
-            result = self._wait_result(step)
-            self._send_outputs(sched.update(result))
+            sched.update(self._wait_result(step))
+            self._send_outputs(sched.take_outputs())
         self._send_stats()
 
     def _drain_requests(self, timeout_ms: int) -> None:
@@ -149,7 +149,8 @@ class SchedulerProcess:
             if isinstance(msg, AddRequest):
                 self.log.info("request added", request_id=msg.request_id,
                               num_prompt_tokens=len(msg.prompt_token_ids), max_tokens=msg.sampling.max_tokens)
-                self._send_outputs(self.scheduler.add_request(msg))
+                self.scheduler.add_request(msg)
+                self._send_outputs(self.scheduler.take_outputs())
             elif isinstance(msg, AbortRequest):
                 self.log.info("request aborted", request_id=msg.request_id)
                 self.scheduler.abort_request(msg.request_id)
@@ -183,7 +184,7 @@ class SchedulerProcess:
         if not force and now - self._last_stats < STATS_INTERVAL_S:
             return
         self._last_stats = now
-        self._push(EngineStats(**self.scheduler.stats(), ready=True))
+        self._push(self.scheduler.engine_stats())
 
     def _push(self, msg) -> None:
         """Send to the frontend without blocking: a bound PUSH with no peer would block forever."""
