@@ -76,16 +76,32 @@ def test_outputs_go_to_their_frontend_stats_to_all_and_orphans_come_back(tmp_pat
         ctx.term()
 
 
-def test_engine_client_fails_its_requests_when_the_scheduler_is_silent(tmp_path):
+def test_engine_client_fails_its_requests_when_the_scheduler_falls_silent(tmp_path):
+    endpoint = Endpoints.in_directory(str(tmp_path)).request
+    ctx = zmq.Context()
+    scheduler = ctx.socket(zmq.ROUTER)
+    scheduler.bind(endpoint)
+
     async def run() -> tuple[RequestOutput, int]:
-        client = EngineClient(Endpoints.in_directory(str(tmp_path)), silence_timeout_s=0.2)  # nobody binds
+        client = EngineClient(Endpoints(endpoint, "", ""), silence_timeout_s=0.2)
         await client.start()
         try:
+            identity, hello = await asyncio.to_thread(scheduler.recv_multipart)
+            assert isinstance(decode(hello), FrontendHello)
+            scheduler.send_multipart([identity, encode(STATS)])  # answers once, then never again
+            for _ in range(3000):  # 30 s at most
+                if client.latest_stats is not None:
+                    break
+                await asyncio.sleep(0.01)
             queue = client.add_request(_add("r"))
             return await asyncio.wait_for(queue.get(), timeout=60), client.num_pending
         finally:
             await client.close()
 
-    output, num_pending = asyncio.run(run())
+    try:
+        output, num_pending = asyncio.run(run())
+    finally:
+        scheduler.close(linger=0)
+        ctx.term()
     assert output.finish_reason == "abort" and output.request_finished and num_pending == 0
     assert "the scheduler has not answered for" in output.error

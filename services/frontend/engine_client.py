@@ -6,7 +6,8 @@ out, and brings back this frontend's ``RequestOutput`` deltas (the scheduler sen
 outputs to the frontend that sent the request) and ``EngineStats`` (sent to every frontend). One
 background task reads the socket and routes each output to its request's queue; a second one says
 hello again while the scheduler is silent (a restarted scheduler learns of this frontend that way)
-and fails every waiting request once the scheduler has been silent for ``silence_timeout_s``.
+and, once the scheduler has answered at all (before, it may still be loading the model), fails
+every waiting request when the scheduler has been silent for ``silence_timeout_s``.
 
 A request is over at its output marked ``request_finished``, or at once on an ``"error"`` or
 ``"abort"``. Beam search may return fewer than ``n`` hypotheses: the queue then gets ``None`` after
@@ -66,7 +67,7 @@ class EngineClient:
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self._routes: dict[str, _Route] = {}
-        self._last_frame_time = time.monotonic()  # anything from the scheduler
+        self._last_frame_time: float | None = None  # time.monotonic() of anything from the scheduler
         self._waiting_since = 0.0  # when the first of the registered requests was sent
         self.latest_stats: EngineStats | None = None
         self.latest_stats_time: float | None = None  # time.monotonic() when it arrived
@@ -146,8 +147,10 @@ class EngineClient:
         while True:
             await asyncio.sleep(HELLO_INTERVAL_S)
             now = time.monotonic()
-            if now - self._last_frame_time >= HELLO_INTERVAL_S:
+            if self._last_frame_time is None or now - self._last_frame_time >= HELLO_INTERVAL_S:
                 self._hello()
+            if self._last_frame_time is None:
+                continue  # never heard from: the scheduler may still be starting
             silent_s = now - max(self._last_frame_time, self._waiting_since)
             if self._routes and silent_s > self.silence_timeout_s:
                 num = self.abort_all(f"the scheduler has not answered for {silent_s:.0f} s")
