@@ -2,8 +2,8 @@
 
     python -m loadtest.sharing [--num-requests 16] [--max-tokens 48]
 
-Runs SmolLM2 in-process (scheduler and model runner joined, no sockets) on short chat prompts
-like the paper's Alpaca run. At every step it records the blocks really in use, where the samples
+Runs SmolLM2 in the offline engine (``services.offline.LLM``: scheduler and model runner in one
+process) on short chat prompts like the paper's Alpaca run. At every step it records the blocks really in use, where the samples
 or beams of a request point at the same physical blocks, and the blocks the same sequences would
 hold without sharing (every block table counted in full), and prints the peak and mean of both
 and the saving. The paper reports 6.1-9.8 % for parallel sampling and 37.6-55.2 % for beam search.
@@ -19,14 +19,16 @@ from loadtest.memory import questions
 
 
 def run(model, tokenizer, prompts, max_tokens: int, **sampling) -> dict[str, float]:
-    from tests.harness import InProcessEngine
+    from services.offline import LLM
+    from shared.messages import SamplingParams
 
-    engine = InProcessEngine(model, num_blocks=4096, block_size=16, max_model_len=1024,
-                             enable_prefix_caching=False)
-    for i, p in enumerate(prompts):
-        engine.add(f"r{i}", p, eos=[tokenizer.eos_token_id], max_tokens=max_tokens, **sampling)
+    llm = LLM.from_hf_model(model, tokenizer, num_kv_blocks=4096, block_size=16, max_model_len=1024,
+                            max_num_batched_tokens=512, enable_prefix_caching=False)
+    for p in prompts:
+        llm.add_request(p, SamplingParams(max_tokens=max_tokens, **sampling))
+    engine = llm.engine
     shared, unshared = [], []
-    while engine.scheduler.has_work():
+    while engine.has_work():
         engine.step()
         tables = engine.blocks.block_tables.values()
         if tables:

@@ -58,7 +58,8 @@ def _worker(steps: int, batch: int, context: int) -> None:
             query_start_loc=np.arange(batch + 1, dtype=np.int32),
             context_lens=np.full(batch, pos + 1, np.int32), block_tables=tables,
             sample_mask=np.ones(batch, bool),
-            new_seqs=[NewSequence(s, f"r{s}", greedy) for s in range(batch)] if i == 0 else [],
+            new_seqs=[NewSequence(s, f"r{s}", greedy, np.full(context, 42, np.int32), context)
+                      for s in range(batch)] if i == 0 else [],
         )
         t0 = time.perf_counter()
         runner.execute(step)

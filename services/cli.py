@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
             step, result = _endpoint_pair(args)
             run_executor(ExecutorConfig(
-                endpoints=Endpoints(request="", output="", step=step, result=result),
+                endpoints=Endpoints(request="", step=step, result=result),
                 rank=args.rank, world_size=args.world_size,
                 **_kwargs(args, ["model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory",
                                  "swap_space", "max_model_len", "attention_backend", "num_threads",

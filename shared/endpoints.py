@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Endpoints:
-    request: str  # frontend PUSH -> scheduler PULL (AddRequest, AbortRequest)
-    output: str  # scheduler PUSH -> frontend PULL (RequestOutput, EngineStats)
+    # frontends' DEALERs <-> scheduler ROUTER: AddRequest, AbortRequest, FrontendHello in; each
+    # request's RequestOutputs back to the frontend that sent it, EngineStats to every frontend
+    request: str
     step: str  # scheduler PUB -> executors SUB (Step, Hello, Shutdown)
     result: str  # executors PUSH -> scheduler PULL (StepResult, ExecutorReady, HelloAck)
 
@@ -37,7 +38,7 @@ class Endpoints:
 
     @staticmethod
     def names() -> tuple[str, ...]:
-        return ("request", "output", "step", "result")
+        return ("request", "step", "result")
 
 
 def make_private_socket_dir() -> str:

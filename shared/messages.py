@@ -98,7 +98,9 @@ class RequestOutput:
 
     ``new_token_ids`` are the tokens generated since the previous delta. ``finish_reason`` is
     ``None`` while running, else ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (then
-    ``error`` says why).
+    ``error`` says why). ``request_finished`` is set on the request's last output, after every
+    choice has sent its own last one (best_of's held samples, all of beam search's hypotheses,
+    however few): nothing more comes for this request.
     """
 
     TAG: ClassVar[int] = 3
@@ -115,6 +117,19 @@ class RequestOutput:
     logprobs: list[float] = field(default_factory=list)
     top_token_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+    request_finished: bool = False
+
+
+@dataclass
+class FrontendHello:
+    """frontend -> scheduler: "send my outputs and the engine's stats here".
+
+    Sent when a frontend connects, and again whenever it has heard nothing for a while (a restarted
+    scheduler learns of it that way). Every message a frontend sends names it as its sender too.
+    """
+
+    TAG: ClassVar[int] = 4
+    pid: int  # for the scheduler's logs
 
 
 # ---------------------------------------------------------------- step-level (scheduler <-> executors)
@@ -122,11 +137,19 @@ class RequestOutput:
 
 @dataclass
 class NewSequence:
-    """First appearance of a sequence in a step: what the executor keeps until it is freed."""
+    """First appearance of a sequence in a step: what the executor keeps until it is freed.
+
+    ``token_ids`` are every token of the sequence known when it is announced: its prompt, plus the
+    outputs so far for a sequence forked from another (a beam); the first ``num_prompt_tokens`` are
+    the prompt. The executor extends this history with each later step's input tokens at positions
+    past its end, so a prompt crosses the socket once per sequence.
+    """
 
     seq_id: int
     request_id: str
     sampling: SamplingParams
+    token_ids: np.ndarray  # [num_known_tokens] int32
+    num_prompt_tokens: int
 
 
 @dataclass
@@ -246,7 +269,7 @@ class EngineStats:
 MESSAGE_TYPES: dict[int, type] = {
     cls.TAG: cls
     for cls in (
-        AddRequest, AbortRequest, RequestOutput, Step, StepResult, ExecutorReady, Hello,
+        AddRequest, AbortRequest, RequestOutput, FrontendHello, Step, StepResult, ExecutorReady, Hello,
         HelloAck, Shutdown, EngineStats,
     )
 }

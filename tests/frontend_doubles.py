@@ -74,14 +74,16 @@ class _Active:
 
 @dataclass
 class FakeScheduler:
-    """Binds the scheduler's two endpoints and answers each ``AddRequest`` deterministically.
+    """Binds the scheduler's ROUTER endpoint and answers each ``AddRequest`` deterministically, to
+    the frontend that sent it (several frontends may share one fake; stats go to all of them).
 
     The reply is ``REPLY_TEXT``'s tokens then the first EOS id (finish "stop"), cut to
     ``max_tokens`` (finish "length"); ``tokens_per_output`` tokens per ``RequestOutput``. With
     ``sampling.logprobs = k`` each token gets the logprob ``fake_logprob(token)`` and the top list
     ``[token, token + 1, ...]`` (k long) with logprobs ``fake_logprob(token) - rank``. It sends
     ``EngineStats(ready=self.ready)`` every 50 ms and records every ``AddRequest`` and
-    ``AbortRequest``; an aborted request gets no more outputs.
+    ``AbortRequest``; an aborted request gets no more outputs. A request's last output is marked
+    ``request_finished``, as the real scheduler marks it.
 
     Several choices, shaped like the real scheduler's: with ``n`` each choice ``c`` replies
     ``choice_token_ids(c)`` (then EOS, cut to max_tokens), their outputs interleaved. With
@@ -103,10 +105,10 @@ class FakeScheduler:
         self.reply_token_ids = list(self.tokenizer.encode(REPLY_TEXT))
         self._choice_ids: dict[int, list[int]] = {0: self.reply_token_ids}
         self._context = zmq.Context()
-        self._pull = self._context.socket(zmq.PULL)
-        self._pull.bind(self.endpoints.request)
-        self._push = self._context.socket(zmq.PUSH)
-        self._push.bind(self.endpoints.output)
+        self._router = self._context.socket(zmq.ROUTER)
+        self._router.bind(self.endpoints.request)
+        self._frontends: set[bytes] = set()  # identities of the connected frontends
+        self._owners: dict[str, bytes] = {}  # request id -> the frontend that sent it
         self._active: dict[str, _Active] = {}
         self._raw_frames: list[bytes] = []
         self._changed = threading.Condition()
@@ -120,12 +122,11 @@ class FakeScheduler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        self._pull.close(linger=0)
-        self._push.close(linger=0)
+        self._router.close(linger=0)
         self._context.term()
 
     def send_raw(self, frame: bytes) -> None:
-        """Queue an arbitrary frame for the frontend (sent from the fake's own thread)."""
+        """Queue an arbitrary frame for every frontend (sent from the fake's own thread)."""
         with self._changed:
             self._raw_frames.append(frame)
 
@@ -151,9 +152,9 @@ class FakeScheduler:
     def _run(self) -> None:
         next_stats = 0.0
         while not self._stop.is_set():
-            if self._pull.poll(2 if self._active else 20):
-                while self._pull.poll(0):
-                    self._receive(self._pull.recv())
+            if self._router.poll(2 if self._active else 20):
+                while self._router.poll(0):
+                    self._receive(*self._router.recv_multipart())
             now = time.monotonic()
             with self._changed:
                 frames, self._raw_frames = self._raw_frames, []
@@ -166,10 +167,12 @@ class FakeScheduler:
                 self._send(encode(EngineStats(len(self._active), 0, 100, 0, 0, 0, self.ready)))
                 next_stats = now + 0.05
 
-    def _receive(self, frame: bytes) -> None:
+    def _receive(self, identity: bytes, frame: bytes) -> None:
         message = decode(frame)
         with self._changed:
+            self._frontends.add(identity)
             if isinstance(message, AddRequest):
+                self._owners[message.request_id] = identity
                 self.added.append(message)
                 self._active[message.request_id] = self._plan(message)
             elif isinstance(message, AbortRequest):
@@ -224,11 +227,13 @@ class FakeScheduler:
                 choice = active.choices[sample]
                 outputs.append(self._output(rid, active, i, choice.token_ids, choice.finish_reason, not beam))
         active.next_time = now + active.interval_s
+        if outputs and all(c.done for c in active.choices):
+            outputs[-1].request_finished = True
         for output in outputs:
             if active.choices[0].finish_reason == "malformed":
-                self._send(msgpack.packb([RequestOutput.TAG, [rid, 0, "not a list"]]))  # too few fields
+                self._send(msgpack.packb([RequestOutput.TAG, [rid, 0, "not a list"]]), rid)  # too few fields
             else:
-                self._send(encode(output))
+                self._send(encode(output), rid)
         if all(c.done for c in active.choices):
             del self._active[rid]
 
@@ -250,11 +255,14 @@ class FakeScheduler:
         active.sent_first = True
         return output
 
-    def _send(self, frame: bytes) -> None:
-        try:
-            self._push.send(frame, zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # no frontend connected yet: like the real scheduler, stats are resent anyway
+    def _send(self, frame: bytes, request_id: str | None = None) -> None:
+        """To the frontend that sent ``request_id``; to every frontend without one."""
+        owner = self._owners.get(request_id) if request_id is not None else None
+        for identity in [owner] if owner is not None else list(self._frontends):
+            try:
+                self._router.send_multipart([identity, frame], zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # a frontend that cannot keep up: like the real scheduler, stats are resent anyway
 
 
 class FrontendThread:

@@ -83,7 +83,7 @@ def test_engine_beam_search_matches_transformers(k, length_penalty, early_stoppi
     got = {o.choice_idx: o.new_token_ids for o in engine.outputs["r"]}
     assert [got[i] for i in range(len(got))] == expected
     assert engine.blocks.num_used_blocks == 0
-    assert not engine.scheduler.beam_searches and not engine.scheduler.requests
+    assert not engine.scheduler.groups
 
 
 def test_beams_share_blocks_while_they_run():

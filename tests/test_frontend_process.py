@@ -49,7 +49,7 @@ def test_frontend_process_serves_and_stops_on_sigterm(tmp_path):
         "PYTHONPATH": str(REPO_ROOT),
     }
     cmd = [sys.executable, "-m", "services.frontend.main", "--port", str(port), "--max-model-len", "256",
-           "--served-model-name", "smol", "--output-endpoint", endpoints.output]
+           "--served-model-name", "smol"]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     fake = None
     try:
@@ -128,8 +128,7 @@ def test_shutdown_ends_running_streams_and_aborts_them(tmp_path):
 
 def test_bad_flag_fails_with_its_name():
     result = subprocess.run(
-        [sys.executable, "-m", "services.frontend.main", "--port", "99999", "--request-endpoint", "ipc:///tmp/r",
-         "--output-endpoint", "ipc:///tmp/o"],
+        [sys.executable, "-m", "services.frontend.main", "--port", "99999", "--request-endpoint", "ipc:///tmp/r"],
         cwd=REPO_ROOT, capture_output=True, timeout=60, env=os.environ | {"PYTHONPATH": str(REPO_ROOT)},
     )
     assert result.returncode == 2 and b"--port must be" in result.stderr

@@ -262,7 +262,7 @@ def test_token_id_ranges(model):
 # ---------------------------------------------------------------- configuration and flags
 
 
-ENDPOINTS = Endpoints("ipc:///tmp/r.sock", "ipc:///tmp/o.sock", "", "")
+ENDPOINTS = Endpoints("ipc:///tmp/r.sock", "", "")
 
 
 def test_config_validation():
@@ -273,8 +273,8 @@ def test_config_validation():
         ({"max_model_len": 0}, "--max-model-len"),
         ({"served_model_name": " "}, "--served-model-name"),
         ({"host": ""}, "--host"),
-        ({"endpoints": Endpoints("", "ipc:///o", "", "")}, "--request-endpoint is required"),
-        ({"endpoints": Endpoints("ipc:///r", "http://x", "", "")}, "--output-endpoint must start with"),
+        ({"endpoints": Endpoints("", "", "")}, "--request-endpoint is required"),
+        ({"endpoints": Endpoints("http://x", "", "")}, "--request-endpoint must start with"),
         ({"max_queue_len": 0}, "--max-queue-len must be a positive integer"),
         ({"api_key": " key"}, "--api-key must not be empty"),
     ]:
@@ -284,15 +284,14 @@ def test_config_validation():
 
 def test_flags(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_REQUEST_ENDPOINT", "tcp://127.0.0.1:5555")
-    monkeypatch.setenv("PAGEDSERVE_OUTPUT_ENDPOINT", "tcp://127.0.0.1:5556")
     parser = argparse.ArgumentParser()
     add_frontend_arguments(parser)
     config = frontend_config_from_args(parser.parse_args(["--port", "9000", "--served-model-name", "m",
                                                           "--max-model-len", "512"]))
     assert (config.port, config.served_model_name, config.max_model_len, config.host) == (9000, "m", 512, "127.0.0.1")
-    assert (config.endpoints.request, config.endpoints.output) == ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556")
-    args = parser.parse_args(["--output-endpoint", "ipc:///tmp/x.sock"])
-    assert frontend_config_from_args(args).endpoints.output == "ipc:///tmp/x.sock"
+    assert config.endpoints.request == "tcp://127.0.0.1:5555"
+    args = parser.parse_args(["--request-endpoint", "ipc:///tmp/x.sock"])
+    assert frontend_config_from_args(args).endpoints.request == "ipc:///tmp/x.sock"
     assert frontend_config_from_args(args, ENDPOINTS).endpoints == ENDPOINTS  # a launcher's endpoints win
 
     limited = frontend_config_from_args(parser.parse_args(["--max-queue-len", "8", "--api-key", "k1"]))

@@ -30,7 +30,8 @@ def test_greedy_samples_share_blocks_and_equal_transformers(backend):
     step = engine.scheduler.schedule()  # the first decode: two of three copy the partial block
     assert len(step.block_copies) == 2
     assert [src for src, _ in step.block_copies.tolist()] == [partial, partial]
-    for out in engine.scheduler.update(engine.runner.execute(step)):
+    engine.scheduler.update(engine.execute(step))
+    for out in engine.scheduler.take_outputs():
         engine.outputs[out.request_id].append(out)
     shared_full = [engine.blocks.ref_counts[b] for b in engine.blocks.block_tables[seq_ids[0]][:2]]
     assert shared_full == [3, 3]  # full blocks stay shared
@@ -85,4 +86,4 @@ def test_best_of_returns_the_n_most_likely_samples():
     assert [o.choice_idx for o in outs] == [0, 1]  # held back, then sent once each
     assert [o.new_token_ids for o in outs] == [ranked[0][0], ranked[1][0]]
     assert all(o.logprobs == [] for o in outs)  # none were asked for
-    assert best.blocks.num_used_blocks == 0 and not best.scheduler.best_of and not best.scheduler.held
+    assert best.blocks.num_used_blocks == 0 and not best.scheduler.groups

@@ -43,25 +43,25 @@ def test_demand_three_times_the_pool_completes_identically(model, unpressured, m
     engine, tokens = _run(model, prompts, max_new, num_blocks=num_blocks, preemption_mode=mode,
                           num_cpu_blocks=64 if mode == "swap" else 0, backend=backend)
     assert tokens == expected  # every request completed, token for token
-    sched = engine.scheduler
-    assert sched.num_preemptions > 0
+    stats = engine.scheduler.stats
+    assert stats.num_preemptions > 0
     if mode == "swap":
-        assert sched.num_swap_outs > 0 and sched.num_recomputes == 0
+        assert stats.num_swap_outs > 0 and stats.num_recomputes == 0
         assert len(engine.blocks.cpu_free_queue) == engine.blocks.num_cpu_blocks
     else:
-        assert sched.num_recomputes > 0 and sched.num_swap_outs == 0
+        assert stats.num_recomputes > 0 and stats.num_swap_outs == 0
     preempted = [o[-1].num_preemptions for o in engine.outputs.values()]
-    assert sum(preempted) >= sched.num_preemptions and all(o[-1].finish_reason == "length"
+    assert sum(preempted) >= stats.num_preemptions and all(o[-1].finish_reason == "length"
                                                            for o in engine.outputs.values())
     assert engine.blocks.num_free_blocks == num_blocks
-    assert sched.num_unfinished_requests == 0
+    assert engine.scheduler.num_unfinished_requests == 0
 
 
 def test_swap_falls_back_to_recompute_without_swap_space(model, unpressured):
     prompts, max_new, expected = unpressured
     engine, tokens = _run(model, prompts, max_new, num_blocks=40, preemption_mode="swap", num_cpu_blocks=0)
     assert tokens == expected
-    assert engine.scheduler.num_recomputes > 0
+    assert engine.scheduler.stats.num_recomputes > 0
 
 
 def test_long_prompt_prefilled_in_chunks_gives_same_output(model):
@@ -101,9 +101,9 @@ def test_contiguous_policy_same_outputs_lower_utilization(model, unpressured):
                                      kv_policy="contiguous")
     assert tokens_paged == expected and tokens_contig == expected
     util = lambda s: s.sum_slots_used / s.sum_slots_allocated
-    assert util(paged.scheduler) > util(contiguous.scheduler)
-    assert paged.scheduler.max_num_running > contiguous.scheduler.max_num_running
-    assert contiguous.scheduler.num_preemptions == 0
+    assert util(paged.scheduler.stats) > util(contiguous.scheduler.stats)
+    assert paged.scheduler.stats.max_num_running > contiguous.scheduler.stats.max_num_running
+    assert contiguous.scheduler.stats.num_preemptions == 0
 
 
 def test_sequence_that_outgrows_the_pool_ends_with_length(model):

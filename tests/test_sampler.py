@@ -8,8 +8,7 @@ import torch
 
 from services.executor import logits_processors as lp
 from services.executor.sampler import Sampler
-from services.executor.token_shadow import TokenShadow
-from shared.messages import SamplingParams, Step
+from shared.messages import NewSequence, SamplingParams, Step
 
 VOCAB = 10
 NEG_INF = float("-inf")
@@ -19,27 +18,25 @@ def logits_of(*rows: list[float]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32)
 
 
-BLOCK_SIZE = 4
-
-
-def step_of(chunks: list[tuple[int, int, list[int], list[int]]], **moves: np.ndarray) -> Step:
-    """A Step holding, per sequence, ``(seq_id, start position, new tokens, block table)``, with
-    its slots computed from the table; ``moves``: swap_out, swap_in, block_copies."""
-    tokens = [t for _, _, toks, _ in chunks for t in toks]
-    positions = [p for _, start, toks, _ in chunks for p in range(start, start + len(toks))]
-    slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-             for _, start, toks, table in chunks for p in range(start, start + len(toks))]
-    qsl = np.cumsum([0] + [len(toks) for _, _, toks, _ in chunks]).astype(np.int32)
-    width = max(len(table) for *_, table in chunks)
-    tables = np.array([table + [0] * (width - len(table)) for *_, table in chunks], np.int32)
-    context_lens = np.array([start + len(toks) for _, start, toks, _ in chunks], np.int32)
+def step_of(chunks: list[tuple[int, int, list[int]]]) -> Step:
+    """A Step feeding, per sequence, ``(seq_id, start position, new tokens)`` (slots and block tables
+    do not matter to the sampler)."""
+    tokens = [t for _, _, toks in chunks for t in toks]
+    positions = [p for _, start, toks in chunks for p in range(start, start + len(toks))]
+    qsl = np.cumsum([0] + [len(toks) for _, _, toks in chunks]).astype(np.int32)
+    context_lens = np.array([start + len(toks) for _, start, toks in chunks], np.int32)
     return Step(0, 0, np.array([c[0] for c in chunks], np.int64), np.array(tokens, np.int64),
-                np.array(positions, np.int64), np.array(slots, np.int64), qsl, context_lens, tables,
-                np.ones(len(chunks), bool), **{k: np.array(v, np.int64).reshape(-1, 2) for k, v in moves.items()})
+                np.array(positions, np.int64), np.array(positions, np.int64), qsl, context_lens,
+                np.zeros((len(chunks), 1), np.int32), np.ones(len(chunks), bool))
 
 
-def shadowed_sampler() -> Sampler:
-    return Sampler(shadow=TokenShadow(BLOCK_SIZE, num_blocks=4))
+def announce(sampler: Sampler, seq_id: int, params: SamplingParams, token_ids: list[int],
+             num_prompt_tokens: int | None = None) -> None:
+    """What the runner does with a step's ``NewSequence``."""
+    new = NewSequence(seq_id, f"r{seq_id}", params, np.array(token_ids, np.int32),
+                      len(token_ids) if num_prompt_tokens is None else num_prompt_tokens)
+    sampler.add(seq_id, params)
+    sampler.histories.add(new)
 
 
 def test_greedy_without_processing_is_argmax_and_leaves_logits_alone():
@@ -64,12 +61,13 @@ def test_logit_bias_is_added_before_sampling():
 
 def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
     sampler = Sampler()
-    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3], eos_token_ids=[1])
-    sampler.add(0, params)
-    sampler.add(1, SamplingParams(temperature=0.0, min_tokens=2, eos_token_ids=[1], ignore_eos=True))
+    announce(sampler, 0, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3], eos_token_ids=[1]), [9])
+    announce(sampler, 1, SamplingParams(temperature=0.0, min_tokens=2, eos_token_ids=[1], ignore_eos=True), [9])
     row = [0.0, 5.0, 1.0, 4.0]
     assert sampler.sample(logits_of(row, row), [0, 1]).token_ids.tolist() == [2, 1]  # EOS and stop banned
+    sampler.histories.observe(step_of([(0, 1, [2]), (1, 1, [1])]))  # the decodes feed the outputs back
     assert sampler.sample(logits_of(row, row), [0, 1]).token_ids.tolist() == [2, 1]
+    sampler.histories.observe(step_of([(0, 2, [2]), (1, 2, [1])]))
     assert sampler.sample(logits_of(row, row), [0, 1]).token_ids.tolist() == [1, 1]  # two outputs: free
 
 
@@ -126,54 +124,54 @@ def test_logprobs_are_raw_and_ranked():
     assert out.top_logprobs[0].tolist() == pytest.approx([raw[0, 1].item(), raw[0, 2].item()])
 
 
-def test_history_follows_chunks_decodes_recompute_forks_and_swaps():
-    sampler = shadowed_sampler()
-    sampler.add(0, SamplingParams(temperature=0.0, repetition_penalty=1.5))
-    sampler.add(1, SamplingParams(temperature=0.0))
-    sampler.observe(step_of([(0, 0, [5, 6, 7, 8], [2, 0]), (1, 0, [1, 2, 3], [1])]))  # chunk 1 of 0's prompt
-    sampler.observe(step_of([(0, 4, [9], [2, 0])]))  # last chunk, in the second block
-    assert sampler.history(0) == [5, 6, 7, 8, 9] and sampler.history(1) == [1, 2, 3]
+def test_history_follows_chunks_decodes_recompute_and_forks():
+    sampler = Sampler()
+    histories = sampler.histories
+    announce(sampler, 0, SamplingParams(temperature=0.0, repetition_penalty=1.5), [5, 6, 7, 8, 9])
+    announce(sampler, 1, SamplingParams(temperature=0.0), [1, 2, 3])
+    histories.observe(step_of([(0, 0, [5, 6, 7, 8]), (1, 0, [1, 2, 3])]))  # chunk 1 of 0's prompt: known
+    histories.observe(step_of([(0, 4, [9])]))  # the last chunk
+    assert histories.token_ids(0) == [5, 6, 7, 8, 9] and histories.token_ids(1) == [1, 2, 3]
+    assert histories.num_output_tokens(0) == 0
     row = [0.0] * VOCAB
     row[4] = 1.0
-    sampler.sample(logits_of(row), [0])  # samples 4
-    sampler.observe(step_of([(0, 5, [4], [2, 0])]))  # decode: feeds back the sampled token
-    assert sampler.history(0) == [5, 6, 7, 8, 9, 4]
-    # Preempted, prefilled again elsewhere from the start; the old blocks are somebody else's now.
-    sampler.observe(step_of([(1, 3, [0, 0, 0, 0, 0, 0], [1, 2, 0])]))
-    sampler.observe(step_of([(0, 0, [5, 6, 7, 8, 9, 4], [3, 5])]))
-    assert sampler.history(0) == [5, 6, 7, 8, 9, 4]
-    # A forked sample (n > 1) shares its parent's blocks and joins with no token of its own.
-    sampler.add(2, SamplingParams(temperature=0.0, repetition_penalty=1.5))
-    sampler.observe(step_of([(0, 6, [4], [3, 5]), (2, 7, [], [3, 5])]))
-    assert sampler.history(2) == [5, 6, 7, 8, 9, 4, 4]
-    # Copy-on-write: 2 writes into a copy of block 5; swap out and back in moves both blocks.
-    sampler.observe(step_of([(2, 7, [1], [3, 6])], block_copies=[[5, 6]]))
-    assert sampler.history(2) == [5, 6, 7, 8, 9, 4, 4, 1] and sampler.history(0) == [5, 6, 7, 8, 9, 4, 4]
-    sampler.observe(step_of([(1, 9, [2], [1, 2, 0])], swap_out=[[3, 0], [6, 1]]))
-    sampler.observe(step_of([(2, 8, [3], [7, 8, 9])], swap_in=[[0, 7], [1, 8]]))  # the pool grows
-    assert sampler.history(2) == [5, 6, 7, 8, 9, 4, 4, 1, 3]
+    assert sampler.sample(logits_of(row), [0]).token_ids.tolist() == [4]
+    histories.observe(step_of([(0, 5, [4])]))  # decode: feeds back the sampled token
+    assert histories.token_ids(0) == [5, 6, 7, 8, 9, 4] and histories.num_output_tokens(0) == 1
+    # Sampled 4 again, then preempted before it was fed: the re-prefill feeds everything from the
+    # start, and only its last token is new.
+    histories.observe(step_of([(0, 0, [5, 6, 7, 8, 9, 4, 4])]))
+    assert histories.token_ids(0) == [5, 6, 7, 8, 9, 4, 4] and histories.num_prompt_tokens(0) == 5
+    # A beam forked from 0 with one more token of its own arrives with all its tokens.
+    announce(sampler, 2, SamplingParams(temperature=0.0, repetition_penalty=1.5), [5, 6, 7, 8, 9, 4, 4, 1], 5)
+    histories.observe(step_of([(0, 7, [4]), (2, 7, [1])]))
+    assert histories.token_ids(2) == [5, 6, 7, 8, 9, 4, 4, 1] and histories.num_output_tokens(2) == 3
+    assert histories.token_ids(0) == [5, 6, 7, 8, 9, 4, 4, 4]
+    with pytest.raises(ValueError, match="position 10, but only 8 of its tokens"):
+        histories.observe(step_of([(2, 10, [3])]))  # a gap: the scheduler and executor disagree
+    sampler.remove(2)
+    histories.remove(2)
+    assert 2 not in histories and len(histories) == 2
 
 
 def test_prefix_cached_prompt_counts_for_repetition_but_not_presence():
-    sampler = shadowed_sampler()
-    sampler.add(0, SamplingParams(temperature=0.0))
-    sampler.observe(step_of([(0, 0, [1, 1, 1, 1], [0])]))  # computed by another request
-    sampler.add(1, SamplingParams(temperature=0.0, repetition_penalty=2.0))
-    sampler.add(2, SamplingParams(temperature=0.0, presence_penalty=2.0))
-    # Both reuse block 0 from the prefix cache and compute only their last prompt token.
-    sampler.observe(step_of([(1, 4, [2], [0, 1]), (2, 4, [2], [0, 2])]))
+    sampler = Sampler()
+    announce(sampler, 1, SamplingParams(temperature=0.0, repetition_penalty=2.0), [1, 1, 1, 1, 2])
+    announce(sampler, 2, SamplingParams(temperature=0.0, presence_penalty=2.0), [1, 1, 1, 1, 2])
+    # Both reuse a cached block for their first four tokens and compute only their last prompt token.
+    sampler.histories.observe(step_of([(1, 4, [2]), (2, 4, [2])]))
     row = [1.2, 2.0, 1.0] + [0.0] * (VOCAB - 3)
     assert sampler.sample(logits_of(row, row), [1, 2]).token_ids.tolist() == [0, 1]
 
 
 def test_penalized_greedy_uses_prompt_and_outputs():
-    sampler = shadowed_sampler()
-    sampler.add(0, SamplingParams(temperature=0.0, presence_penalty=2.0))
-    sampler.add(1, SamplingParams(temperature=0.0, repetition_penalty=2.0))
-    sampler.observe(step_of([(0, 0, [1], [0]), (1, 0, [1], [1])]))
+    sampler = Sampler()
+    announce(sampler, 0, SamplingParams(temperature=0.0, presence_penalty=2.0), [1])
+    announce(sampler, 1, SamplingParams(temperature=0.0, repetition_penalty=2.0), [1])
+    sampler.histories.observe(step_of([(0, 0, [1]), (1, 0, [1])]))
     row = [0.0, 3.0, 2.0] + [0.0] * (VOCAB - 3)
     # presence counts outputs only: token 1 is in the prompt, not penalized; repetition halves it.
     assert sampler.sample(logits_of(row, row), [0, 1]).token_ids.tolist() == [1, 2]
-    sampler.observe(step_of([(0, 1, [1], [0]), (1, 1, [2], [1])]))  # the decodes feed them back
+    sampler.histories.observe(step_of([(0, 1, [1]), (1, 1, [2])]))  # the decodes feed them back
     # 0: 3 - 2 < 2 now that 1 is an output. 1: both seen, both halved: 1.5 > 1.
     assert sampler.sample(logits_of(row, row), [0, 1]).token_ids.tolist() == [2, 1]

@@ -46,7 +46,7 @@ def test_repetition_penalty_matches_transformers_through_chunks_and_preemption(m
     for i, p in enumerate(prompts):
         engine.add(f"r{i}", p, temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.8)
     got = engine.run()
-    assert engine.scheduler.num_preemptions > 0, "the pool should have forced a preemption"
+    assert engine.scheduler.stats.num_preemptions > 0, "the pool should have forced a preemption"
     for i, p in enumerate(prompts):
         want = hf_generate(model, p, MAX_NEW, repetition_penalty=1.8)
         assert got[f"r{i}"] == want, f"request {i}"

@@ -230,22 +230,13 @@ def test_preempted_requests_complete_and_say_so(tmp_path, tiny_model_dir):
 
 
 @pytest.fixture
-def tiny_model_dir(tmp_path_factory, tokenizer):
+def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama saved as safetensors, with SmolLM2's tokenizer (fast to start)."""
-    path = tmp_path_factory.mktemp("tiny-model")
-    from tests.harness import tiny_llama
-
-    model = tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_model(tmp_path_factory)
 
 
-def tiny_server(tmp_path_factory, label: str, *flags: str):
-    """Start ``pagedserve serve`` on a tiny random Llama (SmolLM2's tokenizer); yields its URL.
-
-    A generator for module-scoped fixtures: the server is stopped when it resumes.
-    """
+def save_tiny_model(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer, saved as a model directory; returns its path."""
     from tests.frontend_doubles import cached_tokenizer
     from tests.harness import tiny_llama
 
@@ -253,11 +244,24 @@ def tiny_server(tmp_path_factory, label: str, *flags: str):
     model_dir = tmp_path_factory.mktemp("tiny-model")
     tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    proc, url = _start(tmp_path_factory.mktemp(label), "--model", str(model_dir), *flags)
-    yield url
+    return model_dir
+
+
+def stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=15)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def tiny_server(tmp_path_factory, label: str, *flags: str, model_dir=None):
+    """Start ``pagedserve serve`` on a tiny random Llama (SmolLM2's tokenizer, or the model saved in
+    ``model_dir``); yields its URL. A generator for module-scoped fixtures: the server is stopped
+    when it resumes. Its log and its socket directory are in ``tmp_path_factory``'s ``label`` folder.
+    """
+    model_dir = model_dir or save_tiny_model(tmp_path_factory)
+    proc, url = _start(tmp_path_factory.mktemp(label), "--model", str(model_dir), *flags)
+    yield url
+    stop(proc)

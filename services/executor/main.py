@@ -10,6 +10,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shared.endpoints import Endpoints
 from shared.logging import configure_logging
@@ -17,18 +18,8 @@ from shared.messages import DecodeError, ExecutorReady, Hello, HelloAck, Shutdow
 from shared.model_source import resolve_model
 from shared.threads import configure_cpu_threads
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
-          "g": 2**30, "gb": 2**30, "gib": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """``"1GiB"``, ``"512m"``, ``"1.5g"`` -> bytes."""
-    t = text.strip().lower()
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
-    if unit not in _UNITS or not num:
-        raise ValueError(f"--kv-cache-memory: cannot read {text!r} (use e.g. 1GiB, 512MiB)")
-    return int(float(num) * _UNITS[unit])
+if TYPE_CHECKING:  # the loader imports torch, which must wait for the thread settings
+    from .loader import RunnerOptions
 
 
 @dataclass(frozen=True)
@@ -49,17 +40,18 @@ class ExecutorConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(f"--block-size must be a power of two up to 128, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
-            raise ValueError(f"--num-kv-blocks must be positive, got {self.num_kv_blocks}")
-        if self.max_model_len is not None and self.max_model_len <= 1:
-            raise ValueError(f"--max-model-len must be greater than 1, got {self.max_model_len}")
-        parse_bytes(self.kv_cache_memory)
-        if self.swap_space < 0:
-            raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
+        self.runner_options()  # validates the flags it shares with the offline engine
         if self.world_size != 1:
             raise ValueError("--world-size > 1 (tensor parallelism) is not implemented yet")
+
+    def runner_options(self) -> "RunnerOptions":
+        from .loader import RunnerOptions
+
+        return RunnerOptions(
+            dtype=self.dtype, device=self.device, block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory=self.kv_cache_memory, swap_space=self.swap_space, max_model_len=self.max_model_len,
+            attention_backend=self.attention_backend, seed=self.seed,
+        )
 
 
 class ExecutorProcess:
@@ -70,37 +62,17 @@ class ExecutorProcess:
         self._request_ids: dict[int, str] = {}  # seq_id -> request_id, for logs
 
     def _load(self):
-        import torch
+        from .loader import build_runner
+        from .weights import load_hf_config, load_state_dict
 
-        from .attention import select_backend
-        from .model import ModelConfig
-        from .runner import ModelRunner, allocate_kv_cache, kv_block_bytes
-        from .weights import build_model, load_hf_config, load_state_dict, resolve_dtype
-
-        cfg = self.config
-        device = torch.device(cfg.device)
-        dtype = resolve_dtype(cfg.dtype, device)
-        source = resolve_model(cfg.model)
+        source = resolve_model(self.config.model)
         t0 = time.monotonic()
-        self.log.info("loading model", model=source.name, path=source.directory, dtype=str(dtype))
-        hf_config = load_hf_config(source)
-        max_model_len = min(cfg.max_model_len or hf_config.max_position_embeddings,
-                            hf_config.max_position_embeddings)
-        model = build_model(hf_config, load_state_dict(source), dtype, device, max_model_len)
-        mcfg = ModelConfig.from_hf(hf_config)
-        block_bytes = kv_block_bytes(mcfg, cfg.block_size, dtype)
-        num_blocks = cfg.num_kv_blocks or parse_bytes(cfg.kv_cache_memory) // block_bytes
-        if num_blocks <= 0:
-            raise ValueError(f"--kv-cache-memory {cfg.kv_cache_memory} holds no block of {block_bytes} bytes")
-        kv = allocate_kv_cache(mcfg, num_blocks, cfg.block_size, dtype, device)
-        num_cpu_blocks = int(cfg.swap_space * 2**30) // block_bytes
-        cpu_kv = allocate_kv_cache(mcfg, num_cpu_blocks, cfg.block_size, dtype, torch.device("cpu"))
-        backend = select_backend(cfg.attention_backend, device)
-        self.log.info("model loaded", seconds=round(time.monotonic() - t0, 1), num_blocks=num_blocks,
-                      kv_cache_mib=round(num_blocks * block_bytes / 2**20), attention_backend=backend.name,
-                      max_model_len=max_model_len, num_cpu_blocks=num_cpu_blocks)
-        runner = ModelRunner(model, kv, backend, device, seed=cfg.seed, cpu_kv_caches=cpu_kv)
-        return runner, max_model_len
+        self.log.info("loading model", model=source.name, path=source.directory, dtype=self.config.dtype)
+        runner = build_runner(load_hf_config(source), load_state_dict(source), self.config.runner_options())
+        self.log.info("model loaded", seconds=round(time.monotonic() - t0, 1), num_blocks=runner.num_blocks,
+                      kv_cache_mib=round(runner.kv_cache_bytes / 2**20), attention_backend=runner.backend.name,
+                      max_model_len=runner.max_model_len, num_cpu_blocks=runner.num_cpu_blocks)
+        return runner
 
     def run(self) -> None:
         import zmq
@@ -118,10 +90,9 @@ class ExecutorProcess:
         results.setsockopt(zmq.LINGER, 0)
         results.connect(cfg.endpoints.result)
         try:
-            runner, max_model_len = self._load()
-            results.send(encode(ExecutorReady(cfg.rank, cfg.world_size, runner.num_blocks,
-                                              cfg.block_size, max_model_len,
-                                              len(runner.cpu_kv_caches[0][0]) if runner.cpu_kv_caches else 0)))
+            runner = self._load()
+            results.send(encode(ExecutorReady(cfg.rank, cfg.world_size, runner.num_blocks, runner.block_size,
+                                              runner.max_model_len, runner.num_cpu_blocks)))
             while not self.stopping:
                 if not steps.poll(200):
                     continue

@@ -1,6 +1,8 @@
 """Run one ``Step``: apply block copies, forward the flat batch over the paged cache, sample.
 
-The runner never picks a block: slots, block tables and copies arrive in the step.
+The runner never picks a block: slots, block tables and copies arrive in the step. It keeps what
+the executor knows of each live sequence (its sampling parameters, its token history) from the
+step's ``new_seqs`` until the step that lists it in ``finished_seq_ids``.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ import torch
 from shared.messages import Step, StepResult
 
 from .attention import AttentionMetadata
+from .histories import TokenHistories
 from .model import LlamaForCausalLM
 from .sampler import Sampler
-from .token_shadow import TokenShadow
 
 
 def kv_block_bytes(cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -38,13 +40,29 @@ class ModelRunner:
         self.cpu_kv_caches = cpu_kv_caches or []  # the swap pool, same layout
         self.backend = backend
         self.device = device
-        num_cpu_blocks = self.cpu_kv_caches[0][0].shape[0] if self.cpu_kv_caches else 0
-        shadow = TokenShadow(kv_caches[0][0].shape[2], self.num_blocks, num_cpu_blocks)  # [blocks, heads, SLOTS, dim]
-        self.sampler = Sampler(seed, shadow)
+        self.histories = TokenHistories()
+        self.sampler = Sampler(seed, self.histories)
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_caches[0][0].shape[0]
+        return self.kv_caches[0][0].shape[0]  # [blocks, heads, slots, dim]
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.cpu_kv_caches[0][0].shape[0] if self.cpu_kv_caches else 0
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_caches[0][0].shape[2]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
+
+    @property
+    def max_model_len(self) -> int:
+        """Positions the model was built for (its rotary table's length)."""
+        return self.model.rotary.cos.shape[0]
 
     def _move_blocks(self, step: Step) -> None:
         """Swap out, then swap in, then copy-on-write copies: all before the forward pass."""
@@ -66,9 +84,11 @@ class ModelRunner:
         """Run ``step`` and return the sampled tokens (one per sequence with ``sample_mask``)."""
         for seq_id in step.finished_seq_ids:
             self.sampler.remove(seq_id)
+            self.histories.remove(seq_id)
         for new in step.new_seqs:
             self.sampler.add(new.seq_id, new.sampling)
-        self.sampler.observe(step)  # which token each slot holds, for penalties
+            self.histories.add(new)
+        self.histories.observe(step)
         self._move_blocks(step)
         if len(step.seq_ids) == 0:
             return StepResult(step.step_id, step.seq_ids, step.seq_ids.copy())

@@ -4,13 +4,9 @@ temperature, min-p, top-k and top-p, per-request seeds, and logprobs.
 A request with a ``seed`` gets its own ``torch.Generator``, so its samples do not depend on what
 else is in the batch; requests without one share the sampler's generator.
 
-Penalties need each sequence's tokens. The executor never receives a prompt on its own: every
-step goes through ``observe``, which keeps a ``TokenShadow`` of the cache (the token id in each
-slot, moved along with swaps and copy-on-write copies) and each scheduled sequence's block table
-and length. At sampling time a sequence's tokens are read through its block table: all of them,
-however its blocks were filled (chunked prefill, prefix cache, a forked parent, swap, recompute).
-Its prompt is what it held at its first sample; the rest are outputs. Every sequence counts its
-samples, for ``min_tokens``.
+Penalties and ``min_tokens`` read each sequence's tokens from the executor's ``TokenHistories``
+(prompt and outputs apart): repetition counts both, presence and frequency the outputs only, and
+``min_tokens`` compares with the number of outputs so far.
 
 Logprobs are those of the model's raw distribution (log-softmax of the logits before logit bias,
 bans, penalties and temperature), as vLLM reports them by default.
@@ -23,31 +19,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shared.messages import SamplingParams, Step
+from shared.messages import SamplingParams
 
 from . import logits_processors as lp
-from .token_shadow import TokenShadow
+from .histories import TokenHistories
 
 
 @dataclass
 class _SeqState:
+    seq_id: int
     params: SamplingParams
     has_penalty: bool
-    block_table: np.ndarray | None = None  # as in the latest step that scheduled it
-    num_tokens: int = 0  # tokens in the cache after that step: the sampled token's position
-    num_prompt_tokens: int | None = None  # set at the first sample
-    num_outputs: int = 0  # tokens sampled so far
     generator: torch.Generator | None = None  # only with a seed; made on the logits' device
-
-    @property
-    def banned_token_ids(self) -> list[int]:
-        """Tokens that would end the sequence, banned until ``min_tokens`` outputs exist."""
-        if self.num_outputs >= self.params.min_tokens:
-            return []
-        ids = list(self.params.stop_token_ids)
-        if not self.params.ignore_eos:
-            ids += self.params.eos_token_ids
-        return ids
 
 
 @dataclass
@@ -65,39 +48,23 @@ def _has_penalty(params: SamplingParams) -> bool:
 
 
 class Sampler:
-    """``shadow``: the token shadow of the runner's cache (default: one that grows as needed,
-    with blocks of 16 tokens)."""
+    """``histories``: the executor's token histories, which the sampler only reads (default: its
+    own, empty ones: every sequence then has no tokens and no outputs)."""
 
-    def __init__(self, seed: int = 0, shadow: TokenShadow | None = None) -> None:
+    def __init__(self, seed: int = 0, histories: TokenHistories | None = None) -> None:
         self._seqs: dict[int, _SeqState] = {}
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
-        self.shadow = shadow or TokenShadow(block_size=16)
+        self.histories = histories if histories is not None else TokenHistories()
 
     def add(self, seq_id: int, params: SamplingParams) -> None:
-        self._seqs[seq_id] = _SeqState(params, has_penalty=_has_penalty(params))
+        self._seqs[seq_id] = _SeqState(seq_id, params, has_penalty=_has_penalty(params))
 
     def remove(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
 
     def __len__(self) -> int:
         return len(self._seqs)
-
-    def history(self, seq_id: int) -> list[int]:
-        """The tokens of ``seq_id`` in the cache as of the latest step (-1: never seen)."""
-        state = self._seqs[seq_id]
-        if state.block_table is None:
-            return []
-        return self.shadow.tokens(state.block_table, state.num_tokens).tolist()
-
-    def observe(self, step: Step) -> None:
-        """Record the step in the token shadow, and where each scheduled sequence stands."""
-        self.shadow.apply(step)
-        for i, seq_id in enumerate(step.seq_ids.tolist()):
-            state = self._seqs.get(seq_id)
-            if state is not None:
-                state.block_table = step.block_tables[i]
-                state.num_tokens = int(step.context_lens[i])
 
     def sample(self, logits: torch.Tensor, seq_ids: list[int]) -> SampleOutput:
         """logits: [N, vocab] fp32 for the sequences ``seq_ids``; one token each, and logprobs."""
@@ -109,12 +76,7 @@ class Sampler:
         if random_rows:
             picked = self._sample_random(logits[random_rows], [states[i] for i in random_rows])
             tokens[random_rows] = picked
-        out = self._logprobs(raw, tokens, states)
-        for state in states:
-            if state.num_prompt_tokens is None:
-                state.num_prompt_tokens = state.num_tokens
-            state.num_outputs += 1
-        return out
+        return self._logprobs(raw, tokens, states)
 
     # ------------------------------------------------------------------ steps of ``sample``
 
@@ -127,7 +89,7 @@ class Sampler:
             bias_rows += [row] * len(params.logit_bias_token_ids)
             bias_ids += params.logit_bias_token_ids
             bias_values += params.logit_bias_values
-            banned = state.banned_token_ids
+            banned = self._banned_token_ids(state)
             ban_rows += [row] * len(banned)
             ban_ids += banned
         penalty_rows = [i for i, s in enumerate(states) if s.has_penalty]
@@ -138,9 +100,8 @@ class Sampler:
         lp.ban_tokens(logits, ban_rows, ban_ids)
         if penalty_rows:
             group = [states[i] for i in penalty_rows]
-            tokens = [self._tokens(s) for s in group]
-            # Before its first sample, all a sequence holds is prompt.
-            splits = [s.num_prompt_tokens if s.num_prompt_tokens is not None else s.num_tokens for s in group]
+            tokens = [np.asarray(self.histories.token_ids(s.seq_id), np.int64) for s in group]
+            splits = [self.histories.num_prompt_tokens(s.seq_id) for s in group]
             logits[penalty_rows] = lp.apply_penalties(
                 logits[penalty_rows],
                 prompt_tokens=[t[:n] for t, n in zip(tokens, splits)],
@@ -151,10 +112,15 @@ class Sampler:
             )
         return logits
 
-    def _tokens(self, state: _SeqState) -> np.ndarray:
-        if state.block_table is None:
-            return np.zeros(0, np.int64)
-        return self.shadow.tokens(state.block_table, state.num_tokens)
+    def _banned_token_ids(self, state: _SeqState) -> list[int]:
+        """Tokens that would end the sequence, banned until ``min_tokens`` outputs exist."""
+        params = state.params
+        if not params.min_tokens or self.histories.num_output_tokens(state.seq_id) >= params.min_tokens:
+            return []
+        ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids += params.eos_token_ids
+        return ids
 
     def _sample_random(self, logits: torch.Tensor, states: list[_SeqState]) -> torch.Tensor:
         """logits: [R, vocab] of the non-greedy rows; returns [R] int64 sampled token ids."""

@@ -17,7 +17,7 @@ class FrontendConfig:
     ``model`` is a ``--model`` value for ``shared.model_source.resolve_model`` (``None``: the
     embedded SmolLM2). ``served_model_name`` is what clients must put in ``"model"`` (default: the
     model's own name). ``max_model_len`` caps prompt + completion tokens (default: the model's
-    ``max_position_embeddings``). Only ``endpoints.request`` and ``endpoints.output`` are used.
+    ``max_position_embeddings``). Only ``endpoints.request`` is used.
     ``max_body_bytes`` caps a request body (a larger one gets a 413). ``max_queue_len`` caps the
     engine requests waiting for their first output (more get a 503 with ``Retry-After``; ``None``:
     no cap). ``api_key``: when set, every route but /health needs ``Authorization: Bearer <key>``.
@@ -49,15 +49,12 @@ class FrontendConfig:
             raise ValueError(f"--max-queue-len must be a positive integer, got {self.max_queue_len!r}")
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
             raise ValueError("--api-key must not be empty or start or end with spaces")
-        for flag, value in (
-            ("--request-endpoint", self.endpoints.request),
-            ("--output-endpoint", self.endpoints.output),
-        ):
-            env = f"PAGEDSERVE_{flag[2:-9].upper()}_ENDPOINT"
-            if not value:
-                raise ValueError(f"{flag} is required (or set {env})")
-            if not value.startswith(_ENDPOINT_SCHEMES):
-                raise ValueError(f"{flag} must start with one of {', '.join(_ENDPOINT_SCHEMES)}, got {value!r}")
+        value = self.endpoints.request
+        if not value:
+            raise ValueError("--request-endpoint is required (or set PAGEDSERVE_REQUEST_ENDPOINT)")
+        if not value.startswith(_ENDPOINT_SCHEMES):
+            raise ValueError(f"--request-endpoint must start with one of {', '.join(_ENDPOINT_SCHEMES)}, "
+                             f"got {value!r}")
 
 
 def _is_int(value: object) -> bool:

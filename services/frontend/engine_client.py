@@ -1,21 +1,25 @@
 """The frontend's side of the scheduler link: the only code here that touches ZeroMQ.
 
-A PUSH socket carries ``AddRequest`` / ``AbortRequest`` to the scheduler; a PULL socket brings back
-``RequestOutput`` deltas and ``EngineStats``. Both connect (the scheduler binds). One background
-task reads the PULL socket and routes each output to its request's queue.
+One DEALER socket connects to the scheduler's ROUTER (``endpoints.request``) under an identity
+unique to this frontend process. It carries ``FrontendHello``, ``AddRequest`` and ``AbortRequest``
+out, and brings back this frontend's ``RequestOutput`` deltas (the scheduler sends each request's
+outputs to the frontend that sent the request) and ``EngineStats`` (sent to every frontend). One
+background task reads the socket and routes each output to its request's queue; a second one says
+hello again while the scheduler is silent (a restarted scheduler learns of this frontend that way)
+and, once the scheduler has answered at all (before, it may still be loading the model), fails
+every waiting request when the scheduler has been silent for ``silence_timeout_s``.
 
-A request has ``sampling.n`` choices (``choice_idx`` 0 .. n-1) and is over when each has sent its
-last output (one with a ``finish_reason``), or at once on an ``"error"`` or ``"abort"``. Beam
-search may return fewer than ``n`` hypotheses, all in one burst at the end; the scheduler sends
-its outputs and its ``EngineStats`` in order on one socket, so the first ``EngineStats`` after a
-beam request's first finished output marks the end of that burst: the request's queue then gets
-``None`` ("nothing more will come").
+A request is over at its output marked ``request_finished``, or at once on an ``"error"`` or
+``"abort"``. Beam search may return fewer than ``n`` hypotheses: the queue then gets ``None`` after
+the last output ("the other choices will not come").
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import msgpack
@@ -25,10 +29,13 @@ import zmq.asyncio
 
 from shared.endpoints import Endpoints
 from shared.messages import (
-    AbortRequest, AddRequest, DecodeError, EngineStats, RequestOutput, decode, encode,
+    AbortRequest, AddRequest, DecodeError, EngineStats, FrontendHello, RequestOutput, decode, encode,
 )
 
 log = structlog.get_logger()
+
+HELLO_INTERVAL_S = 1.0  # the scheduler sends stats every 0.5 s to the frontends it knows
+SILENCE_TIMEOUT_S = 60.0  # far longer than any step; the scheduler gives a step 600 s
 
 
 @dataclass
@@ -37,7 +44,6 @@ class _Route:
 
     queue: asyncio.Queue[RequestOutput | None]
     num_choices: int
-    beam_search: bool
     finished: set[int] = field(default_factory=set)
 
 
@@ -46,48 +52,50 @@ class EngineClient:
 
     Contract: ``add_request`` registers the request's queue before the request is sent, so no
     output can arrive unrouted. A queue receives every ``RequestOutput`` of its request, each
-    choice's last one with a ``finish_reason``, and for beam search possibly a final ``None`` (see
-    the module docstring). Once every choice has ended (or after ``abort``) the request is
-    unregistered and later outputs for it are dropped. Must be used from one event loop.
+    choice's last one with a ``finish_reason``, and possibly a final ``None`` (see the module
+    docstring). Once the request is over (or after ``abort``) it is unregistered and later outputs
+    for it are dropped. Must be used from one event loop.
     """
 
-    def __init__(self, endpoints: Endpoints, context: zmq.asyncio.Context | None = None) -> None:
+    def __init__(self, endpoints: Endpoints, context: zmq.asyncio.Context | None = None,
+                 silence_timeout_s: float = SILENCE_TIMEOUT_S) -> None:
         self._endpoints = endpoints
         self._own_context = context is None
         self._context = context or zmq.asyncio.Context()
-        self._push: zmq.asyncio.Socket | None = None
-        self._pull: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task | None = None
+        self.identity = f"frontend-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
+        self.silence_timeout_s = silence_timeout_s
+        self._socket: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
         self._routes: dict[str, _Route] = {}
-        self._ending: set[str] = set()  # beam requests whose final burst has begun
+        self._last_frame_time: float | None = None  # time.monotonic() of anything from the scheduler
+        self._waiting_since = 0.0  # when the first of the registered requests was sent
         self.latest_stats: EngineStats | None = None
         self.latest_stats_time: float | None = None  # time.monotonic() when it arrived
         self.num_dropped_frames = 0
 
     async def start(self) -> None:
-        push = self._context.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(self._endpoints.request)
-        pull = self._context.socket(zmq.PULL)
-        pull.setsockopt(zmq.LINGER, 0)
-        pull.connect(self._endpoints.output)
-        self._push, self._pull = push, pull
-        self._reader = asyncio.create_task(self._read_outputs(), name="engine-output-reader")
-        log.info("connected to the scheduler", request=self._endpoints.request, output=self._endpoints.output)
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, self.identity)
+        sock.connect(self._endpoints.request)
+        self._socket = sock
+        self._hello()
+        self._tasks = [asyncio.create_task(self._read_outputs(), name="engine-output-reader"),
+                       asyncio.create_task(self._watch_silence(), name="engine-silence-watch")]
+        log.info("connected to the scheduler", endpoint=self._endpoints.request, identity=self.identity.decode())
 
     async def close(self) -> None:
-        """Stop the reader and close both sockets at once (linger 0); idempotent."""
-        if self._reader is not None:
-            self._reader.cancel()
+        """Stop the background tasks and close the socket at once (linger 0); idempotent."""
+        for task in self._tasks:
+            task.cancel()
             try:
-                await self._reader
+                await task
             except asyncio.CancelledError:
                 pass
-            self._reader = None
-        for sock in (self._push, self._pull):
-            if sock is not None:
-                sock.close(linger=0)
-        self._push = self._pull = None
+        self._tasks = []
+        if self._socket is not None:
+            self._socket.close(linger=0)
+        self._socket = None
         if self._own_context:
             self._context.term()
 
@@ -99,17 +107,18 @@ class EngineClient:
         """Register ``request`` and send it; returns the queue its outputs will arrive on."""
         if request.request_id in self._routes:
             raise ValueError(f"request id {request.request_id} is already running")
+        if not self._routes:
+            self._waiting_since = time.monotonic()
         queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
-        sampling = request.sampling
-        self._routes[request.request_id] = _Route(queue, max(1, sampling.n), sampling.use_beam_search)
+        self._routes[request.request_id] = _Route(queue, max(1, request.sampling.n))
         self._send(encode(request))
         return queue
 
     def abort(self, request_id: str) -> None:
         """Tell the scheduler to stop ``request_id`` and forget it here. Never blocks, never awaits,
         so it is safe in ``finally`` blocks of cancelled tasks."""
-        self._unregister(request_id)
-        if self._push is not None:
+        self._routes.pop(request_id, None)
+        if self._socket is not None:
             self._send(encode(AbortRequest(request_id)))
         log.info("request aborted", request_id=request_id)
 
@@ -120,19 +129,39 @@ class EngineClient:
         for request_id in request_ids:
             queue = self._routes[request_id].queue
             self.abort(request_id)
-            queue.put_nowait(RequestOutput(request_id, 0, [], "abort", error=reason))
+            queue.put_nowait(RequestOutput(request_id, 0, [], "abort", error=reason, request_finished=True))
         return len(request_ids)
 
     def _send(self, frame: bytes) -> None:
-        if self._push is None:
+        if self._socket is None:
             raise RuntimeError("EngineClient is not started")
-        future = self._push.send(frame, copy=False)
+        future = self._socket.send(frame, copy=False)
         future.add_done_callback(_log_send_failure)
 
-    async def _read_outputs(self) -> None:
-        assert self._pull is not None
+    def _hello(self) -> None:
+        """Announce this frontend; dropped rather than queued when the scheduler is not there."""
+        future = self._socket.send(encode(FrontendHello(os.getpid())), zmq.NOBLOCK)
+        future.add_done_callback(_ignore_failure)  # zmq.Again: the next hello will do
+
+    async def _watch_silence(self) -> None:
         while True:
-            frame = await self._pull.recv(copy=False)
+            await asyncio.sleep(HELLO_INTERVAL_S)
+            now = time.monotonic()
+            if self._last_frame_time is None or now - self._last_frame_time >= HELLO_INTERVAL_S:
+                self._hello()
+            if self._last_frame_time is None:
+                continue  # never heard from: the scheduler may still be starting
+            silent_s = now - max(self._last_frame_time, self._waiting_since)
+            if self._routes and silent_s > self.silence_timeout_s:
+                num = self.abort_all(f"the scheduler has not answered for {silent_s:.0f} s")
+                log.error("scheduler silent; failed the waiting requests", seconds=round(silent_s),
+                          num_requests=num)
+
+    async def _read_outputs(self) -> None:
+        assert self._socket is not None
+        while True:
+            frame = await self._socket.recv(copy=False)
+            self._last_frame_time = time.monotonic()
             try:
                 self._handle(frame.bytes)
             except Exception:  # one bad frame must not stop the routing of all the others
@@ -148,7 +177,8 @@ class EngineClient:
             log.error("dropped an undecodable frame from the scheduler", error=str(exc), size=len(frame),
                       request_id=request_id)
             if request_id is not None:  # fail that request rather than leave it waiting forever
-                self._route(RequestOutput(request_id, 0, [], "error", error=f"engine output was malformed: {exc}"))
+                self._route(RequestOutput(request_id, 0, [], "error", error=f"engine output was malformed: {exc}",
+                                          request_finished=True))
             return
         if isinstance(message, RequestOutput):
             self._route(message)
@@ -157,7 +187,6 @@ class EngineClient:
                 log.info("scheduler readiness", ready=message.ready)
             self.latest_stats = message
             self.latest_stats_time = time.monotonic()
-            self._end_beam_bursts()
         else:
             self.num_dropped_frames += 1
             log.error("dropped an unexpected message from the scheduler", type=type(message).__name__)
@@ -169,31 +198,21 @@ class EngineClient:
             return
         reason = output.finish_reason
         if reason is not None and reason not in ("stop", "length"):
-            self._unregister(output.request_id)  # an error or abort ends every choice
-        elif not 0 <= output.choice_idx < route.num_choices or output.choice_idx in route.finished:
+            self._routes.pop(output.request_id)  # an error or abort ends every choice
+            route.queue.put_nowait(output)
+            return
+        if not 0 <= output.choice_idx < route.num_choices or output.choice_idx in route.finished:
             self.num_dropped_frames += 1
             log.error("dropped an output for a choice the request does not have", request_id=output.request_id,
                       choice_idx=output.choice_idx, num_choices=route.num_choices)
             return
-        elif reason is not None:
+        if reason is not None:
             route.finished.add(output.choice_idx)
-            if len(route.finished) == route.num_choices:
-                self._unregister(output.request_id)
-            elif route.beam_search:
-                self._ending.add(output.request_id)
         route.queue.put_nowait(output)
-
-    def _unregister(self, request_id: str) -> None:
-        self._routes.pop(request_id, None)
-        self._ending.discard(request_id)
-
-    def _end_beam_bursts(self) -> None:
-        """Stats follow the outputs sent before them: a beam request that began its final burst
-        before these stats has received all of it."""
-        for request_id in list(self._ending):
-            route = self._routes[request_id]
-            self._unregister(request_id)
-            route.queue.put_nowait(None)
+        if output.request_finished:
+            self._routes.pop(output.request_id)
+            if len(route.finished) < route.num_choices:
+                route.queue.put_nowait(None)  # a beam search found fewer hypotheses than n
 
 
 def _peek_request_id(frame: bytes) -> str | None:
@@ -205,6 +224,11 @@ def _peek_request_id(frame: bytes) -> str | None:
     except Exception:  # anything at all may be wrong with this frame
         pass
     return None
+
+
+def _ignore_failure(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved, so that asyncio does not report it
 
 
 def _log_send_failure(future: asyncio.Future) -> None:

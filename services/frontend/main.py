@@ -75,8 +75,7 @@ def run_frontend(config: FrontendConfig) -> None:
     configure_logging("frontend")
     # Every line of this process says which process it came from (request ids are bound per task).
     structlog.contextvars.bind_contextvars(process="frontend", pid=os.getpid())
-    log.info("starting frontend", model=config.model or "default", request_endpoint=config.endpoints.request,
-             output_endpoint=config.endpoints.output)
+    log.info("starting frontend", model=config.model or "default", request_endpoint=config.endpoints.request)
     model = load_served_model(config)
     log.info("model ready", served_model_name=model.name, max_model_len=model.max_model_len,
              eos_token_ids=model.eos_token_ids)
@@ -84,8 +83,8 @@ def run_frontend(config: FrontendConfig) -> None:
 
 
 def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: bool = True) -> None:
-    """Add the frontend's flags. ``endpoint_flags=False`` leaves out --request-endpoint and
-    --output-endpoint, for a launcher that creates the endpoints itself."""
+    """Add the frontend's flags. ``endpoint_flags=False`` leaves out --request-endpoint, for a
+    launcher that creates the endpoints itself."""
     group = parser.add_argument_group("frontend")
     group.add_argument("--model", default=None,
                        help="model directory, .gguf file, or empty for the embedded SmolLM2-135M-Instruct")
@@ -102,9 +101,8 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: b
                             "(default: env PAGEDSERVE_API_KEY, else no key)")
     if endpoint_flags:
         group.add_argument("--request-endpoint", default=os.environ.get("PAGEDSERVE_REQUEST_ENDPOINT"),
-                           help="ZMQ endpoint the scheduler pulls requests from (env PAGEDSERVE_REQUEST_ENDPOINT)")
-        group.add_argument("--output-endpoint", default=os.environ.get("PAGEDSERVE_OUTPUT_ENDPOINT"),
-                           help="ZMQ endpoint the scheduler pushes outputs to (env PAGEDSERVE_OUTPUT_ENDPOINT)")
+                           help="the scheduler's ZMQ endpoint for frontends: requests go there, their outputs "
+                                "come back from it (env PAGEDSERVE_REQUEST_ENDPOINT)")
 
 
 def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | None = None) -> FrontendConfig:
@@ -113,7 +111,6 @@ def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | N
     if endpoints is None:
         endpoints = Endpoints(
             request=getattr(args, "request_endpoint", None) or "",
-            output=getattr(args, "output_endpoint", None) or "",
             step=os.environ.get("PAGEDSERVE_STEP_ENDPOINT", ""),  # not used by the frontend
             result=os.environ.get("PAGEDSERVE_RESULT_ENDPOINT", ""),  # not used by the frontend
         )

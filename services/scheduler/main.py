@@ -1,7 +1,8 @@
 """The scheduler process: a thin I/O shell around ``Scheduler``. The only place it touches sockets.
 
-Sockets (all bound here): ``request`` PULL (frontend -> us), ``output`` PUSH (us -> frontend),
-``step`` PUB (us -> every executor rank), ``result`` PULL (executors -> us).
+Sockets (all bound here): ``request`` ROUTER (frontends' DEALERs: requests in; each request's
+outputs back to the frontend that sent it, stats to all; see ``frontends.py``), ``step`` PUB (us ->
+every executor rank), ``result`` PULL (executors -> us).
 
 Start-up handshake: wait for ``ExecutorReady`` from every rank (each reports its KV blocks), then
 repeat ``Hello`` on the PUB socket until every rank acknowledged it (a SUB socket may miss early
@@ -20,12 +21,13 @@ import zmq
 from shared.endpoints import Endpoints
 from shared.logging import configure_logging
 from shared.messages import (
-    AbortRequest, AddRequest, DecodeError, EngineStats, ExecutorReady, Hello, HelloAck,
-    RequestOutput, Shutdown, Step, StepResult, decode, encode,
+    AbortRequest, AddRequest, DecodeError, ExecutorReady, Hello, HelloAck, Shutdown, Step, StepResult, decode,
+    encode,
 )
 
 from .block_manager import BlockManager
 from .contiguous import ContiguousBlockManager
+from .frontends import FrontendLink
 from .scheduler import Scheduler, SchedulerConfig
 
 STATS_INTERVAL_S = 0.5
@@ -58,8 +60,7 @@ class SchedulerProcess:
         self.log = configure_logging("scheduler")
         self.ctx = zmq.Context()
         ep = config.endpoints
-        self.requests = self._bind(zmq.PULL, ep.request)
-        self.outputs = self._bind(zmq.PUSH, ep.output)
+        self.frontends = FrontendLink(self.ctx, ep.request, self.log)
         self.steps = self._bind(zmq.PUB, ep.step)
         self.results = self._bind(zmq.PULL, ep.result)
         self.stopping = False
@@ -136,26 +137,30 @@ class SchedulerProcess:
         # Sleep on the request socket when idle; only drain it when there is work.
         self._drain_requests(timeout_ms=0 if sched.has_work() else 100)
         step = sched.schedule() if sched.has_work() else None
-        self._send_outputs(sched.take_outputs())
+        self._send_outputs()
         if step is not None:
             self.steps.send(encode(step))
-            result = self._wait_result(step)
-            self._send_outputs(sched.update(result))
+            sched.update(self._wait_result(step))
+            self._send_outputs()
         self._send_stats()
+        for request_id in self.frontends.take_orphans():
+            self.log.info("request aborted: its frontend is gone", request_id=request_id)
+            sched.abort_request(request_id)
 
     def _drain_requests(self, timeout_ms: int) -> None:
-        msg = self._recv(self.requests, timeout_ms)
+        msg = self.frontends.recv(timeout_ms)
         while msg is not None:
             if isinstance(msg, AddRequest):
                 self.log.info("request added", request_id=msg.request_id,
                               num_prompt_tokens=len(msg.prompt_token_ids), max_tokens=msg.sampling.max_tokens)
-                self._send_outputs(self.scheduler.add_request(msg))
+                self.scheduler.add_request(msg)
+                self._send_outputs()
             elif isinstance(msg, AbortRequest):
                 self.log.info("request aborted", request_id=msg.request_id)
                 self.scheduler.abort_request(msg.request_id)
             elif isinstance(msg, Shutdown):
                 raise _Stop()
-            msg = self._recv(self.requests, 0)
+            msg = self.frontends.recv(0)
 
     def _wait_result(self, step: Step) -> StepResult:
         deadline = time.monotonic() + STEP_TIMEOUT_S
@@ -171,27 +176,19 @@ class SchedulerProcess:
                 raise _Stop()
         raise RuntimeError(f"no result for step {step.step_id} within {STEP_TIMEOUT_S:.0f} s")
 
-    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            if out.finish_reason is not None:
+    def _send_outputs(self) -> None:
+        for out in self.scheduler.take_outputs():
+            if out.request_finished:
                 self.log.info("request finished", request_id=out.request_id,
                               finish_reason=out.finish_reason, error=out.error)
-            self._push(out)
+            self.frontends.send_output(out)
 
     def _send_stats(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last_stats < STATS_INTERVAL_S:
             return
         self._last_stats = now
-        self._push(EngineStats(**self.scheduler.stats(), ready=True))
-
-    def _push(self, msg) -> None:
-        """Send to the frontend without blocking: a bound PUSH with no peer would block forever."""
-        try:
-            self.outputs.send(encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            if not isinstance(msg, EngineStats):
-                self.log.warning("no frontend connected; output dropped", request_id=msg.request_id)
+        self.frontends.send_stats(self.scheduler.engine_stats())
 
     def _recv(self, sock: zmq.Socket, timeout_ms: int):
         """One decoded message, or None on timeout. Bad frames are logged and dropped."""

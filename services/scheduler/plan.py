@@ -36,6 +36,11 @@ class Plan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
 
+    @property
+    def empty(self) -> bool:
+        """Nothing to send: no sequence to run and no block to move."""
+        return not (self.scheduled or self.swap_out or self.swap_in)
+
     def add(self, seq: Sequence, num_new: int) -> None:
         self.scheduled.append(Scheduled(seq, num_new))
         self.token_budget -= num_new

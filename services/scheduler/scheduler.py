@@ -1,137 +1,115 @@
 """Continuous batching policy: which sequences run in the next step. Plain Python, no I/O.
 
-Each call to ``schedule`` builds one ``Step``: running sequences first (decodes, and prefills
-still in progress, oldest first), then swapped groups coming back, then waiting sequences
-admitted first come first served (reusing their prefix-cache hits) while the sequence budget, the
-token budget and free blocks (above the watermark) allow; nothing new is admitted while a group
-is swapped out. A long prompt is prefilled in chunks of at most the remaining token budget. When
-a running sequence cannot get a block, the most recently arrived group is preempted, all its
-sequences together: swapped to the CPU pool (``preemption_mode="swap"``, when there is room) or
-freed and re-queued at the head to be prefilled again with its generated tokens (recompute).
-``update`` applies a step's sampled tokens and returns the deltas for the frontend.
+Each call to ``schedule`` builds one ``Step`` in three phases: running sequences first (decodes,
+and prefills still in progress, oldest first), then swapped groups coming back, then waiting
+sequences admitted first come first served (reusing their prefix-cache hits) while the sequence
+budget, the token budget and free blocks (above the watermark) allow; nothing new is admitted
+while a group is swapped out. A long prompt is prefilled in chunks of at most the remaining token
+budget. When a running sequence cannot get a block, the most recently arrived group is preempted,
+all its sequences together: swapped to the CPU pool (``preemption_mode="swap"``, when there is
+room) or freed and re-queued at the head to be prefilled again with its generated tokens
+(recompute). ``update`` applies a step's sampled tokens.
+
+The scheduler owns where each sequence is (its queues, the block manager); each request's
+``SequenceGroup`` owns what its sequences say, and answers events with fork/finish/output
+decisions that ``_apply`` carries out. Every output leaves through one outbox: ``take_outputs``.
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
+import itertools
 from collections import deque
 
-from shared.messages import AddRequest, RequestOutput, Step, StepResult
+from shared.messages import AddRequest, EngineStats, RequestOutput, Step, StepResult
 
+from .admission import admission_tokens, refusal
 from .block_manager import AllocStatus, BlockManager
-from .groups import SequenceGroupsMixin
-from .logprobs import attach_logprobs
-from .plan import Plan as _Plan
-from .plan import SchedulerConfig
+from .groups import GroupUpdate, SequenceGroup, new_group
+from .outputs import Sample, error_output
+from .plan import Plan, SchedulerConfig
 from .sequence import Sequence, SequenceStatus
-from .stats import SchedulerStatsMixin
-from .step_builder import Scheduled as _Scheduled
-from .step_builder import build_step
+from .stats import SchedulerStats
+from .step_builder import Scheduled, build_step
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
 
-class Scheduler(SequenceGroupsMixin, SchedulerStatsMixin):
+class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
-        self._init_groups()
-        self._early_outputs: list[RequestOutput] = []
         self.config = config
         self.blocks = block_manager
+        self.stats = SchedulerStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in arrival order
         self.swapped: deque[list[Sequence]] = deque()  # groups whose blocks are in the CPU pool
-        self.requests: dict[str, list[Sequence]] = {}
-        self._next_seq_id = 0
-        self._next_step_id = 0
+        self.groups: dict[str, SequenceGroup] = {}  # unfinished requests
+        self._seq_ids = itertools.count()
+        self._step_ids = itertools.count()
         self._freed_seq_ids: list[int] = []  # announced sequences the executors may forget
-        self._in_flight: dict[int, list[_Scheduled]] = {}
-        self.num_preemptions = 0
-        self.num_swap_outs = 0
-        self.num_recomputes = 0
-        self.max_num_running = 0
-        self.num_steps = 0
-        self.sum_slots_used = 0
-        self.sum_slots_allocated = 0
+        self._in_flight: dict[int, list[Scheduled]] = {}
+        self._outbox: list[RequestOutput] = []
 
-    # ------------------------------------------------------------------ requests in and out
+    # ------------------------------------------------------------------ requests in, outputs out
 
-    def add_request(self, req: AddRequest) -> list[RequestOutput]:
-        """Queue a request; returns an immediate error output if it can never run."""
-        prompt = [int(t) for t in req.prompt_token_ids]
-        if not prompt:
-            return [self._error(req.request_id, "the prompt is empty")]
-        if req.request_id in self.requests:
-            return [self._error(req.request_id, f"request id {req.request_id} is already in use")]
-        if len(prompt) >= self.config.max_model_len:
-            return [self._error(
-                req.request_id,
-                f"the prompt has {len(prompt)} tokens; the limit is {self.config.max_model_len - 1}",
-            )]
-        if self.blocks.can_admit(len(prompt) + 1, len(prompt) + 1) is AllocStatus.NEVER:
-            return [self._error(
-                req.request_id,
-                f"the prompt needs {self.blocks.blocks_needed(len(prompt) + 1)} KV blocks; the pool "
-                f"has {self.blocks.num_blocks} ({self.blocks.watermark_blocks} kept as watermark)",
-            )]
-        num_seqs = req.sampling.n if req.sampling.use_beam_search else max(req.sampling.n, req.sampling.best_of or 0)
-        needed = self.blocks.blocks_needed(len(prompt)) + num_seqs  # shared prompt + one block each
-        usable = self.blocks.num_blocks - self.blocks.watermark_blocks
-        if num_seqs > 1 and needed > usable:
-            return [self._error(
-                req.request_id,
-                f"{num_seqs} sequences (n/best_of) need at least {needed} KV blocks together; the pool "
-                f"has {usable} usable",
-            )]
-        seqs = []
-        group_sampling, num_seqs = self._group_sampling(req.request_id, req.sampling, len(prompt), req.eos_token_ids)
-        for choice_idx in range(num_seqs):
-            sampling = group_sampling
-            if sampling.seed is not None and choice_idx:  # distinct, reproducible streams
-                sampling = dataclasses.replace(sampling, seed=(sampling.seed + choice_idx) % 2**63)
-            seq = Sequence(
-                seq_id=self._next_seq_id, request_id=req.request_id, choice_idx=choice_idx,
-                prompt_token_ids=prompt, sampling=sampling,
-                eos_token_ids=frozenset(req.eos_token_ids), arrival_time=req.arrival_time,
-            )
-            self._next_seq_id += 1
-            seqs.append(seq)
+    def add_request(self, req: AddRequest) -> None:
+        """Queue a request; one that can never run gets its error output at once."""
+        reason = refusal(req, self.config, self.blocks)
+        if reason is None and req.request_id in self.groups:
+            reason = f"request id {req.request_id} is already in use"
+        if reason is not None:
+            self._outbox.append(error_output(req.request_id, reason))
+            return
+        group = new_group(req, self.config.max_model_len, self._seq_ids)
         # The first sequence prefills the prompt; the others fork from it once the prompt is in
         # the cache, sharing its blocks (the last, partly filled one is copied on first write).
-        self.waiting.append(seqs[0])
-        seqs[0].pending_children = seqs[1:]
-        self.requests[req.request_id] = seqs
-        self._start_groups(req.request_id, seqs, req.sampling)
-        return []
+        first = group.seqs[0]
+        first.pending_children = group.seqs[1:]
+        self.waiting.append(first)
+        self.groups[req.request_id] = group
 
     def abort_request(self, request_id: str) -> None:
-        """Drop a request wherever it is and free its blocks at once."""
-        self._forget_groups(request_id)
-        for seq in self.requests.pop(request_id, ()):
-            if seq.status is SequenceStatus.WAITING:
-                if seq in self.waiting:  # else a child not yet forked
-                    self.waiting.remove(seq)
-            elif seq.status is SequenceStatus.RUNNING:
-                self.running.remove(seq)
-            elif seq.status is SequenceStatus.SWAPPED:
-                self.swapped = deque(g for g in self.swapped if seq not in g)
-                self.blocks.free_swapped(seq.seq_id)
-            self._release(seq, "abort")
+        """Drop a request wherever it is and free its blocks at once; nothing is sent for it."""
+        group = self.groups.get(request_id)
+        if group is not None:
+            self._apply(group, group.abort())
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """Every output decided since the last call, in order: the only way outputs leave."""
+        outputs, self._outbox = self._outbox, []
+        return outputs
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.requests)
+        return len(self.groups)
+
+    def engine_stats(self) -> EngineStats:
+        """Queue sizes, block counts and the running counters, for the frontends."""
+        return self.stats.snapshot(self.running, len(self.waiting), sum(len(g) for g in self.swapped), self.blocks)
 
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> Step | None:
         """Pick the next batch and reserve its slots; None when nothing can run."""
-        plan = _Plan(self.config.max_num_batched_tokens)
+        plan = Plan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        self._schedule_swapped(plan)
+        self._schedule_waiting(plan)
+        self.stats.max_num_running = max(self.stats.max_num_running, len(self.running))
+        if plan.empty:
+            return None
+        self.stats.record_step(plan.scheduled, self.running, self.blocks)
+        step = build_step(next(self._step_ids), plan.scheduled, self.blocks, self._freed_seq_ids,
+                          plan.swap_out, plan.swap_in, self.blocks.take_copies())
+        self._freed_seq_ids = []
+        self._in_flight[step.step_id] = plan.scheduled
+        return step
 
-        # 1. Running sequences, oldest first; preempt the newest group when blocks run out.
+    def _schedule_running(self, plan: Plan) -> None:
+        """Running sequences, oldest first; the newest groups are preempted when blocks run out."""
         idx = 0
         while idx < len(self.running) and plan.token_budget > 0:
             seq = self.running[idx]
@@ -139,14 +117,14 @@ class Scheduler(SequenceGroupsMixin, SchedulerStatsMixin):
                 idx += 1
                 continue
             num_new = min(seq.num_pending_tokens, plan.token_budget)
-            if self._make_room(seq, num_new, plan):
-                plan.add(seq, num_new)
-                self._fork_children(seq, num_new, plan)
-                idx += 1
-            else:
+            if not self._make_room(seq, num_new, plan):
                 break  # seq itself was preempted, and with it every newer sequence
+            plan.add(seq, num_new)
+            self._fork_children(seq, num_new, plan)
+            idx += 1
 
-        # 2. Swapped groups come back before anything new is admitted.
+    def _schedule_swapped(self, plan: Plan) -> None:
+        """Swapped groups come back, oldest first, before anything new is admitted."""
         while not plan.preempted and self.swapped and len(self.running) < self.config.max_num_seqs:
             group = self.swapped[0]
             ids = [s.seq_id for s in group]
@@ -162,22 +140,23 @@ class Scheduler(SequenceGroupsMixin, SchedulerStatsMixin):
                                                           seq.num_computed_tokens):
                     plan.add(seq, num_new)
 
-        # 3. Waiting sequences, first come first served.
+    def _schedule_waiting(self, plan: Plan) -> None:
+        """Waiting sequences, first come first served, while budgets and blocks allow."""
         while (not self.swapped and self.waiting and plan.token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             cached = self._prefix_hits(seq)
             num_computed = len(cached) * self.blocks.block_size
             num_new = min(seq.num_tokens - num_computed, plan.token_budget)
-            reserve = self._admission_tokens(seq, num_computed + num_new)
+            reserve = admission_tokens(seq, num_computed + num_new, self.config)
             status = self.blocks.can_admit(reserve, seq.num_tokens, cached)
             if status is AllocStatus.NEVER:  # it grew larger than the whole pool: stop it there
                 self.waiting.popleft()
-                self._outgrown(seq)
+                group = self.groups[seq.request_id]
+                self._apply(group, group.on_outgrown(seq))
                 continue
-            if status is not AllocStatus.OK:
-                break
-            if not self.blocks.allocate_slots(seq.seq_id, reserve, num_computed, cached):
+            if status is not AllocStatus.OK or not self.blocks.allocate_slots(seq.seq_id, reserve, num_computed,
+                                                                              cached):
                 break
             self.waiting.popleft()
             self.blocks.record_lookup(seq.num_tokens, num_computed)
@@ -189,43 +168,59 @@ class Scheduler(SequenceGroupsMixin, SchedulerStatsMixin):
             plan.add(seq, num_new)
             self._fork_children(seq, num_new, plan)
 
-        self.max_num_running = max(self.max_num_running, len(self.running))
-        if not plan.scheduled and not plan.swap_out and not plan.swap_in:
-            return None
-        self._account_utilization(plan.scheduled)
-        step = build_step(self._next_step_id, plan.scheduled, self.blocks, self._freed_seq_ids,
-                          plan.swap_out, plan.swap_in, self.blocks.take_copies())
-        self._freed_seq_ids = []
-        self._in_flight[step.step_id] = plan.scheduled
-        self._next_step_id += 1
-        return step
+    def update(self, result: StepResult) -> None:
+        """Apply a step's sampled tokens: each sequence's group decides what follows."""
+        scheduled = self._in_flight.pop(result.step_id)
+        if result.error is not None:
+            self._fail_step(scheduled, result.error)
+            return
+        rows = {seq_id: row for row, seq_id in enumerate(result.seq_ids.tolist())}
+        for s in scheduled:
+            seq = s.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step was in flight
+            seq.num_computed_tokens += s.num_new_tokens
+            self._cache_computed_blocks(seq)
+            row = rows.get(seq.seq_id)
+            if row is None:
+                continue  # a prefill chunk that is not the last one
+            group = self.groups[seq.request_id]
+            self._apply(group, group.on_sample(seq, Sample.from_result(result, row)))
 
-    def _outgrown(self, seq: Sequence) -> None:
-        """A preempted sequence that no longer fits in the pool ends with ``length``."""
-        request_id = seq.request_id
-        outputs = [RequestOutput(request_id, seq.choice_idx, seq.output_token_ids[seq.num_output_sent:], "length",
-                                 num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-                                 num_preemptions=seq.num_preemptions)]
-        if request_id in self.beam_searches or request_id in self.best_of:
-            outputs = [self._error(request_id, "the sequence group outgrew the KV pool")]
-            self.abort_request(request_id)
-        else:
-            self._release(seq, "length")
-            if all(s.status is SequenceStatus.FINISHED for s in self.requests.get(request_id, [])):
-                self.requests.pop(request_id, None)
-        self._early_outputs += outputs
+    # ------------------------------------------------------------------ applying decisions
 
-    def take_outputs(self) -> list[RequestOutput]:
-        """Outputs decided while scheduling rather than by a step's results."""
-        outputs, self._early_outputs = self._early_outputs, []
-        return outputs
+    def _apply(self, group: SequenceGroup, update: GroupUpdate) -> None:
+        """Carry out a group's decision: start its forks, free its finished sequences, send its outputs."""
+        for fork in update.forks:
+            self.blocks.fork(fork.parent.seq_id, fork.child.seq_id)
+            self._insert_running(fork.child)
+        for seq in update.finished:
+            self._dequeue(seq)
+            seq.status = SequenceStatus.FINISHED
+            self.blocks.free(seq.seq_id)
+            if seq.announced:
+                self._freed_seq_ids.append(seq.seq_id)
+        self._outbox += update.outputs
+        if group.done:
+            self.groups.pop(group.request_id, None)
 
-    def _admission_tokens(self, seq: Sequence, num_tokens: int) -> int:
-        """Slots a newly admitted sequence takes: what it computes now, or a whole reservation."""
-        if self.config.kv_policy == "contiguous":
-            want = seq.num_prompt_tokens + seq.sampling.max_tokens
-            return max(min(want, self.config.max_model_len), num_tokens)
-        return num_tokens
+    def _dequeue(self, seq: Sequence) -> None:
+        """Take ``seq`` out of whichever queue holds it (a sample not yet forked is in none)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped = deque(kept for g in self.swapped if (kept := [s for s in g if s is not seq]))
+            self.blocks.free_swapped(seq.seq_id)
+
+    def _fail_step(self, scheduled: list[Scheduled], error: str) -> None:
+        for request_id in dict.fromkeys(s.seq.request_id for s in scheduled):
+            group = self.groups.get(request_id)
+            if group is not None:
+                self._apply(group, group.fail(f"the executor failed: {error}"))
+
+    # ------------------------------------------------------------------ blocks and queues
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks that hold this sequence's leading tokens (at least one token is left)."""
@@ -244,19 +239,41 @@ class Scheduler(SequenceGroupsMixin, SchedulerStatsMixin):
                 self.blocks.prefix_hashes(seq.token_ids, full, seq.block_hashes)
             self.blocks.cache_full_blocks(seq.seq_id, seq.block_hashes[:full])
 
-    def _make_room(self, seq: Sequence, num_new: int, plan: _Plan) -> bool:
+    def _make_room(self, seq: Sequence, num_new: int, plan: Plan) -> bool:
         """Allocate ``seq``'s slots, preempting the newest groups as needed; False if ``seq`` went."""
         while not self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new,
                                              seq.num_computed_tokens):
             victim = self.running[-1]
-            group = [s for s in self.requests[victim.request_id] if s.status is SequenceStatus.RUNNING]
+            group = [s for s in self.groups[victim.request_id].seqs if s.status is SequenceStatus.RUNNING]
             plan.drop(group)
             self._preempt(group, plan)
             if seq in group:
                 return False
         return True
 
-    def _fork_children(self, parent: Sequence, num_new: int, plan: _Plan) -> None:
+    def _preempt(self, group: list[Sequence], plan: Plan) -> None:
+        """Preempt a whole group: swap its blocks out when configured and possible, else recompute."""
+        ids = [s.seq_id for s in group]
+        for seq in group:
+            self.running.remove(seq)
+            seq.num_preemptions += 1
+        plan.preempted = True
+        swap = self.config.preemption_mode == "swap" and self.blocks.can_swap_out(ids)
+        self.stats.record_preemption(swapped=swap)
+        if swap:
+            plan.swap_out.extend(self.blocks.swap_out(ids))
+            for seq in group:
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+            return
+        for seq in reversed(group):  # recompute: free now, prefill prompt + output again later
+            self.blocks.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.beam_candidates = None  # the re-prefill samples them again
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+
+    def _fork_children(self, parent: Sequence, num_new: int, plan: Plan) -> None:
         """When ``parent`` finishes its prompt in this step, its siblings start sharing its blocks.
 
         Each child joins the step with no new token, right after the parent, so its first token
@@ -272,104 +289,8 @@ class Scheduler(SequenceGroupsMixin, SchedulerStatsMixin):
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = SequenceStatus.RUNNING
             self._insert_running(child)
-            plan.scheduled.append(_Scheduled(child, 0))
+            plan.scheduled.append(Scheduled(child, 0))
         parent.pending_children = []
 
     def _insert_running(self, seq: Sequence) -> None:
         bisect.insort(self.running, seq, key=lambda s: (s.arrival_time, s.seq_id))
-
-    def update(self, result: StepResult) -> list[RequestOutput]:
-        """Apply a step's sampled tokens; finish sequences that stop; return frontend deltas."""
-        scheduled = self._in_flight.pop(result.step_id)
-        if result.error is not None:
-            return self._fail_step(scheduled, result.error)
-        sampled = dict(zip(result.seq_ids.tolist(), result.token_ids.tolist()))
-        rows = {seq_id: row for row, seq_id in enumerate(result.seq_ids.tolist())}  # for logprobs
-        outputs: list[RequestOutput] = []
-        beam_requests: set[str] = set()
-        for s in scheduled:
-            seq = s.seq
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted while the step was in flight
-            seq.num_computed_tokens += s.num_new_tokens
-            self._cache_computed_blocks(seq)
-            token_id = sampled.get(seq.seq_id)
-            if token_id is None:
-                continue  # a prefill chunk that is not the last one
-            row = rows[seq.seq_id]
-            if self._take_group_token(seq, result, row):
-                beam_requests.add(seq.request_id)
-                continue
-            seq.append_token(token_id)
-            if len(result.logprobs) > row:
-                seq.cum_logprob += float(result.logprobs[row])
-            reason = seq.stop_reason(self.config.max_model_len)
-            if reason is not None:
-                self.running.remove(seq)
-                self._finish(seq, reason)
-            delta = self._delta(seq)
-            attach_logprobs(delta, result, row, seq.sampling.logprobs)
-            outputs += self._route_delta(seq, delta)
-        for request_id in beam_requests:
-            outputs += self._advance_beams(request_id)
-        return outputs
-
-    # ------------------------------------------------------------------ helpers
-
-    def _preempt(self, group: list[Sequence], plan: _Plan) -> None:
-        """Preempt a whole group: swap its blocks out when configured and possible, else recompute."""
-        ids = [s.seq_id for s in group]
-        for seq in group:
-            self.running.remove(seq)
-            seq.num_preemptions += 1
-        self.num_preemptions += 1
-        plan.preempted = True
-        if self.config.preemption_mode == "swap" and self.blocks.can_swap_out(ids):
-            plan.swap_out.extend(self.blocks.swap_out(ids))
-            for seq in group:
-                seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(group)
-            self.num_swap_outs += 1
-            return
-        for seq in reversed(group):  # recompute: free now, prefill prompt + output again later
-            self.blocks.free(seq.seq_id)
-            seq.num_computed_tokens = 0
-            seq.beam_candidates = None  # the re-prefill samples them again
-            seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
-        self.num_recomputes += 1
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.finish_reason = reason
-        siblings = self.requests.get(seq.request_id, [])
-        self._release(seq, reason)
-        if all(s.status is SequenceStatus.FINISHED for s in siblings):
-            self.requests.pop(seq.request_id, None)
-
-    def _release(self, seq: Sequence, reason: str) -> None:
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = seq.finish_reason or reason
-        self.blocks.free(seq.seq_id)
-        if seq.announced:
-            self._freed_seq_ids.append(seq.seq_id)
-
-    def _delta(self, seq: Sequence) -> RequestOutput:
-        new = seq.output_token_ids[seq.num_output_sent:]
-        seq.num_output_sent = len(seq.output_token_ids)
-        return RequestOutput(
-            request_id=seq.request_id, choice_idx=seq.choice_idx, new_token_ids=new,
-            finish_reason=seq.finish_reason, num_prompt_tokens=seq.num_prompt_tokens,
-            num_preemptions=seq.num_preemptions, num_cached_tokens=seq.num_cached_tokens,
-        )
-
-    def _fail_step(self, scheduled: list[_Scheduled], error: str) -> list[RequestOutput]:
-        outputs = []
-        for request_id in {s.seq.request_id for s in scheduled}:
-            if request_id in self.requests:
-                self.abort_request(request_id)
-                outputs.append(self._error(request_id, f"the executor failed: {error}"))
-        return outputs
-
-    @staticmethod
-    def _error(request_id: str, message: str) -> RequestOutput:
-        return RequestOutput(request_id, 0, [], finish_reason="error", error=message)

@@ -1,9 +1,10 @@
-"""One generated sequence (a choice of a request) and its progress through the cache."""
+"""One generated sequence (a choice of a request, or a beam): its tokens, its progress through
+the cache, and why it ended."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 
 from shared.messages import SamplingParams
 
@@ -13,6 +14,16 @@ class SequenceStatus(Enum):
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED = "finished"
+
+
+class FinishReason(StrEnum):
+    """Why a sequence ended. The first four reach the frontend as ``RequestOutput.finish_reason``."""
+
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens, the model's length, or the KV pool
+    ABORT = "abort"  # the frontend asked
+    ERROR = "error"  # the request failed (its output says why)
+    PRUNED = "pruned"  # a beam that lost to its siblings; never sent
 
 
 @dataclass
@@ -33,11 +44,11 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     # how many output tokens the frontend has been sent
     num_output_sent: int = 0
-    announced: bool = False  # executors have its sampling params
+    announced: bool = False  # executors have its sampling params and tokens (a NewSequence went out)
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
     block_hashes: list = field(default_factory=list)  # chained hashes of its full blocks so far
     pending_children: list = field(default_factory=list)  # siblings that fork once the prompt is in
@@ -68,16 +79,16 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
-    def stop_reason(self, max_model_len: int) -> str | None:
-        """``"stop"`` or ``"length"`` if the last appended token ends the sequence, else None."""
+    def stop_reason(self, max_model_len: int) -> FinishReason | None:
+        """STOP or LENGTH if the last appended token ends the sequence, else None."""
         num_out = len(self.output_token_ids)
         last = self.output_token_ids[-1]
         params = self.sampling
         if num_out >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
-                return "stop"
+                return FinishReason.STOP
             if last in params.stop_token_ids:
-                return "stop"
+                return FinishReason.STOP
         if num_out >= params.max_tokens or self.num_tokens >= max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None

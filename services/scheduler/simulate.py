@@ -51,7 +51,8 @@ def simulate(requests: list[tuple[int, int]], num_slots: int, block_size: int, m
         rid = f"r{i}"
         answer_len[rid] = answer
         params = SamplingParams(temperature=0.0, max_tokens=max_model_len - prompt)
-        errors = sched.add_request(AddRequest(rid, np.full(prompt, FILLER, np.int32), params, [EOS], float(i)))
+        sched.add_request(AddRequest(rid, np.full(prompt, FILLER, np.int32), params, [EOS], float(i)))
+        errors = sched.take_outputs()
         if errors:
             raise ValueError(errors[0].error)
     steps = 0
@@ -60,21 +61,22 @@ def simulate(requests: list[tuple[int, int]], num_slots: int, block_size: int, m
         if step is None:
             raise RuntimeError("the stream cannot make progress in this pool")
         sched.update(_one_token_each(sched, step, answer_len))
+        sched.take_outputs()  # the answers themselves do not matter here
         blocks.check_integrity()
         steps += 1
         if steps > max_steps:
             raise RuntimeError(f"no finish after {max_steps} steps")
     return {
         "steps": steps,
-        "mean_utilization": sched.sum_slots_used / sched.sum_slots_allocated,
-        "max_running": sched.max_num_running,
-        "preemptions": sched.num_preemptions,
+        "mean_utilization": sched.stats.mean_utilization,
+        "max_running": sched.stats.max_num_running,
+        "preemptions": sched.stats.num_preemptions,
     }
 
 
 def _one_token_each(sched: Scheduler, step: Step, answer_len: dict[str, int]) -> StepResult:
     seq_ids = step.seq_ids[step.sample_mask]
-    by_id = {s.seq_id: s for seqs in sched.requests.values() for s in seqs}
+    by_id = {s.seq_id: s for group in sched.groups.values() for s in group.seqs}
     tokens = [EOS if len(by_id[int(i)].output_token_ids) + 1 >= answer_len[by_id[int(i)].request_id] else FILLER
               for i in seq_ids]
     return StepResult(step.step_id, seq_ids, np.array(tokens, np.int64))

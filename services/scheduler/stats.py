@@ -1,40 +1,58 @@
-"""What the scheduler counts for /health, /metrics and the benchmarks. Mixed into Scheduler."""
+"""What the scheduler counts over its life, for /health, /metrics and the benchmarks."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from shared.messages import EngineStats
+
+from .block_manager import BlockManager
+from .sequence import Sequence
 from .step_builder import Scheduled
 
 
-class SchedulerStatsMixin:
-    def _account_utilization(self, scheduled: list[Scheduled]) -> None:
-        """Add this step's slots holding tokens and slots allocated (all running sequences)."""
+@dataclass
+class SchedulerStats:
+    """Counters the scheduler updates as it goes; ``EngineStats`` carries them with the queue sizes."""
+
+    num_steps: int = 0
+    sum_slots_used: int = 0  # over every step: slots holding tokens of the running sequences
+    sum_slots_allocated: int = 0  # over every step: slots in their blocks
+    num_preemptions: int = 0  # groups preempted, by either mode
+    num_swap_outs: int = 0
+    num_recomputes: int = 0
+    max_num_running: int = 0
+
+    @property
+    def mean_utilization(self) -> float:
+        """Slots holding tokens / slots allocated, over every step (0 before the first)."""
+        return self.sum_slots_used / self.sum_slots_allocated if self.sum_slots_allocated else 0.0
+
+    def record_step(self, scheduled: list[Scheduled], running: list[Sequence], blocks: BlockManager) -> None:
+        """Add a step's slots holding tokens (after it ran) and slots allocated (all running sequences)."""
         new = {s.seq.seq_id: s.num_new_tokens for s in scheduled}
         self.num_steps += 1
-        self.sum_slots_used += sum(s.num_computed_tokens + new.get(s.seq_id, 0) for s in self.running)
-        self.sum_slots_allocated += sum(
-            len(self.blocks.block_tables.get(s.seq_id, ())) for s in self.running
-        ) * self.blocks.block_size
+        self.sum_slots_used += sum(s.num_computed_tokens + new.get(s.seq_id, 0) for s in running)
+        self.sum_slots_allocated += sum(len(blocks.block_tables.get(s.seq_id, ())) for s in running) * blocks.block_size
 
-    def stats(self) -> dict[str, int]:
-        """Counts the metrics read: sequences, blocks, and slots holding tokens vs allocated."""
-        slots_used = sum(s.num_computed_tokens for s in self.running)
-        slots_alloc = sum(len(t) for t in self.blocks.block_tables.values()) * self.blocks.block_size
-        return {
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            "num_blocks_total": self.blocks.num_blocks,
-            "num_blocks_used": self.blocks.num_used_blocks,
-            "num_slots_used": slots_used,
-            "num_slots_allocated": slots_alloc,
-            "num_steps": self.num_steps,
-            "sum_slots_used": self.sum_slots_used,
-            "sum_slots_allocated": self.sum_slots_allocated,
-            "num_preemptions": self.num_preemptions,
-            "num_swapped": sum(len(g) for g in self.swapped),
-            "max_num_running": self.max_num_running,
-            "num_cached_blocks": self.blocks.num_cached_blocks,
-            "num_swap_outs": self.num_swap_outs,
-            "num_recomputes": self.num_recomputes,
-            "num_prefix_cache_queries": self.blocks.num_queried_tokens,
-            "num_prefix_cache_hits": self.blocks.num_hit_tokens,
-        }
+    def record_preemption(self, swapped: bool) -> None:
+        self.num_preemptions += 1
+        if swapped:
+            self.num_swap_outs += 1
+        else:
+            self.num_recomputes += 1
+
+    def snapshot(self, running: list[Sequence], num_waiting: int, num_swapped: int,
+                 blocks: BlockManager) -> EngineStats:
+        """The counters with the queue sizes and block counts of this moment."""
+        return EngineStats(
+            num_running=len(running), num_waiting=num_waiting, num_blocks_total=blocks.num_blocks,
+            num_blocks_used=blocks.num_used_blocks, num_slots_used=sum(s.num_computed_tokens for s in running),
+            num_slots_allocated=sum(len(t) for t in blocks.block_tables.values()) * blocks.block_size, ready=True,
+            num_steps=self.num_steps, sum_slots_used=self.sum_slots_used,
+            sum_slots_allocated=self.sum_slots_allocated, num_preemptions=self.num_preemptions,
+            num_swapped=num_swapped, max_num_running=self.max_num_running,
+            num_prefix_cache_queries=blocks.num_queried_tokens, num_prefix_cache_hits=blocks.num_hit_tokens,
+            num_cached_blocks=blocks.num_cached_blocks, num_swap_outs=self.num_swap_outs,
+            num_recomputes=self.num_recomputes,
+        )

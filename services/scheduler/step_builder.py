@@ -34,7 +34,8 @@ def build_step(
 ) -> Step:
     """Flatten ``scheduled`` (reordered in place: decodes first, then prefill chunks) into a Step.
 
-    Marks each sequence as announced once its sampling parameters have been sent.
+    A sequence not yet announced goes out as a ``NewSequence`` with its sampling parameters and
+    every token it has (prompt, and outputs for a forked beam), and is marked announced.
     """
     scheduled.sort(key=lambda s: not s.is_decode)  # stable: keeps arrival order in each part
     num_seqs = len(scheduled)
@@ -59,7 +60,8 @@ def build_step(
             slots.append(table[pos // blocks.block_size] * blocks.block_size + pos % blocks.block_size)
         if not seq.announced:
             seq.announced = True
-            new_seqs.append(NewSequence(seq.seq_id, seq.request_id, seq.sampling))
+            new_seqs.append(NewSequence(seq.seq_id, seq.request_id, seq.sampling,
+                                        np.array(seq.token_ids, np.int32), seq.num_prompt_tokens))
     return Step(
         step_id=step_id,
         num_decodes=sum(1 for s in scheduled if s.is_decode),

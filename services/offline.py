@@ -1,0 +1,221 @@
+"""The offline engine: the scheduler and a model runner in one process, no sockets (vLLM's ``LLM``).
+
+    from services.offline import LLM
+    from shared.messages import SamplingParams
+
+    llm = LLM()  # the embedded SmolLM2-135M-Instruct; or LLM(model="path/to/model-or.gguf")
+    [out] = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    print(out.choices[0].text)
+
+``EngineCore`` is the loop: requests in (``AddRequest``), one scheduler step and one model step per
+``step()``, ``RequestOutput`` deltas out. ``LLM`` adds a tokenizer and ``generate``. A request runs
+here exactly as it does behind the server's frontend: same scheduler, block manager, model runner
+and sampler, so greedy outputs are the same token for token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from services.executor.loader import RunnerOptions, build_runner
+from services.executor.runner import ModelRunner
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.contiguous import ContiguousBlockManager
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from shared.messages import AddRequest, RequestOutput, SamplingParams, Step, StepResult
+from shared.model_source import eos_token_ids, load_tokenizer, resolve_model
+
+_RUNNER_OPTIONS = {f.name for f in dataclasses.fields(RunnerOptions)}
+
+
+@dataclass(frozen=True)
+class SchedulingOptions:
+    """The scheduler's flags of the same names (``--max-num-seqs`` and so on)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    preemption_mode: str = "recompute"
+    kv_policy: str = "paged"
+    enable_prefix_caching: bool = True
+
+
+class EngineCore:
+    """A ``Scheduler`` over ``runner``'s KV pool, stepping the runner directly."""
+
+    def __init__(self, runner: ModelRunner, options: SchedulingOptions = SchedulingOptions()) -> None:
+        self.runner = runner
+        manager = ContiguousBlockManager if options.kv_policy == "contiguous" else BlockManager
+        self.blocks = manager(runner.num_blocks, runner.block_size, num_cpu_blocks=runner.num_cpu_blocks,
+                              enable_prefix_caching=options.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(options.max_num_seqs, options.max_num_batched_tokens, runner.max_model_len,
+                            options.preemption_mode, options.kv_policy),
+            self.blocks,
+        )
+
+    def add_request(self, request: AddRequest) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort_request(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; returns every output decided since the previous call.
+
+        Raises ``RuntimeError`` if requests wait but nothing can be scheduled (it would never end)."""
+        had_work = self.scheduler.has_work()
+        step = self.scheduler.schedule()
+        if step is not None:
+            self.scheduler.update(self.execute(step))
+        outputs = self.scheduler.take_outputs()
+        if had_work and step is None and not outputs:
+            raise RuntimeError(f"the engine cannot make progress: {len(self.scheduler.waiting)} waiting, "
+                               f"{self.blocks.num_free_blocks} of {self.blocks.num_blocks} KV blocks free")
+        return outputs
+
+    def execute(self, step: Step) -> StepResult:
+        """Run one step on the model (a subclass may wrap it)."""
+        return self.runner.execute(step)
+
+
+@dataclass
+class ChoiceOutput:
+    """One choice of a prompt: its generated tokens, their text (with a tokenizer), why it ended."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)  # per token, when SamplingParams.logprobs is set
+
+
+@dataclass
+class PromptOutput:
+    """What ``LLM.generate`` returns for one prompt, its choices in index order."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    choices: list[ChoiceOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    num_preemptions: int = 0
+
+    def add(self, delta: RequestOutput) -> None:
+        """Fold one ``RequestOutput`` delta into the choices."""
+        while len(self.choices) <= delta.choice_idx:
+            self.choices.append(ChoiceOutput(len(self.choices)))
+        choice = self.choices[delta.choice_idx]
+        choice.token_ids += delta.new_token_ids
+        choice.logprobs += delta.logprobs
+        choice.finish_reason = delta.finish_reason or choice.finish_reason
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        self.num_preemptions = max(self.num_preemptions, delta.num_preemptions)
+
+
+class LLM:
+    """Generate offline. ``model``: as ``--model`` (None: the embedded SmolLM2-135M-Instruct).
+    ``engine_kwargs``: the flags of ``RunnerOptions`` (``dtype``, ``num_kv_blocks``, ``block_size``...)
+    and ``SchedulingOptions`` (``max_num_seqs``, ``preemption_mode``...), by their Python names."""
+
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        from services.executor.weights import load_hf_config, load_state_dict
+
+        source = resolve_model(model)
+        runner_options, scheduling = _split_options(engine_kwargs)
+        runner = build_runner(load_hf_config(source), load_state_dict(source), runner_options)
+        tokenizer = load_tokenizer(source)
+        self._start(EngineCore(runner, scheduling), tokenizer, eos_token_ids(tokenizer, source))
+
+    @classmethod
+    def from_hf_model(cls, hf_model: Any, tokenizer: Any = None, eos_token_ids: list[int] | None = None,
+                      **engine_kwargs: Any) -> "LLM":
+        """An engine over an in-memory Hugging Face causal LM (its config and weights). Without a
+        tokenizer, prompts must be token ids and outputs have no text. ``eos_token_ids`` default to
+        the tokenizer's, else the model config's."""
+        llm = cls.__new__(cls)
+        runner_options, scheduling = _split_options(engine_kwargs)
+        runner = build_runner(hf_model.config, hf_model.state_dict(), runner_options)
+        if eos_token_ids is None:
+            eos = tokenizer.eos_token_id if tokenizer is not None else hf_model.config.eos_token_id
+            eos_token_ids = [int(t) for t in (eos if isinstance(eos, list) else [eos]) if t is not None]
+        llm._start(EngineCore(runner, scheduling), tokenizer, eos_token_ids)
+        return llm
+
+    def _start(self, engine: EngineCore, tokenizer: Any, eos_token_ids: list[int]) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids)
+        self._request_ids = itertools.count()
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[PromptOutput]:
+        """Run every prompt (text, tokenized here, or token ids) to the end, batched together;
+        returns one ``PromptOutput`` per prompt, in order. ``sampling_params``: one for all prompts
+        or one each (default: ``SamplingParams()``). Raises ``ValueError`` if the engine refuses a
+        prompt (too long for the model or the KV pool)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        results: dict[str, PromptOutput] = {}
+        for prompt, p in zip(prompts, params):
+            token_ids = self._token_ids(prompt)
+            results[self.add_request(token_ids, p)] = PromptOutput(prompt if isinstance(prompt, str) else None,
+                                                                   token_ids)
+        pending = set(results)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.error is not None:
+                        raise ValueError(f"prompt {list(results).index(out.request_id)}: {out.error}")
+                    results[out.request_id].add(out)
+                    if out.request_finished:
+                        pending.discard(out.request_id)
+        finally:
+            for request_id in pending:
+                self.engine.abort_request(request_id)
+        for result in results.values():
+            for choice in result.choices:
+                choice.text = self._detokenize(choice.token_ids)
+        return list(results.values())
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> str:
+        """Queue one prompt and return its request id; ``engine.step()`` runs it and returns its
+        ``RequestOutput`` deltas (``generate`` does both)."""
+        request_id = f"offline-{next(self._request_ids)}"
+        params = sampling_params or SamplingParams()
+        params = dataclasses.replace(params, eos_token_ids=list(params.eos_token_ids or self.eos_token_ids))
+        self.engine.add_request(AddRequest(request_id, np.asarray(self._token_ids(prompt), np.int32), params,
+                                           list(self.eos_token_ids), time.time()))
+        return request_id
+
+    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise ValueError("this LLM has no tokenizer: give prompts as token ids")
+        return list(self.tokenizer.encode(prompt))
+
+    def _detokenize(self, token_ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _split_options(engine_kwargs: dict[str, Any]) -> tuple[RunnerOptions, SchedulingOptions]:
+    scheduling_names = {f.name for f in dataclasses.fields(SchedulingOptions)}
+    unknown = set(engine_kwargs) - _RUNNER_OPTIONS - scheduling_names
+    if unknown:
+        raise TypeError(f"LLM got unknown options {sorted(unknown)}; it takes {sorted(_RUNNER_OPTIONS | scheduling_names)}")
+    return (RunnerOptions(**{k: v for k, v in engine_kwargs.items() if k in _RUNNER_OPTIONS}),
+            SchedulingOptions(**{k: v for k, v in engine_kwargs.items() if k in scheduling_names}))

@@ -1,0 +1,89 @@
+"""The scheduler's link to its frontends: one ROUTER socket, and which frontend sent each request.
+
+Frontends connect DEALER sockets, each under an identity of its own, to ``endpoints.request``.
+Every message a frontend sends (``FrontendHello``, ``AddRequest``, ``AbortRequest``) makes it
+known. A request's outputs go to the frontend that sent the request, until the output marked
+``request_finished``; ``EngineStats`` go to every known frontend. The socket is ROUTER_MANDATORY,
+so sending to a frontend that has gone away fails: that frontend is forgotten, and the requests it
+still had wait in ``take_orphans`` for the scheduler to abort.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from shared.messages import AddRequest, DecodeError, EngineStats, RequestOutput, decode, encode
+
+
+class FrontendLink:
+    def __init__(self, context: zmq.Context, endpoint: str, log: Any) -> None:
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.socket.bind(endpoint)
+        self.log = log
+        self.frontends: set[bytes] = set()
+        self._owners: dict[str, bytes] = {}  # request id -> identity of the frontend that sent it
+        self._orphans: list[str] = []
+
+    def recv(self, timeout_ms: int) -> Any:
+        """The next message from any frontend, or None on timeout. Bad frames are logged and dropped."""
+        if timeout_ms and not self.socket.poll(timeout_ms):
+            return None
+        try:
+            frames = self.socket.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        identity, frame = frames[0], frames[-1]
+        if identity not in self.frontends:
+            self.frontends.add(identity)
+            self.log.info("frontend connected", frontend=identity.decode(errors="replace"))
+        try:
+            message = decode(frame)
+        except DecodeError as exc:
+            self.log.warning("dropped a bad frame", error=str(exc), num_bytes=len(frame))
+            return None
+        if isinstance(message, AddRequest):
+            self._owners[message.request_id] = identity
+        return message
+
+    def send_output(self, output: RequestOutput) -> None:
+        """Send ``output`` to the frontend that sent its request."""
+        identity = self._owners.get(output.request_id)
+        if output.request_finished:
+            self._owners.pop(output.request_id, None)
+        if identity is None:
+            self.log.warning("output for a request no frontend owns; dropped", request_id=output.request_id)
+        elif not self._send(identity, encode(output)):
+            self.log.warning("frontend busy; output dropped", request_id=output.request_id)
+
+    def send_stats(self, stats: EngineStats) -> None:
+        frame = encode(stats)
+        for identity in list(self.frontends):
+            self._send(identity, frame)
+
+    def take_orphans(self) -> list[str]:
+        """Requests whose frontend has gone away since the last call."""
+        orphans, self._orphans = self._orphans, []
+        return orphans
+
+    def _send(self, identity: bytes, frame: bytes) -> bool:
+        """Send without blocking; False if the frontend's queue is full. A frontend that has gone
+        away is forgotten and its requests become orphans."""
+        try:
+            self.socket.send_multipart([identity, frame], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+        self.frontends.discard(identity)
+        gone = [rid for rid, owner in self._owners.items() if owner == identity]
+        for request_id in gone:
+            del self._owners[request_id]
+        self._orphans += gone
+        self.log.info("frontend gone", frontend=identity.decode(errors="replace"), num_requests=len(gone))
+        return True

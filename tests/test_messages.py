@@ -1,0 +1,95 @@
+"""Every wire message survives encode -> decode unchanged; anything else is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import numpy as np
+import pytest
+
+from shared.messages import (
+    MESSAGE_TYPES, AbortRequest, AddRequest, DecodeError, EngineStats, ExecutorReady, FrontendHello, Hello,
+    HelloAck, NewSequence, RequestOutput, SamplingParams, Shutdown, Step, StepResult, decode, encode,
+)
+
+SAMPLING = SamplingParams(n=2, temperature=0.7, top_k=5, seed=2**62, stop_token_ids=[3, 4], logprobs=2,
+                          eos_token_ids=[2], best_of=3, early_stopping="never", logit_bias_token_ids=[7],
+                          logit_bias_values=[-1.5])
+
+EXAMPLES = [
+    AddRequest("r1", np.array([5, 6, 7], np.int32), SAMPLING, [2], 1234.5),
+    AbortRequest("r1"),
+    RequestOutput("r1", 1, [8, 9], "length", num_prompt_tokens=3, num_cached_tokens=2, num_preemptions=1,
+                  logprobs=[-0.5, -1.0], top_token_ids=[[8, 1], [9, 1]], top_logprobs=[[-0.5, -2.0], [-1.0, -3.0]],
+                  request_finished=True),
+    FrontendHello(pid=4321),
+    Step(
+        step_id=7, num_decodes=1, seq_ids=np.array([3, 4], np.int64), input_token_ids=np.array([9, 5, 6], np.int64),
+        positions=np.array([4, 0, 1], np.int64), slot_mapping=np.array([20, 8, 9], np.int64),
+        query_start_loc=np.array([0, 1, 3], np.int32), context_lens=np.array([5, 2], np.int32),
+        block_tables=np.array([[5, 1], [2, 0]], np.int32), sample_mask=np.array([True, False]),
+        new_seqs=[NewSequence(4, "r2", SAMPLING, np.array([5, 6, 7, 8], np.int32), 3)], finished_seq_ids=[1],
+        block_copies=np.array([[1, 2]], np.int64), swap_out=np.array([[3, 0]], np.int64),
+        swap_in=np.array([[0, 3]], np.int64),
+    ),
+    StepResult(7, np.array([3], np.int64), np.array([11], np.int64), logprobs=np.array([-0.25], np.float32),
+               top_token_ids=np.array([[11, 4]], np.int64), top_logprobs=np.array([[-0.25, -2.5]], np.float32)),
+    StepResult(8, np.zeros(0, np.int64), np.zeros(0, np.int64), error="boom"),
+    ExecutorReady(0, 1, 100, 16, 2048, num_cpu_blocks=8),
+    Hello(99),
+    HelloAck(0, 99),
+    Shutdown("bye"),
+    EngineStats(1, 2, 100, 10, 30, 40, True, num_steps=5, sum_slots_used=9, num_swap_outs=1, num_recomputes=2),
+]
+
+
+def _assert_same(a, b) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            _assert_same(getattr(a, f.name), getattr(b, f.name))
+    elif isinstance(a, list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_every_message_type_has_an_example():
+    assert {type(m) for m in EXAMPLES} == set(MESSAGE_TYPES.values())
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(message):
+    _assert_same(decode(encode(message)), message)
+
+
+def test_request_output_defaults_to_not_finished():
+    out = decode(encode(RequestOutput("r", 0, [1])))
+    assert out.request_finished is False and out.finish_reason is None
+
+
+@pytest.mark.parametrize("frame", [
+    b"\x00not msgpack",
+    msgpack.packb([999, []]),
+    msgpack.packb([RequestOutput.TAG, ["r", 0]]),  # too few fields
+])
+def test_bad_frames_raise_decode_error(frame):
+    with pytest.raises(DecodeError):
+        decode(frame)
+
+
+def test_object_arrays_are_refused():
+    tag, fields = msgpack.unpackb(encode(EXAMPLES[0]))
+    fields[1][0] = "|O"  # the prompt's dtype
+    with pytest.raises(DecodeError, match="not allowed"):
+        decode(msgpack.packb([tag, fields]))
+
+
+def test_unregistered_types_are_refused():
+    with pytest.raises(TypeError):
+        encode(SAMPLING)

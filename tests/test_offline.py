@@ -1,0 +1,79 @@
+"""The offline engine, ``services.offline.LLM``: Hugging Face's greedy output for an in-memory model,
+and the server's greedy output for the same model directory and prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.offline import LLM
+from shared.messages import SamplingParams
+from tests.harness import tiny_llama
+from tests.test_engine_vs_hf import hf_greedy
+from tests.test_server import save_tiny_model, tiny_server
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=31)
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return LLM.from_hf_model(model, dtype=torch.float32, num_kv_blocks=64, block_size=4)
+
+
+def test_in_memory_model_equals_transformers(model, llm):
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [42]]
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.choices[0].token_ids for o in outs] == [hf_greedy(model, p, 10) for p in prompts]
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert all(o.choices[0].finish_reason == "length" and o.choices[0].text is None for o in outs)  # no tokenizer
+    assert not llm.engine.has_work() and llm.engine.blocks.num_used_blocks == 0
+
+
+def test_one_prompt_several_choices_and_per_prompt_params(model, llm):
+    [out] = llm.generate([3, 1, 4, 1, 5], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=3))
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert all(c.token_ids == hf_greedy(model, [3, 1, 4, 1, 5], 6) for c in out.choices)
+    short, long = llm.generate([[7, 7], [8, 8]], [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                                                  SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)])
+    assert (len(short.choices[0].token_ids), len(long.choices[0].token_ids)) == (2, 5)
+
+
+def test_refused_prompt_raises_and_leaves_nothing_behind(llm):
+    with pytest.raises(ValueError, match="prompt 1: the prompt has 300 tokens; the limit is 255"):
+        llm.generate([[1, 2], list(range(1, 301))], GREEDY)
+    assert not llm.engine.has_work() and llm.engine.blocks.num_used_blocks == 0
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("text needs a tokenizer")
+    with pytest.raises(TypeError, match="unknown options \\['num_gpus'\\]"):
+        LLM.from_hf_model(tiny_llama(), num_gpus=1)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(model directory, URL of ``pagedserve serve`` on it)."""
+    model_dir = save_tiny_model(tmp_path_factory)
+    server = tiny_server(tmp_path_factory, "serve-offline", "--served-model-name", "tiny", "--dtype", "float32",
+                         "--kv-cache-memory", "16MiB", model_dir=model_dir)
+    yield model_dir, next(server)
+    next(server, None)  # stops it
+
+
+@pytest.mark.slow
+def test_llm_generate_equals_the_servers_greedy_output(served):
+    from openai import OpenAI
+
+    model_dir, url = served
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    prompts = ["The capital of France is", "Once upon a time", "1, 2, 3,", [5, 6, 7, 8, 9]]
+    replies = [client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0) for p in prompts]
+    llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory="16MiB")
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+    assert [o.choices[0].text for o in outs] == [r.choices[0].text for r in replies]
+    assert [len(o.choices[0].token_ids) for o in outs] == [r.usage.completion_tokens for r in replies]
+    assert [o.choices[0].finish_reason for o in outs] == [r.choices[0].finish_reason for r in replies]
+    assert len({o.choices[0].text for o in outs}) == len(prompts)

@@ -1,0 +1,107 @@
+"""The scheduler's link to its frontends (ROUTER) and a frontend's engine client (DEALER): outputs go
+to the frontend that sent the request, stats to all, a vanished frontend's requests come back for
+aborting, and a frontend whose scheduler falls silent fails its requests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import structlog
+import zmq
+
+from services.frontend.engine_client import EngineClient
+from services.scheduler.frontends import FrontendLink
+from shared.endpoints import Endpoints
+from shared.messages import AddRequest, EngineStats, FrontendHello, RequestOutput, SamplingParams, decode, encode
+
+STATS = EngineStats(0, 0, 10, 0, 0, 0, True)
+
+
+def _add(request_id: str) -> AddRequest:
+    return AddRequest(request_id, np.array([1, 2, 3], np.int32), SamplingParams(), [0], 0.0)
+
+
+def _dealer(ctx: zmq.Context, endpoint: str, identity: bytes) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(endpoint)
+    return sock
+
+
+def _next(sock: zmq.Socket):
+    assert sock.poll(10_000), "nothing arrived"
+    return decode(sock.recv())
+
+
+def _receive(link: FrontendLink, num: int) -> list:
+    messages, deadline = [], time.monotonic() + 10
+    while len(messages) < num and time.monotonic() < deadline:
+        message = link.recv(100)
+        if message is not None:
+            messages.append(message)
+    return messages
+
+
+def test_outputs_go_to_their_frontend_stats_to_all_and_orphans_come_back(tmp_path):
+    ctx = zmq.Context()
+    endpoint = Endpoints.in_directory(str(tmp_path)).request
+    link = FrontendLink(ctx, endpoint, structlog.get_logger())
+    a, b = _dealer(ctx, endpoint, b"frontend-a"), _dealer(ctx, endpoint, b"frontend-b")
+    try:
+        a.send(encode(FrontendHello(1)))
+        b.send(encode(_add("rb")))
+        a.send(encode(_add("ra")))
+        assert len(_receive(link, 3)) == 3
+        assert link.frontends == {b"frontend-a", b"frontend-b"}
+        link.send_output(RequestOutput("rb", 0, [7]))
+        link.send_output(RequestOutput("ra", 0, [8], "stop", request_finished=True))
+        link.send_output(RequestOutput("ra", 0, [9]))  # after its end: nobody owns it, dropped
+        link.send_stats(STATS)
+        assert [_next(a).new_token_ids, type(_next(a))] == [[8], EngineStats]  # in order: nothing between
+        assert [_next(b).new_token_ids, type(_next(b))] == [[7], EngineStats]
+        b.close()  # gone without aborting rb
+        orphans, deadline = [], time.monotonic() + 10
+        while not orphans and time.monotonic() < deadline:
+            link.send_stats(STATS)  # the next send to b finds it gone
+            orphans = link.take_orphans()
+            time.sleep(0.02)
+        assert orphans == ["rb"] and link.frontends == {b"frontend-a"}
+        assert link.take_orphans() == []
+    finally:
+        a.close()
+        link.socket.close()
+        ctx.term()
+
+
+def test_engine_client_fails_its_requests_when_the_scheduler_falls_silent(tmp_path):
+    endpoint = Endpoints.in_directory(str(tmp_path)).request
+    ctx = zmq.Context()
+    scheduler = ctx.socket(zmq.ROUTER)
+    scheduler.bind(endpoint)
+
+    async def run() -> tuple[RequestOutput, int]:
+        client = EngineClient(Endpoints(endpoint, "", ""), silence_timeout_s=0.2)
+        await client.start()
+        try:
+            identity, hello = await asyncio.to_thread(scheduler.recv_multipart)
+            assert isinstance(decode(hello), FrontendHello)
+            scheduler.send_multipart([identity, encode(STATS)])  # answers once, then never again
+            for _ in range(3000):  # 30 s at most
+                if client.latest_stats is not None:
+                    break
+                await asyncio.sleep(0.01)
+            queue = client.add_request(_add("r"))
+            return await asyncio.wait_for(queue.get(), timeout=60), client.num_pending
+        finally:
+            await client.close()
+
+    try:
+        output, num_pending = asyncio.run(run())
+    finally:
+        scheduler.close(linger=0)
+        ctx.term()
+    assert output.finish_reason == "abort" and output.request_finished and num_pending == 0
+    assert "the scheduler has not answered for" in output.error
