@@ -184,3 +184,21 @@ def sums_worker(rank: int, world_size: int, report, kind: str, spec: dict, cases
     comm.barrier()
     report({"gather_ok": bool(ok)})
     comm.close()
+
+
+def check_sums(group: RankGroup, cases, exact: bool = True, timeout_s: float = 120) -> None:
+    """Assert what ``sums_worker`` reported: sums close to torch.sum (``exact``: the rank-order
+    float32 sum, bit for bit), in place and returning, gather, and the same bits on every rank."""
+    assert group.join(timeout_s) == [0] * group.world_size, group.messages
+    for rank, messages in enumerate(group.messages):
+        results = [m for m in messages if "numel" in m]
+        assert [(m["numel"], m["dtype"]) for m in results] == [tuple(c) for c in cases]
+        for m in results:
+            what = f"rank {rank}, {m['numel']} x {m['dtype']}"
+            assert m["shape_ok"] and m["input_unchanged"] and m["in_place_ok"], what
+            assert m["close"], f"{what}: max error {m['max_err']} against torch.sum"
+            if exact:
+                assert m["exact_rank_order"], f"{what}: not the float32 rank-order sum"
+        assert any(m.get("gather_ok") for m in messages), f"rank {rank}: gather"
+    for i in range(len(cases)):  # every rank holds the same bits
+        assert len({[m for m in msgs if "numel" in m][i]["digest"] for msgs in group.messages}) == 1

@@ -11,7 +11,7 @@ from services.executor.parallel.rendezvous import exchange_handles, file_store
 from services.executor.parallel.segment import cleanup_group, segment_name
 from services.executor.parallel.shm import ShmCommunicator, WaitPolicy
 from tests.rank_group import (
-    RankGroup, group_segments, make_communicator, new_group_id, open_communicator, sums_worker,
+    RankGroup, check_sums, group_segments, make_communicator, new_group_id, open_communicator, sums_worker,
 )
 
 SIZES = [1, 2, 7, 576, 64 * 576 + 3, 2**18 + 1, 3 * 2**20 + 5]  # the largest is 12 MiB of float32
@@ -25,32 +25,16 @@ def spec(tmp_path):
     assert group_segments(group_id) == [], "a segment was left in /dev/shm"
 
 
-def _check_sums(group: RankGroup, cases, exact: bool = True) -> None:
-    assert group.join(120) == [0] * group.world_size, group.messages
-    for rank, messages in enumerate(group.messages):
-        results = [m for m in messages if "numel" in m]
-        assert [(m["numel"], m["dtype"]) for m in results] == [tuple(c) for c in cases]
-        for m in results:
-            what = f"rank {rank}, {m['numel']} x {m['dtype']}"
-            assert m["shape_ok"] and m["input_unchanged"] and m["in_place_ok"], what
-            assert m["close"], f"{what}: max error {m['max_err']} against torch.sum"
-            if exact:
-                assert m["exact_rank_order"], f"{what}: not the float32 rank-order sum"
-        assert any(m.get("gather_ok") for m in messages), f"rank {rank}: gather"
-    for i in range(len(cases)):  # every rank holds the same bits
-        assert len({[m for m in msgs if "numel" in m][i]["digest"] for msgs in group.messages}) == 1
-
-
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_sums_equal_torch_sum(world_size, spec):
     cases = [(n, "float32") for n in SIZES] + [(n, d) for n in (1, 577, 2**17 + 3) for d in ("bfloat16", "float16")]
-    _check_sums(RankGroup(sums_worker, world_size, "shm", spec, cases), cases)
+    check_sums(RankGroup(sums_worker, world_size, "shm", spec, cases), cases)
 
 
 def test_default_slot_size_multi_mib(spec):
     spec.pop("slot_bytes")
     cases = [(576, "float32"), (3 * 2**20 + 5, "float32"), (2**21 + 1, "bfloat16")]
-    _check_sums(RankGroup(sums_worker, 2, "shm", spec, cases), cases)
+    check_sums(RankGroup(sums_worker, 2, "shm", spec, cases), cases)
 
 
 def _back_to_back_worker(rank, world_size, report, spec, num_calls):
