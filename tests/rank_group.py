@@ -116,7 +116,8 @@ def group_segments(group_id: str) -> list[str]:
 def open_communicator(kind: str, rank: int, world_size: int, spec: dict):
     """(communicator, every rank's handle), not yet connected; ``spec`` as for ``make_communicator``."""
     from services.executor.parallel.rendezvous import exchange_handles, file_store
-    from services.executor.parallel.shm import ShmCommunicator, WaitPolicy
+    from services.executor.parallel.flags import WaitPolicy
+    from services.executor.parallel.shm import ShmCommunicator
 
     policy = WaitPolicy(timeout_s=spec.get("timeout_s", 60.0))
     extra = {"slot_bytes": spec["slot_bytes"]} if "slot_bytes" in spec else {}
@@ -179,8 +180,8 @@ def sums_worker(rank: int, world_size: int, report, kind: str, spec: dict, cases
     dst = world_size - 1
     part = (torch.arange(15, dtype=torch.float32).view(3, 5) + 100 * rank).to(device)
     gathered = comm.gather(part, dst=dst)
-    ok = gathered is None if rank != dst else all(
-        torch.equal(g.cpu(), torch.arange(15, dtype=torch.float32).view(3, 5) + 100 * r) for r, g in enumerate(gathered))
+    expected = [torch.arange(15, dtype=torch.float32).view(3, 5) + 100 * r for r in range(world_size)]
+    ok = gathered is None if rank != dst else all(torch.equal(g.cpu(), e) for g, e in zip(gathered, expected))
     comm.barrier()
     report({"gather_ok": bool(ok)})
     comm.close()

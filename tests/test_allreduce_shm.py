@@ -9,7 +9,8 @@ import torch
 from services.executor.parallel.base import GroupError
 from services.executor.parallel.rendezvous import exchange_handles, file_store
 from services.executor.parallel.segment import cleanup_group, segment_name
-from services.executor.parallel.shm import ShmCommunicator, WaitPolicy
+from services.executor.parallel.flags import WaitPolicy
+from services.executor.parallel.shm import ShmCommunicator
 from tests.rank_group import (
     RankGroup, check_sums, group_segments, make_communicator, new_group_id, open_communicator, sums_worker,
 )

@@ -68,8 +68,8 @@ def _rank_worker(rank, world_size, report, spec, hf_model, steps, reference, num
     model = build_model(hf_model.config, hf_model.state_dict(), torch.float32, torch.device("cpu"),
                         hf_model.config.max_position_embeddings, plan, comm)
     outs, kv = replay(model, select_backend("torch", torch.device("cpu")), steps, num_blocks, NUM_CPU_BLOCKS)
-    report({"kv_heads": kv[0][0].shape[1], "block_bytes": kv_block_bytes(model.kv_cache_config, BLOCK_SIZE, torch.float32),
-            "num_logits": sum(o is not None for o in outs)})
+    block_bytes = kv_block_bytes(model.kv_cache_config, BLOCK_SIZE, torch.float32)
+    report({"kv_heads": kv[0][0].shape[1], "block_bytes": block_bytes, "num_logits": sum(o is not None for o in outs)})
     if rank == 0:
         max_err = max((o - r).abs().max().item() for o, r in zip(outs, reference) if r is not None)
         same_tokens = all(torch.equal(o.argmax(-1), r.argmax(-1)) for o, r in zip(outs, reference) if r is not None)
@@ -179,7 +179,8 @@ def test_smollm2_tp3_equals_unsharded():
 
     src = resolve_model(None)
     tok = AutoTokenizer.from_pretrained(src.directory, **src.pretrained_kwargs())
-    hf_model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=torch.float32, **src.pretrained_kwargs()).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=torch.float32, **src.pretrained_kwargs())
+    hf_model.eval()
     prompts = [tok(p)["input_ids"] for p in ("The capital of France is", "def fibonacci(n):\n")]
     # 30 layers of float32 sums in another order: the logits (about 20 in size) moved by 7e-5
     check_sharded_equals_unsharded(hf_model, 3, prompts, max_tokens=12, atol=1e-3, num_blocks=64,

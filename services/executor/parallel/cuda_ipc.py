@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from .segment import DATA_OFFSET, Segment
-from .shm import DEFAULT_SLOT_BYTES, ShmCommunicator, WaitPolicy
+from .flags import WaitPolicy
+from .shm import DEFAULT_SLOT_BYTES, ShmCommunicator
 
 
 class CudaIpcCommunicator(ShmCommunicator):
@@ -43,7 +44,7 @@ class CudaIpcCommunicator(ShmCommunicator):
             return self._buffer
         fields = handle.get("cuda")
         if not isinstance(fields, list) or len(fields) != 8:
-            self._fail(f"rank {rank}'s handle carries no CUDA IPC handle (is it a CPU rank?)", rank)
+            self._flags.fail(f"rank {rank}'s handle carries no CUDA IPC handle (is it a CPU rank?)", rank)
         storage = torch.UntypedStorage._new_shared_cuda(*fields)
         peer_device = torch.device("cuda", fields[0])
         return torch.empty(0, dtype=torch.uint8, device=peer_device).set_(storage, 0, (2 * self.slot_bytes,))

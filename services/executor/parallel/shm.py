@@ -14,11 +14,8 @@ saw every peer reach e + 1, and a peer publishes e + 1 only after it finished re
 All-reduce sums the ranks' chunks in rank order, in float32 for 16-bit inputs, so every rank gets
 the same bits. Tensors larger than a slot go through it in chunks, one epoch each.
 
-Waiting spins briefly, then yields the CPU (``os.sched_yield``), then sleeps in short naps, so
-that ranks sharing few cores do not starve each other. While waiting past the spin it checks the
-lagging peers: a peer that closed, aborted, died (pid gone, or a zombie) or did not arrive within
-``WaitPolicy.timeout_s`` raises ``GroupError`` naming it; this rank then marks itself aborted
-(with the culprit's rank, so the others report the same rank) and unlinks the group's names.
+Waiting, and what happens when a peer dies or hangs, is ``flags.PeerFlags``'s job: an error
+names the rank at fault on every rank, and the group's names are unlinked.
 
 The data slots are host memory here; ``cuda_ipc.CudaIpcCommunicator`` keeps the flags and puts
 the slots in GPU memory.
@@ -26,39 +23,19 @@ the slots in GPU memory.
 
 from __future__ import annotations
 
-import os
 import socket
-import time
-from dataclasses import dataclass
 
 import msgpack
 import torch
 
 from .base import GroupError, check_tensor
-from .segment import (
-    DATA_OFFSET, STATUS_ABORTED, STATUS_CLOSED, W_CAUSE, W_CONNECTED, W_EPOCH, W_META,
-    W_STATUS, Segment, cleanup_group, process_alive, process_identity, segment_name,
-)
+from .flags import PeerFlags, WaitPolicy
+from .segment import DATA_OFFSET, Segment, process_identity, segment_name
 
 HANDLE_VERSION = 1
 DEFAULT_SLOT_BYTES = 4 * 2**20
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _DTYPE_NAMES = {code: str(dtype) for dtype, code in _DTYPE_CODES.items()}
-
-
-@dataclass(frozen=True)
-class WaitPolicy:
-    """How a rank waits for its peers: spin, then yield, then nap; give up after ``timeout_s``."""
-
-    spin_s: float = 1e-4  # check the flags in a tight loop this long first
-    yield_s: float = 0.002  # then os.sched_yield() between checks until this long
-    sleep_s: float = 5e-5  # then time.sleep(sleep_s) between checks
-    check_interval_s: float = 0.02  # how often lagging peers are checked for death
-    timeout_s: float = 60.0  # a peer this late is declared hung
-
-    def __post_init__(self) -> None:
-        if self.timeout_s <= 0 or min(self.spin_s, self.yield_s, self.sleep_s) < 0:
-            raise ValueError(f"bad wait policy {self}")
 
 
 def encode_handle(fields: dict) -> bytes:
@@ -88,22 +65,24 @@ class ShmCommunicator:
         if slot_bytes <= 0 or slot_bytes % 64:
             raise ValueError(f"slot_bytes must be a positive multiple of 64, got {slot_bytes}")
         self.group_id, self.rank, self.world_size = group_id, rank, world_size
-        self.slot_bytes, self.policy = slot_bytes, policy
+        self.slot_bytes = slot_bytes
         self._epoch = 0  # the last epoch this rank published
-        self._all_reached = 0  # every peer is known to have published this epoch
-        self._error: GroupError | None = None
         self._closed = False
-        self._peers: list[tuple[int, memoryview, dict]] = []  # (rank, header words, handle) per peer
         self._segments: list[Segment] = []
         self._bases: list[torch.Tensor] = []  # per rank: uint8 [2 * slot_bytes], both slots
         self._views: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         self._own = Segment.create(segment_name(group_id, rank), self._segment_bytes())
+        self._flags = PeerFlags(self._own.words, group_id, rank, policy)
         self._handle = {"kind": self.kind, "version": HANDLE_VERSION, "group_id": group_id,
                         "rank": rank, "world_size": world_size, "host": socket.gethostname(),
                         "segment": self._own.name, "segment_bytes": self._own.size_bytes,
                         "slot_bytes": slot_bytes}
         pid, start, namespace = process_identity()
         self._handle.update(pid=pid, pid_start=start, pid_ns=namespace)
+
+    def set_wait_policy(self, policy: WaitPolicy) -> None:
+        """Change how this rank waits (benchmarks compare policies within one group)."""
+        self._flags.set_policy(policy)
 
     # ------------------------------------------------------------------ hooks for other slot memory
 
@@ -132,7 +111,7 @@ class ShmCommunicator:
             expect = {k: self._handle[k] for k in ("kind", "group_id", "world_size", "host", "slot_bytes")}
             got = {k: info.get(k) for k in expect}
             if got != expect or info.get("rank") != r:
-                self._fail(f"rank {r}'s handle {got} (rank {info.get('rank')}) does not match "
+                self._flags.fail(f"rank {r}'s handle {got} (rank {info.get('rank')}) does not match "
                            f"{expect}: different group, host or slot size", r)
             if r == self.rank:
                 segment = self._own
@@ -140,12 +119,11 @@ class ShmCommunicator:
                 try:
                     segment = Segment.attach(info["segment"], info["segment_bytes"])
                 except (OSError, ValueError) as exc:
-                    self._fail(f"cannot map rank {r}'s segment {info['segment']}: {exc}", r)
+                    self._flags.fail(f"cannot map rank {r}'s segment {info['segment']}: {exc}", r)
                 self._segments.append(segment)
-                self._peers.append((r, segment.words, info))
+                self._flags.peers.append((r, segment.words, info))
             self._bases.append(self._slot_base(r, segment, info))
-        self._own.words[W_CONNECTED] = 1
-        self._wait_peers(W_CONNECTED, 1, "connect")
+        self._flags.connect()
         self._own.unlink()  # every rank has mapped us: the name is no longer needed
 
     # ------------------------------------------------------------------ collectives
@@ -185,12 +163,11 @@ class ShmCommunicator:
         if self._closed:
             return
         self._closed = True
-        if self._error is None:
-            self._own.words[W_STATUS] = STATUS_CLOSED
+        self._flags.close()
         self._own.unlink()
         self._views.clear()
         self._bases.clear()
-        self._peers.clear()
+        self._flags.peers.clear()
         for segment in [*self._segments, self._own]:
             segment.close()
         self._segments.clear()
@@ -222,26 +199,21 @@ class ShmCommunicator:
     def _publish(self, chunk: torch.Tensor | None, size: int, dtype: torch.dtype | None) -> int:
         """Steps 1 and 2: write ``chunk`` (or nothing) into the next slot and publish its epoch."""
         epoch = self._epoch + 1
-        self._wait_epoch(epoch - 1)
+        self._flags.wait_epoch(epoch - 1)
         slot = epoch & 1
         if chunk is not None:
             self._slot_views(dtype)[slot][self.rank][:size].copy_(chunk)
         self._before_publish()
-        words = self._own.words
-        words[W_META + slot] = (size << 8) | _DTYPE_CODES.get(dtype, 0)
-        words[W_EPOCH] = epoch
+        self._flags.publish(epoch, slot, (size << 8) | _DTYPE_CODES.get(dtype, 0))
         self._epoch = epoch
         return slot
 
     def _read(self, slot: int, size: int, dtype: torch.dtype | None) -> list[torch.Tensor]:
         """Step 3: wait for every peer's epoch, check what they sent, view every rank's chunk."""
-        self._wait_epoch(self._epoch)
-        expect = (size << 8) | _DTYPE_CODES.get(dtype, 0)
-        for r, words, _ in self._peers:
-            meta = words[W_META + slot]
-            if meta != expect:
-                self._fail(f"collective {self._epoch}: rank {r} sent {meta >> 8} elements of "
-                           f"{_DTYPE_NAMES.get(meta & 0xFF)}, rank {self.rank} expected {size} of {dtype}", r)
+        self._flags.wait_epoch(self._epoch)
+        self._flags.check_meta(slot, (size << 8) | _DTYPE_CODES.get(dtype, 0), lambda r, meta: (
+            f"collective {self._epoch}: rank {r} sent {meta >> 8} elements of {_DTYPE_NAMES.get(meta & 0xFF)}, "
+            f"rank {self.rank} expected {size} of {dtype}"))
         if dtype is None:
             return []
         return [view[:size] for view in self._slot_views(dtype)[slot]]
@@ -261,68 +233,10 @@ class ShmCommunicator:
                     acc.add_(view)
                 target.copy_(acc)
 
-    def _wait_epoch(self, epoch: int) -> None:
-        if self._all_reached >= epoch:
-            return
-        clock = time.perf_counter
-        until = clock() + self.policy.spin_s
-        while True:
-            for _r, words, _h in self._peers:
-                if words[W_EPOCH] < epoch:
-                    break
-            else:
-                self._all_reached = epoch
-                return
-            if clock() > until:
-                break
-        self._wait_peers(W_EPOCH, epoch, f"collective {epoch}")
-        self._all_reached = epoch
-
-    def _wait_peers(self, word: int, value: int, what: str) -> None:
-        """Until every peer's header ``word`` >= ``value``: yield, nap, check the laggards."""
-        policy = self.policy
-        start = now = time.monotonic()
-        next_check = now
-        while True:
-            lagging = [(r, words, h) for r, words, h in self._peers if words[word] < value]
-            if not lagging:
-                return
-            if now >= next_check:
-                self._check_lagging(lagging, what, now - start)
-                next_check = now + policy.check_interval_s
-            if now - start < policy.yield_s:
-                os.sched_yield()
-            else:
-                time.sleep(policy.sleep_s)
-            now = time.monotonic()
-
-    def _check_lagging(self, lagging, what: str, waited_s: float) -> None:
-        for r, words, h in lagging:
-            status = words[W_STATUS]
-            if status == STATUS_ABORTED:
-                cause = words[W_CAUSE]
-                self._fail(f"rank {cause} failed (reported by rank {r}); rank {self.rank} was at {what}", cause)
-            if status == STATUS_CLOSED:
-                self._fail(f"rank {r} closed while rank {self.rank} waited for it at {what}", r)
-            if not process_alive(h["pid"], h["pid_start"], h["pid_ns"]):
-                self._fail(f"rank {r} (pid {h['pid']}) died; rank {self.rank} was at {what}", r)
-        if waited_s > self.policy.timeout_s:
-            ranks = [r for r, _, _ in lagging]
-            self._fail(f"ranks {ranks} did not reach {what} within {self.policy.timeout_s:g} s "
-                       f"(rank {self.rank} waited {waited_s:.1f} s)", ranks[0])
-
-    def _fail(self, message: str, rank: int | None):
-        """Abort: tell the peers who is at fault, unlink the group's names, raise."""
-        self._error = GroupError(message, rank)
-        words = self._own.words
-        words[W_CAUSE] = -1 if rank is None else rank
-        words[W_STATUS] = STATUS_ABORTED
-        cleanup_group(self.group_id)
-        raise self._error
-
     def _check_usable(self) -> None:
-        if self._error is not None:
-            raise GroupError(f"the group already failed: {self._error}", self._error.rank)
+        error = self._flags.error
+        if error is not None:
+            raise GroupError(f"the group already failed: {error}", error.rank)
         if self._closed:
             raise GroupError(f"rank {self.rank}'s communicator is closed")
 
