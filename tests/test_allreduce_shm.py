@@ -112,6 +112,24 @@ def test_hung_rank_times_out_named(spec):
     assert group.join(60) == [1, 1]
     assert "within 1 s" in group.wait_for(0, "error")["error"]
     assert [group.wait_for(r, "error")["blamed_rank"] for r in (0, 1)] == [1, 1]
+    assert "within 1 s" in group.wait_for(1, "error")["error"]  # rank 1 is told why
+
+
+def _abort_worker(rank, world_size, report, spec):
+    comm = make_communicator("shm", rank, world_size, spec)
+    comm.all_reduce(torch.ones(8))
+    if rank == 1:
+        comm.abort("step 7 failed: out of memory")  # e.g. the executor's step raised half-way
+        return
+    comm.all_reduce(torch.ones(8))
+
+
+def test_abort_names_the_rank_and_reason(spec):
+    spec["timeout_s"] = 600.0  # rank 0 must learn it from the abort, not from a timeout
+    group = RankGroup(_abort_worker, 2, spec)
+    assert group.join(60) == [1, 0]
+    error = group.wait_for(0, "error")
+    assert error["blamed_rank"] == 1 and "rank 1 failed: step 7 failed: out of memory" in error["error"], error
 
 
 def _mismatch_worker(rank, world_size, report, spec):

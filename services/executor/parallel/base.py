@@ -44,6 +44,10 @@ class Communicator(Protocol):
     def barrier(self) -> None:
         """Return once every rank has called ``barrier``."""
 
+    def abort(self, reason: str) -> None:
+        """This rank cannot go on (its step failed half-way): make every peer's next or current
+        collective raise ``GroupError`` naming this rank, instead of waiting for it."""
+
     def close(self) -> None:
         """Release buffers and tell the peers this rank has left; idempotent."""
 
@@ -76,6 +80,9 @@ class SingleRank:
         return [tensor.clone()]
 
     def barrier(self) -> None:
+        pass
+
+    def abort(self, reason: str) -> None:
         pass
 
     def close(self) -> None:

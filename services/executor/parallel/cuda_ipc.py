@@ -24,6 +24,7 @@ from .shm import DEFAULT_SLOT_BYTES, ShmCommunicator
 
 class CudaIpcCommunicator(ShmCommunicator):
     kind = "cuda_ipc"
+    needs_store_order = False  # data moves by device copies and stream synchronization, not CPU stores
 
     def __init__(self, group_id: str, rank: int, world_size: int, device: torch.device | str,
                  slot_bytes: int = DEFAULT_SLOT_BYTES, policy: WaitPolicy = WaitPolicy()) -> None:

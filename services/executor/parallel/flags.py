@@ -9,9 +9,9 @@ machine) soon yield at once, and so do not starve the peer they wait for.
 
 Past the spin, the lagging peers are checked every ``check_interval_s``: a peer that closed,
 aborted, died (pid gone or a zombie; pid reuse is caught by the start time) or did not arrive
-within ``timeout_s`` makes ``fail`` raise ``GroupError`` naming it. ``fail`` first marks this
-rank aborted with the culprit's rank, so the other ranks report the same rank, and unlinks the
-group's names from ``/dev/shm``.
+within ``timeout_s`` makes ``fail`` raise ``GroupError`` naming it. ``fail`` first ``abort``s:
+marks this rank aborted with the culprit's rank and a reason, so that the other ranks report the
+same rank and why, and unlinks the group's names from ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import NoReturn
 
 from .base import GroupError
 from .segment import (
-    STATUS_ABORTED, STATUS_CLOSED, W_CAUSE, W_CONNECTED, W_EPOCH, W_META, W_STATUS, cleanup_group,
-    process_alive,
+    REASON_MAX_BYTES, REASON_OFFSET, STATUS_ABORTED, STATUS_CLOSED, W_CAUSE, W_CONNECTED, W_EPOCH, W_META,
+    W_REASON_BYTES, W_STATUS, cleanup_group, process_alive,
 )
 
 
@@ -122,7 +122,10 @@ class PeerFlags:
             status = words[W_STATUS]
             if status == STATUS_ABORTED:
                 cause = words[W_CAUSE]
-                self.fail(f"rank {cause} failed (reported by rank {r}); rank {self.rank} was at {what}", cause)
+                reason = bytes(words.cast("B")[REASON_OFFSET:REASON_OFFSET + words[W_REASON_BYTES]])
+                by = "" if cause == r else f" (reported by rank {r})"
+                self.fail(f"rank {cause} failed{by}: {reason.decode(errors='replace')}; rank {self.rank} "
+                          f"was at {what}", None if cause < 0 else cause)
             if status == STATUS_CLOSED:
                 self.fail(f"rank {r} closed while rank {self.rank} waited for it at {what}", r)
             if not process_alive(h["pid"], h["pid_start"], h["pid_ns"]):
@@ -132,10 +135,18 @@ class PeerFlags:
             self.fail(f"ranks {ranks} did not reach {what} within {self.policy.timeout_s:g} s "
                       f"(rank {self.rank} waited {waited_s:.1f} s)", ranks[0])
 
+    def abort(self, message: str, rank: int | None) -> GroupError:
+        """Tell the peers the group is over, who is at fault and why; unlink the group's names."""
+        if self.error is None:
+            self.error = GroupError(message, rank)
+            reason = message.encode()[:REASON_MAX_BYTES]
+            self.own.cast("B")[REASON_OFFSET:REASON_OFFSET + len(reason)] = reason
+            self.own[W_REASON_BYTES] = len(reason)
+            self.own[W_CAUSE] = -1 if rank is None else rank
+            self.own[W_STATUS] = STATUS_ABORTED
+            cleanup_group(self.group_id)
+        return self.error
+
     def fail(self, message: str, rank: int | None) -> NoReturn:
-        """Abort: tell the peers who is at fault, unlink the group's names, raise."""
-        self.error = GroupError(message, rank)
-        self.own[W_CAUSE] = -1 if rank is None else rank
-        self.own[W_STATUS] = STATUS_ABORTED
-        cleanup_group(self.group_id)
-        raise self.error
+        """``abort``, then raise the ``GroupError``."""
+        raise self.abort(message, rank)

@@ -33,6 +33,8 @@ DATA_OFFSET = HEADER_BYTES
 # Header words (int64 index). The epoch and the slot metadata share one cache line, written by
 # the owner (metadata first, then the epoch) and polled by the peers.
 W_MAGIC, W_CONNECTED, W_STATUS, W_CAUSE = 0, 1, 2, 3  # CAUSE: the rank an abort blames
+W_REASON_BYTES = 4  # length of the abort's reason, utf-8 at REASON_OFFSET
+REASON_OFFSET, REASON_MAX_BYTES = 512, 1024
 W_EPOCH, W_META = 8, 9  # W_META + slot: (numel << 8) | dtype code of the data in that slot
 STATUS_RUNNING, STATUS_CLOSED, STATUS_ABORTED = 0, 1, 2
 

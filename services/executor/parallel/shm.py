@@ -23,6 +23,7 @@ the slots in GPU memory.
 
 from __future__ import annotations
 
+import platform
 import socket
 
 import msgpack
@@ -57,11 +58,18 @@ class ShmCommunicator:
 
     kind = "shm"
     device = torch.device("cpu")  # where the tensors handed to the collectives must live
+    # The slots are written and read by plain CPU stores and loads, published by a flag store:
+    # correct under x86-64's total store order, not on weaker memory models without fences.
+    needs_store_order = True
 
     def __init__(self, group_id: str, rank: int, world_size: int, slot_bytes: int = DEFAULT_SLOT_BYTES,
                  policy: WaitPolicy = WaitPolicy()) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of {world_size}")
+        machine = platform.machine().lower()
+        if self.needs_store_order and machine not in ("x86_64", "amd64"):
+            raise ValueError(f"the shared-memory all-reduce needs x86-64 store ordering; this host is "
+                             f"{machine}: use --all-reduce torch")
         if slot_bytes <= 0 or slot_bytes % 64:
             raise ValueError(f"slot_bytes must be a positive multiple of 64, got {slot_bytes}")
         self.group_id, self.rank, self.world_size = group_id, rank, world_size
@@ -108,23 +116,30 @@ class ShmCommunicator:
         if len(infos) != self.world_size:
             raise GroupError(f"{len(infos)} handles for a group of {self.world_size}")
         for r, info in enumerate(infos):
-            expect = {k: self._handle[k] for k in ("kind", "group_id", "world_size", "host", "slot_bytes")}
+            expect = {k: self._handle[k] for k in ("kind", "group_id", "world_size", "slot_bytes")}
             got = {k: info.get(k) for k in expect}
             if got != expect or info.get("rank") != r:
                 self._flags.fail(f"rank {r}'s handle {got} (rank {info.get('rank')}) does not match "
-                           f"{expect}: different group, host or slot size", r)
+                                 f"{expect}: a different group, kind or slot size", r)
             if r == self.rank:
                 segment = self._own
             else:
-                try:
-                    segment = Segment.attach(info["segment"], info["segment_bytes"])
-                except (OSError, ValueError) as exc:
-                    self._flags.fail(f"cannot map rank {r}'s segment {info['segment']}: {exc}", r)
+                segment = self._attach(r, info)
                 self._segments.append(segment)
                 self._flags.peers.append((r, segment.words, info))
             self._bases.append(self._slot_base(r, segment, info))
         self._flags.connect()
         self._own.unlink()  # every rank has mapped us: the name is no longer needed
+
+    def _attach(self, rank: int, info: dict) -> Segment:
+        try:
+            return Segment.attach(info["segment"], info["segment_bytes"])
+        except (OSError, ValueError) as exc:
+            where = "" if info.get("host") == self._handle["host"] else (
+                f"; rank {rank} runs on host {info.get('host')!r} and rank {self.rank} on "
+                f"{self._handle['host']!r}: shared memory needs one host (or one IPC namespace), "
+                f"use --all-reduce torch across hosts")
+            self._flags.fail(f"cannot map rank {rank}'s segment {info['segment']}: {exc}{where}", rank)
 
     # ------------------------------------------------------------------ collectives
 
@@ -158,6 +173,11 @@ class ShmCommunicator:
         self._check_usable()
         slot = self._publish(None, 0, None)
         self._read(slot, 0, None)
+
+    def abort(self, reason: str) -> None:
+        """This rank cannot go on (e.g. its step failed): the peers raise ``GroupError`` naming it."""
+        if not self._closed:
+            self._flags.abort(reason, self.rank)
 
     def close(self) -> None:
         if self._closed:

@@ -79,6 +79,11 @@ class TorchDistCommunicator:
             raise GroupError(f"rank {self.rank}'s communicator is closed")
         self._call("barrier")
 
+    def abort(self, reason: str) -> None:
+        """Leave the group at once: the peers' pending collectives fail (gloo sees the closed
+        connections; NCCL after its timeout), naming this rank's address rather than its rank."""
+        self.close()
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
