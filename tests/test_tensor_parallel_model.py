@@ -9,6 +9,9 @@ tolerance, with the same greedy tokens the engine sampled.
 Phase 1: the executor does not run ranks yet, so ``replay`` drives the model as the runner does.
 """
 
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -61,13 +64,13 @@ def replay(model, backend, steps, num_blocks, num_cpu_blocks):
     return outs, kv
 
 
-def _rank_worker(rank, world_size, report, spec, hf_model, steps, reference, num_blocks):
+def _rank_worker(rank, world_size, report, spec, hf_model, steps, reference, num_blocks, backend):
     comm = make_communicator("shm", rank, world_size, spec)
     cfg = ModelConfig.from_hf(hf_model.config)
     plan = ShardPlan.for_model(cfg, rank, world_size)
     model = build_model(hf_model.config, hf_model.state_dict(), torch.float32, torch.device("cpu"),
                         hf_model.config.max_position_embeddings, plan, comm)
-    outs, kv = replay(model, select_backend("torch", torch.device("cpu")), steps, num_blocks, NUM_CPU_BLOCKS)
+    outs, kv = replay(model, select_backend(backend, torch.device("cpu")), steps, num_blocks, NUM_CPU_BLOCKS)
     block_bytes = kv_block_bytes(model.kv_cache_config, BLOCK_SIZE, torch.float32)
     report({"kv_heads": kv[0][0].shape[1], "block_bytes": block_bytes, "num_logits": sum(o is not None for o in outs)})
     if rank == 0:
@@ -77,17 +80,20 @@ def _rank_worker(rank, world_size, report, spec, hf_model, steps, reference, num
     comm.close()
 
 
-def check_sharded_equals_unsharded(hf_model, world_size, prompts, max_tokens, atol=1e-5, **engine_kwargs):
+def check_sharded_equals_unsharded(hf_model, world_size, prompts, max_tokens, atol=1e-5, backend="torch",
+                                   method="fork", **engine_kwargs):
     """Record the unsharded engine's steps, replay them unsharded and on ``world_size`` ranks, compare."""
     num_blocks = engine_kwargs.setdefault("num_blocks", NUM_BLOCKS)
     steps = record_steps(hf_model, prompts, max_tokens, num_cpu_blocks=NUM_CPU_BLOCKS, **engine_kwargs)
     full = build_model(hf_model.config, hf_model.state_dict(), torch.float32, torch.device("cpu"),
                        hf_model.config.max_position_embeddings)
-    reference, _ = replay(full, select_backend("torch", torch.device("cpu")), steps, num_blocks, NUM_CPU_BLOCKS)
+    reference, _ = replay(full, select_backend(backend, torch.device("cpu")), steps, num_blocks, NUM_CPU_BLOCKS)
     group_id = new_group_id()
-    spec = {"group_id": group_id, "store_path": f"/tmp/psv-test-store-{group_id}"}
-    group = RankGroup(_rank_worker, world_size, spec, hf_model, steps, reference, num_blocks)
-    assert group.join(600) == [0] * world_size, group.messages
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = {"group_id": group_id, "store_path": os.path.join(tmp, "store")}
+        group = RankGroup(_rank_worker, world_size, spec, hf_model, steps, reference, num_blocks, backend,
+                          method=method)
+        assert group.join(600) == [0] * world_size, group.messages
     assert group_segments(group_id) == []
     cfg = ModelConfig.from_hf(hf_model.config)
     full_bytes = kv_block_bytes(cfg, BLOCK_SIZE, torch.float32)
@@ -125,6 +131,14 @@ def test_tiny_gqa_sharded_equals_unsharded(world_size, num_heads, num_kv_heads):
     assert any(0 < s.num_decodes < len(s.seq_ids) for s in steps), "prefill and decode never shared a step"
     assert any(len(s.block_copies) for s in steps), "no copy-on-write copy happened"
     assert any(len(s.swap_out) for s in steps) and any(len(s.swap_in) for s in steps), "no swap happened"
+
+
+def test_numba_kernels_on_shards():
+    """The Numba CPU kernels with a rank's head counts (3 query heads on 1 KV head)."""
+    pytest.importorskip("kernels.cpu")
+    hf_model = tiny_llama(seed=6)
+    check_sharded_equals_unsharded(hf_model, 2, _prompts(128, seed=2), max_tokens=8, num_blocks=64,
+                                   backend="numba", method="spawn")  # numba's OpenMP pool does not survive fork
 
 
 def test_tied_embeddings_sharded_equals_unsharded():
