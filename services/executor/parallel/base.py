@@ -1,7 +1,7 @@
 """The collective-communication interface of a tensor-parallel group, and its one-rank form.
 
-Contract shared by every implementation: all ranks call the same collectives in the same order
-with tensors of the same shape and dtype (the model's control flow is identical on every rank
+Contract shared by every implementation: one thread per rank uses the communicator, and all
+ranks call the same collectives in the same order with tensors of the same shape and dtype (the model's control flow is identical on every rank
 because every rank runs the same ``Step``). Sums are taken in float32 for 16-bit inputs and cast
 back; every rank receives the same bits. A failure of the group (a peer that died, closed, hung
 past the timeout or sent a mismatched tensor) raises ``GroupError`` naming the rank; after one the

@@ -6,9 +6,9 @@ and mapped with ``mmap``. Not ``multiprocessing.shared_memory``: in Python 3.11 
 unlinks it when that process exits and warns about a "leak" — a rank that attached a peer's
 segment would delete it. Plain files keep ownership explicit.
 
-Lifetime: once every rank has mapped every segment (the connect handshake in ``shm``), each owner
-unlinks its own name; from then on a segment lives exactly as long as a mapping of it, so nothing
-is left in ``/dev/shm`` whichever way the processes end (``kill -9`` included). Before that point
+Lifetime: once every rank has mapped every segment (the connect handshake in ``shm``), every rank
+unlinks all the group's names; from then on a segment lives exactly as long as a mapping of it, so
+nothing is left in ``/dev/shm`` whichever way the processes end (``kill -9`` included). Before that point
 a name is removed by its owner's ``close``, by an ``atexit`` hook, by any rank that sees the group
 fail, and by ``cleanup_group(group_id)``, which a launcher runs once the group has ended.
 

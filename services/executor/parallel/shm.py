@@ -31,7 +31,7 @@ import torch
 
 from .base import GroupError, check_tensor
 from .flags import PeerFlags, WaitPolicy
-from .segment import DATA_OFFSET, Segment, process_identity, segment_name
+from .segment import DATA_OFFSET, Segment, cleanup_group, process_identity, segment_name
 
 HANDLE_VERSION = 1
 DEFAULT_SLOT_BYTES = 4 * 2**20
@@ -111,7 +111,7 @@ class ShmCommunicator:
         return encode_handle(self._handle)
 
     def connect(self, handles: list[bytes]) -> None:
-        """Map every rank's slots from their handles (indexed by rank), then unlink our name."""
+        """Map every rank's slots from their handles (indexed by rank), then unlink the names."""
         infos = [decode_handle(raw) for raw in handles]
         if len(infos) != self.world_size:
             raise GroupError(f"{len(infos)} handles for a group of {self.world_size}")
@@ -129,7 +129,9 @@ class ShmCommunicator:
                 self._flags.peers.append((r, segment.words, info))
             self._bases.append(self._slot_base(r, segment, info))
         self._flags.connect()
-        self._own.unlink()  # every rank has mapped us: the name is no longer needed
+        # Every rank has mapped every segment: no name is needed any more. Each rank removes them
+        # all, so a rank killed right after connecting cannot leave its own behind.
+        cleanup_group(self.group_id)
 
     def _attach(self, rank: int, info: dict) -> Segment:
         try:
