@@ -42,15 +42,11 @@ def say(msg: str) -> None:
 
 
 def _connect(rank: int, world_size: int, spec: dict):
-    from services.executor.parallel.rendezvous import exchange_handles, file_store
-    from services.executor.parallel.shm import ShmCommunicator
-    from services.executor.parallel.torch_dist import TorchDistCommunicator
+    from services.executor.parallel.group import GroupConfig, open_group
 
-    gloo = TorchDistCommunicator(rank, world_size, f"127.0.0.1:{spec['port']}")
-    shm = ShmCommunicator(spec["group_id"], rank, world_size)
-    store = file_store(spec["store_path"], world_size)
-    shm.connect(exchange_handles(store, rank, world_size, shm.local_handle()))
-    return gloo, shm
+    common = {"rank": rank, "world_size": world_size, "group_id": spec["group_id"], "store_path": spec["store_path"],
+              "dist_init_addr": f"127.0.0.1:{spec['port']}"}
+    return open_group(GroupConfig(all_reduce="torch", **common)), open_group(GroupConfig(all_reduce="shm", **common))
 
 
 def _time_calls(comm, x, num_calls: int, times: list[float]) -> None:

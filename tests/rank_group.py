@@ -113,33 +113,19 @@ def group_segments(group_id: str) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"psv-{group_id}-"))
 
 
-def open_communicator(kind: str, rank: int, world_size: int, spec: dict):
-    """(communicator, every rank's handle), not yet connected; ``spec`` as for ``make_communicator``."""
-    from services.executor.parallel.rendezvous import exchange_handles, file_store
-    from services.executor.parallel.flags import WaitPolicy
-    from services.executor.parallel.shm import ShmCommunicator
-
-    policy = WaitPolicy(timeout_s=spec.get("timeout_s", 60.0))
-    extra = {"slot_bytes": spec["slot_bytes"]} if "slot_bytes" in spec else {}
-    if kind == "cuda_ipc":
-        from services.executor.parallel.cuda_ipc import CudaIpcCommunicator
-
-        comm = CudaIpcCommunicator(spec["group_id"], rank, world_size, spec["device"], policy=policy, **extra)
-    else:
-        comm = ShmCommunicator(spec["group_id"], rank, world_size, policy=policy, **extra)
-    store = file_store(spec["store_path"], world_size)
-    return comm, exchange_handles(store, rank, world_size, comm.local_handle(), timeout_s=policy.timeout_s)
-
-
 def make_communicator(kind: str, rank: int, world_size: int, spec: dict):
-    """A connected communicator: ``spec`` holds group_id and store_path (shm, cuda_ipc) or port (torch)."""
-    if kind == "torch":
-        from services.executor.parallel.torch_dist import TorchDistCommunicator
+    """A connected communicator of ``kind`` (shm, cuda_ipc or torch) through ``open_group``.
 
-        return TorchDistCommunicator(rank, world_size, f"127.0.0.1:{spec['port']}", device=spec.get("device", "cpu"))
-    comm, handles = open_communicator(kind, rank, world_size, spec)
-    comm.connect(handles)
-    return comm
+    ``spec``: group_id and store_path (shm, cuda_ipc), port (torch); optional device, slot_bytes,
+    timeout_s.
+    """
+    from services.executor.parallel.group import GroupConfig, open_group
+
+    config = GroupConfig(rank, world_size, "torch" if kind == "torch" else "shm", group_id=spec.get("group_id"),
+                         store_path=spec.get("store_path"), timeout_s=spec.get("timeout_s", 60.0),
+                         dist_init_addr=f"127.0.0.1:{spec['port']}" if "port" in spec else None,
+                         slot_bytes=spec.get("slot_bytes"))
+    return open_group(config, spec.get("device", "cpu"))
 
 
 def rank_input(rank: int, numel: int, dtype, seed: int):

@@ -12,7 +12,7 @@ from services.executor.parallel.segment import cleanup_group, segment_name
 from services.executor.parallel.flags import WaitPolicy
 from services.executor.parallel.shm import ShmCommunicator
 from tests.rank_group import (
-    RankGroup, check_sums, group_segments, make_communicator, new_group_id, open_communicator, sums_worker,
+    RankGroup, check_sums, group_segments, make_communicator, new_group_id, sums_worker,
 )
 
 SIZES = [1, 2, 7, 576, 64 * 576 + 3, 2**18 + 1, 3 * 2**20 + 5]  # the largest is 12 MiB of float32
@@ -83,7 +83,8 @@ def test_killed_rank_is_named_and_nothing_left(spec):
 
 
 def _die_at_start_worker(rank, world_size, report, spec):
-    comm, handles = open_communicator("shm", rank, world_size, spec)
+    comm = ShmCommunicator(spec["group_id"], rank, world_size, spec["slot_bytes"])
+    handles = exchange_handles(file_store(spec["store_path"], world_size), rank, world_size, comm.local_handle())
     if rank == 1:
         os.kill(os.getpid(), 9)  # its segment is still named in /dev/shm
     comm.connect(handles)
