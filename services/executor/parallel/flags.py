@@ -1,11 +1,12 @@
 """The flag words of a rank group and how a rank waits on them: ``PeerFlags``, ``WaitPolicy``.
 
 Each rank writes only its own segment's header (``segment``: epoch, slot metadata, connected,
-status, cause) and polls its peers'. Waiting spins, then yields the CPU (``os.sched_yield``), then
-sleeps in short naps. The spin adapts: it doubles (up to ``WaitPolicy.spin_s``) after a wait the
-spin covered and halves (down to ``min_spin_s``) after one it did not. Ranks with a core each keep
-spinning and answer in microseconds; ranks that share cores (more ranks than cores, or a loaded
-machine) soon yield at once, and so do not starve the peer they wait for.
+status, cause, reason) and polls its peers'. Waiting spins briefly (``WaitPolicy.spin_s``), then
+yields the CPU between checks (``os.sched_yield``), then sleeps in short naps. A yield on an idle
+core returns at once, so ranks with a core each still answer in microseconds; ranks that share
+cores (more ranks than cores, or a loaded machine) hand the core to the peer they wait for
+instead of starving it. Measured on a loaded 2-core machine (``python -m loadtest.allreduce
+--policies``): longer spins lose badly with 3 ranks on 2 cores and gain nothing with 2.
 
 Past the spin, the lagging peers are checked every ``check_interval_s``: a peer that closed,
 aborted, died (pid gone or a zombie; pid reuse is caught by the start time) or did not arrive
@@ -32,16 +33,14 @@ from .segment import (
 class WaitPolicy:
     """How a rank waits for its peers: spin, then yield, then nap; give up after ``timeout_s``."""
 
-    spin_s: float = 2e-4  # check the flags in a tight loop at most this long first...
-    min_spin_s: float = 1e-5  # ...and at least this long (the spin adapts in between)
+    spin_s: float = 2e-5  # check the flags in a tight loop this long first
     yield_s: float = 0.002  # then os.sched_yield() between checks until this long
     sleep_s: float = 5e-5  # then time.sleep(sleep_s) between checks
     check_interval_s: float = 0.02  # how often lagging peers are checked for death
     timeout_s: float = 60.0  # a peer this late is declared hung
 
     def __post_init__(self) -> None:
-        if self.timeout_s <= 0 or min(self.min_spin_s, self.yield_s, self.sleep_s) < 0 \
-                or self.spin_s < self.min_spin_s:
+        if self.timeout_s <= 0 or min(self.spin_s, self.yield_s, self.sleep_s) < 0:
             raise ValueError(f"bad wait policy {self}")
 
 
@@ -56,7 +55,7 @@ class PeerFlags:
         self.set_policy(policy)
 
     def set_policy(self, policy: WaitPolicy) -> None:
-        self.policy, self._spin_s = policy, policy.spin_s
+        self.policy = policy
 
     def publish(self, epoch: int, slot: int, meta: int) -> None:
         """Metadata first, then the epoch: a peer that sees the epoch sees the metadata."""
@@ -80,22 +79,20 @@ class PeerFlags:
                 self.fail(describe(r, meta), r)
 
     def wait_epoch(self, epoch: int) -> None:
-        """Until every peer has published ``epoch``: the adaptive spin, then ``wait_all``."""
+        """Until every peer has published ``epoch``: spin, then ``wait_all``."""
         if self._all_reached >= epoch:
             return
-        clock, spin_s = time.perf_counter, self._spin_s
-        until = clock() + spin_s
+        clock = time.perf_counter
+        until = clock() + self.policy.spin_s
         while True:
             for _r, words, _h in self.peers:
                 if words[W_EPOCH] < epoch:
                     break
             else:
                 self._all_reached = epoch
-                self._spin_s = min(self.policy.spin_s, max(2 * spin_s, self.policy.min_spin_s))
                 return
             if clock() > until:
                 break
-        self._spin_s = max(self.policy.min_spin_s, spin_s / 2)
         self.wait_all(W_EPOCH, epoch, f"collective {epoch}")
         self._all_reached = epoch
 
