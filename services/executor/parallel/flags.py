@@ -52,10 +52,7 @@ class PeerFlags:
         self.peers: list[tuple[int, memoryview, dict]] = []
         self.error: GroupError | None = None
         self._all_reached = 0  # every peer is known to have published this epoch
-        self.set_policy(policy)
-
-    def set_policy(self, policy: WaitPolicy) -> None:
-        self.policy = policy
+        self.policy = policy  # may be replaced between collectives
 
     def publish(self, epoch: int, slot: int, meta: int) -> None:
         """Metadata first, then the epoch: a peer that sees the epoch sees the metadata."""

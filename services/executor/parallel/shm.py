@@ -90,7 +90,7 @@ class ShmCommunicator:
 
     def set_wait_policy(self, policy: WaitPolicy) -> None:
         """Change how this rank waits (benchmarks compare policies within one group)."""
-        self._flags.set_policy(policy)
+        self._flags.policy = policy
 
     # ------------------------------------------------------------------ hooks for other slot memory
 
