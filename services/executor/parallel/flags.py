@@ -6,7 +6,8 @@ yields the CPU between checks (``os.sched_yield``), then sleeps in short naps. A
 core returns at once, so ranks with a core each still answer in microseconds; ranks that share
 cores (more ranks than cores, or a loaded machine) hand the core to the peer they wait for
 instead of starving it. Measured on a loaded 2-core machine (``python -m loadtest.allreduce
---policies``): longer spins lose badly with 3 ranks on 2 cores and gain nothing with 2.
+--policies``): longer spins lose badly with 3 ranks on 2 cores and gain nothing with 2; sleeping
+on a futex instead of yielding was no faster there, so the simple loop stays.
 
 Past the spin, the lagging peers are checked every ``check_interval_s``: a peer that closed,
 aborted, died (pid gone or a zombie; pid reuse is caught by the start time) or did not arrive
