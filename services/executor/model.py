@@ -3,16 +3,25 @@
 Parameter names mirror Hugging Face's so a ``state_dict`` loads as is. The forward pass works on a
 flat batch: all scheduled tokens of all sequences concatenated (``[T]``), with positions, and an
 ``AttentionMetadata`` saying which rows belong to which sequence and where their keys go.
+
+Tensor parallelism: built with a ``ShardPlan`` and a communicator, a model holds only its rank's
+slice of each layer (``parallel/sharding.py`` says which) and every rank runs the same forward
+pass: the row-parallel o_proj and down_proj and the vocabulary-split embedding end in an
+all-reduce, and ``compute_logits`` gathers the vocabulary shards on rank 0 (``None`` elsewhere).
+Without a plan it is the whole model on one rank, and the collectives are identities.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
+from .parallel.base import Communicator, SingleRank
+from .parallel.sharding import ShardPlan
 
 
 @dataclass(frozen=True)
@@ -94,13 +103,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """This rank's query heads and the KV heads they use; o_proj's partial sums are all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, comm: Communicator) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.num_heads, self.num_kv_heads = plan.num_local_heads, plan.num_local_kv_heads
+        self.head_dim, self.comm = cfg.head_dim, comm
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata, backend):
@@ -113,25 +126,46 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache
         backend.write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
         out = paged_attention(backend, q.contiguous(), key_cache, value_cache, meta, self.scale)
-        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+        return self.comm.all_reduce_(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """This rank's intermediate columns; down_proj's partial sums are all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, comm: Communicator) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        start, stop = plan.intermediate_range
+        self.comm = comm
+        self.gate_proj = nn.Linear(cfg.hidden_size, stop - start, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, stop - start, bias=False)
+        self.down_proj = nn.Linear(stop - start, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.comm.all_reduce_(self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class VocabEmbedding(nn.Module):
+    """This rank's rows of the embedding; ids outside them embed to zeros, then an all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, comm: Communicator) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(plan.vocab_shard_size, cfg.hidden_size))
+        self.vocab_range, self.comm = plan.vocab_range, comm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if self.comm.world_size == 1:
+            return nn.functional.embedding(input_ids, self.weight)
+        start, stop = self.vocab_range
+        outside = (input_ids < start) | (input_ids >= stop)
+        x = nn.functional.embedding((input_ids - start).masked_fill_(outside, 0), self.weight)
+        return self.comm.all_reduce_(x.masked_fill_(outside.unsqueeze(-1), 0.0))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, comm: Communicator) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, plan, comm)
+        self.mlp = MLP(cfg, plan, comm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -141,22 +175,33 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, comm: Communicator) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabEmbedding(cfg, plan, comm)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, plan, comm) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, plan: ShardPlan | None = None,
+                 comm: Communicator | None = None) -> None:
         super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        plan = plan or ShardPlan.for_model(cfg)
+        comm = comm or SingleRank()
+        if (comm.rank, comm.world_size) != (plan.rank, plan.world_size):
+            raise ValueError(f"shard plan of rank {plan.rank}/{plan.world_size} with a communicator of "
+                             f"rank {comm.rank}/{comm.world_size}")
+        self.config, self.plan, self.comm = cfg, plan, comm
+        self.model = LlamaModel(cfg, plan, comm)
+        self.lm_head = nn.Linear(cfg.hidden_size, plan.vocab_shard_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
+
+    @property
+    def kv_cache_config(self) -> ModelConfig:
+        """The config to size and allocate this rank's KV pool from: only its KV heads."""
+        return dataclasses.replace(self.config, num_kv_heads=self.plan.num_local_kv_heads)
 
     @torch.inference_mode()
     def forward(
@@ -173,5 +218,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab] fp32
+        """Every rank must call it; rank 0 gets the logits, the other ranks ``None``."""
+        logits = self.lm_head(hidden).float()  # [N, vocab_shard_size]
+        if self.comm.world_size == 1:
+            return logits
+        shards = self.comm.gather(logits, dst=0)
+        return None if shards is None else torch.cat(shards, dim=-1)[:, : self.config.vocab_size]

@@ -14,6 +14,7 @@ import torch
 from shared.model_source import ModelSource
 
 from .model import LlamaForCausalLM, ModelConfig
+from .parallel.sharding import ShardPlan, shard_state_dict
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,17 +56,23 @@ def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
 
 def build_model(
     hf_config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-    max_model_len: int,
+    max_model_len: int, plan: ShardPlan | None = None, comm=None,
 ) -> LlamaForCausalLM:
-    """Instantiate our model from a transformers config and load ``state_dict`` into it."""
+    """Instantiate our model from a transformers config and load ``state_dict`` into it.
+
+    With a ``plan`` (and its rank's communicator), the model is that rank's shard and loads only
+    its slices of the full ``state_dict``.
+    """
     cfg = ModelConfig.from_hf(hf_config)
+    plan = plan or ShardPlan.for_model(cfg)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_model_len)
+        model = LlamaForCausalLM(cfg, max_model_len, plan, comm)
     model = model.to_empty(device=device)
     model.rotary = type(model.rotary)(cfg.head_dim, max_model_len, cfg.rope_theta).to(device)
     state = {k: v for k, v in state_dict.items() if "rotary_emb" not in k}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    state = shard_state_dict(state, plan)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=False)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
