@@ -74,7 +74,8 @@ class ExecutorProcess:
 
         from .attention import select_backend
         from .model import ModelConfig
-        from .runner import ModelRunner, allocate_kv_cache, kv_block_bytes
+        from .model_check import plan_memory
+        from .runner import ModelRunner, allocate_kv_cache
         from .weights import build_model, load_hf_config, load_state_dict, resolve_dtype
 
         cfg = self.config
@@ -84,16 +85,18 @@ class ExecutorProcess:
         t0 = time.monotonic()
         self.log.info("loading model", model=source.name, path=source.directory, dtype=str(dtype))
         hf_config = load_hf_config(source)
-        max_model_len = min(cfg.max_model_len or hf_config.max_position_embeddings,
-                            hf_config.max_position_embeddings)
+        plan = plan_memory(  # before anything is allocated: a model or pool too big is refused in one line
+            hf_config, f"the executor ({source.name}, {dtype})",
+            dtype_bytes=torch.empty((), dtype=dtype).element_size(), block_size=cfg.block_size,
+            num_kv_blocks=cfg.num_kv_blocks,
+            kv_cache_memory_bytes=parse_bytes(cfg.kv_cache_memory), kv_cache_memory=cfg.kv_cache_memory,
+            swap_space_gib=cfg.swap_space, max_model_len=cfg.max_model_len,
+        )
+        max_model_len, block_bytes, num_blocks, num_cpu_blocks = (
+            plan.max_model_len, plan.block_bytes, plan.num_blocks, plan.num_cpu_blocks)
         model = build_model(hf_config, load_state_dict(source), dtype, device, max_model_len)
         mcfg = ModelConfig.from_hf(hf_config)
-        block_bytes = kv_block_bytes(mcfg, cfg.block_size, dtype)
-        num_blocks = cfg.num_kv_blocks or parse_bytes(cfg.kv_cache_memory) // block_bytes
-        if num_blocks <= 0:
-            raise ValueError(f"--kv-cache-memory {cfg.kv_cache_memory} holds no block of {block_bytes} bytes")
         kv = allocate_kv_cache(mcfg, num_blocks, cfg.block_size, dtype, device)
-        num_cpu_blocks = int(cfg.swap_space * 2**30) // block_bytes
         cpu_kv = allocate_kv_cache(mcfg, num_cpu_blocks, cfg.block_size, dtype, torch.device("cpu"))
         backend = select_backend(cfg.attention_backend, device)
         self.log.info("model loaded", seconds=round(time.monotonic() - t0, 1), num_blocks=num_blocks,
