@@ -192,7 +192,9 @@ def _fit_fd_limit(max_connections: int) -> int:
 
 class GuardedSite(web.BaseSite):
     """``web.TCPSite`` whose connections are ``GuardedHandler``s of ``guard``. ``handler_kwargs`` go
-    to aiohttp's ``RequestHandler`` (``keepalive_timeout``, ``access_log``...)."""
+    to aiohttp's ``RequestHandler`` (``access_log``...). aiohttp's own keep-alive timer stays on as
+    a backstop, past the guard's deadlines: started at the last response, it would otherwise cut a
+    request whose headers began just before the idle deadline."""
 
     __slots__ = ("_host", "_port", "_guard", "_handler_kwargs")
 
@@ -213,6 +215,9 @@ class GuardedSite(web.BaseSite):
         loop = asyncio.get_running_loop()
         server = self._runner.server
         assert server is not None, "call runner.setup() first"
-        factory = self._guard.handler_factory(server, loop=loop, **self._handler_kwargs)
+        limits = self._guard.limits
+        backstop_s = limits.keepalive_timeout_s + limits.header_timeout_s
+        factory = self._guard.handler_factory(server, loop=loop, **{"keepalive_timeout": backstop_s,
+                                                                    **self._handler_kwargs})
         self._server = await loop.create_server(factory, self._host, self._port, backlog=self._backlog,
                                                 reuse_address=True)

@@ -49,8 +49,7 @@ class FrontendServer:
 
     async def start(self) -> None:
         await self._runner.setup()
-        site = GuardedSite(self._runner, self.config.host, self.config.port, self.guard, access_log=None,
-                           keepalive_timeout=self.config.http_limits.keepalive_timeout_s)
+        site = GuardedSite(self._runner, self.config.host, self.config.port, self.guard, access_log=None)
         await site.start()
         self._watchdog = asyncio.create_task(self.guard.watch(), name="connection-guard")
         self.port = self._runner.addresses[0][1]
