@@ -145,9 +145,9 @@ def check_memory(parts: Mapping[str, int], where: str, available_bytes: int | No
     needed = sum(parts.values())
     if available is None or needed <= available:
         return
-    detail = " + ".join(f"{name} {value / GIB:.3g} GiB" for name, value in parts.items())
+    detail = " + ".join(f"{name} {value / GIB:,.1f} GiB" for name, value in parts.items())
     raise ModelCheckError(
-        f"{where} needs {needed / GIB:.3g} GiB ({detail}) but this machine has {available / GIB:.3g} GiB "
+        f"{where} needs {needed / GIB:,.1f} GiB ({detail}) but this machine has {available / GIB:,.1f} GiB "
         f"available; lower --kv-cache-memory / --num-kv-blocks, --swap-space or --max-model-len, or use a "
         f"smaller model"
     )

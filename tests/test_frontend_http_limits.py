@@ -99,6 +99,15 @@ def test_slow_body_gets_408(limited):
     assert elapsed >= LIMITS.body_timeout_s
 
 
+def test_the_rest_of_an_unread_body_is_not_a_new_request(limited):
+    """A handler that answers without reading the body (a 404 here): the body's later bytes are not
+    a next request's headers, so no 408 follows the 404; the idle deadline ends the connection."""
+    sock = connect(limited)
+    sock.sendall(b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
+    received, _ = read_until_closed(sock, trickle=b" ")
+    assert received.startswith(b"HTTP/1.1 404 ") and received.count(b"HTTP/1.1 ") == 1, received
+
+
 def test_a_long_stream_outlives_every_deadline(limited, model):
     """A reading client is never cut: 120 tokens at 20 ms each take longer than every limit."""
     status, _, raw = http("POST", limited.base_url + "/v1/completions", body={

@@ -83,8 +83,8 @@ def test_absurd_sizes_are_refused_before_allocating(tmp_path):
     with pytest.raises(ModelCheckError, match="holds no block"):
         plan(tiny, kv_cache_memory_bytes=10, kv_cache_memory="10")
     check_memory({"weights": 3 * GIB}, "x", available_bytes=4 * GIB)  # fits
-    with pytest.raises(ModelCheckError, match=r"x needs 5 GiB \(weights 3 GiB \+ KV pool 2 GiB\) but this machine "
-                                              r"has 4 GiB available"):
+    with pytest.raises(ModelCheckError, match=r"x needs 5\.0 GiB \(weights 3\.0 GiB \+ KV pool 2\.0 GiB\) but this "
+                                              r"machine has 4\.0 GiB available"):
         check_memory({"weights": 3 * GIB, "KV pool": 2 * GIB}, "x", available_bytes=4 * GIB)
 
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shared.model_check import ModelCheckError, check_memory, kv_block_bytes, model_shape, weight_bytes
-
-GIB = 2**30
+from shared.model_check import GIB, ModelCheckError, check_memory, kv_block_bytes, model_shape, weight_bytes
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def _raw_response(status: str, message: str, extra_headers: str = "") -> bytes:
 class GuardedHandler(RequestHandler):
     """aiohttp's connection handler, plus what ``ConnectionGuard`` needs to judge it."""
 
-    __slots__ = ("_guard", "idle_since", "first_byte_at", "in_handler", "write_paused_at")
+    __slots__ = ("_guard", "idle_since", "first_byte_at", "in_handler", "draining", "write_paused_at")
 
     def __init__(self, manager: web.Server, guard: "ConnectionGuard", **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -58,6 +58,7 @@ class GuardedHandler(RequestHandler):
         self.idle_since = time.monotonic()  # when it last became idle (connected, or a handler ended)
         self.first_byte_at: float | None = None  # first byte of a request whose handler has not started
         self.in_handler = False
+        self.draining = False  # aiohttp is reading (and dropping) the rest of a body its handler left
         self.write_paused_at: float | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -71,7 +72,7 @@ class GuardedHandler(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if data and not self.in_handler and self.first_byte_at is None:
+        if data and not self.in_handler and not self.draining and self.first_byte_at is None:
             self.first_byte_at = time.monotonic()
         super().data_received(data)
 
@@ -85,10 +86,14 @@ class GuardedHandler(RequestHandler):
 
     def request_started(self) -> None:
         self.in_handler = True
+        self.draining = False
         self.first_byte_at = None
 
-    def request_finished(self) -> None:
+    def request_finished(self, body_read: bool) -> None:
+        """The handler returned; ``body_read``: it consumed the whole body (else what follows is the
+        rest of that body, which aiohttp drains for a while, not the start of a next request)."""
         self.in_handler = False
+        self.draining = not body_read
         self.idle_since = time.monotonic()
 
     def overdue(self, now: float, limits: HttpLimits) -> str | None:

@@ -121,4 +121,4 @@ async def connection_middleware(request: web.Request, handler: Callable) -> web.
         return response
     finally:
         if started is not None:
-            connection.request_finished()
+            connection.request_finished(request.content.at_eof())
