@@ -83,7 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most requests waiting for their first token; more get a 503 (default: no limit)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (or set "
-                        "PAGEDSERVE_API_KEY, which keeps the key off the command lines)")
+                        "PAGEDSERVE_API_KEY or PAGEDSERVE_API_KEY_FILE, which keep the key off the command "
+                        "lines; the frontend gets it in its environment)")
+    from services.frontend.http_limits import add_http_limit_arguments
+
+    add_http_limit_arguments(g)
 
     sched = sub.add_parser("scheduler", help="the scheduler process alone")
     _add_engine_arguments(sched)

@@ -18,11 +18,14 @@ import threading
 import time
 import urllib.request
 
+from services.frontend.http_limits import HTTP_LIMIT_DESTS
 from shared.endpoints import Endpoints, make_private_socket_dir
 from shared.logging import configure_logging
 
 STOP_TIMEOUT_S = 5.0
 _PR_SET_PDEATHSIG = 1
+_SECRET_ENV = ("PAGEDSERVE_API_KEY", "PAGEDSERVE_API_KEY_FILE")  # only the frontend gets these
+CONFIG_ERROR_EXIT_CODE = 2  # the command line's code for a bad flag or model: ``serve`` passes it on
 
 
 def _child_setup() -> None:
@@ -55,7 +58,7 @@ class _Child:
         rc = self.proc.returncode
         cause = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
         self._pump.join(timeout=1.0)
-        errors = [line for line in self.tail if "error" in line.lower() or "Error" in line]
+        errors = [line for line in self.tail if "error" in line.lower() or line.startswith("pagedserve ")]
         last = errors[-1] if errors else (self.tail[-1] if self.tail else "")
         return f"{cause}; last output: {last.strip()[:500]}" if last else cause
 
@@ -79,9 +82,10 @@ def serve(args) -> int:
     children: list[_Child] = []
     failed: _Child | None = None
     try:
-        children.append(_Child("scheduler", scheduler_argv(args), env))
-        children.append(_Child("executor", executor_argv(args), env))
-        children.append(_Child("frontend", frontend_argv(args), env))
+        engine_env = {k: v for k, v in env.items() if k not in _SECRET_ENV}
+        children.append(_Child("scheduler", scheduler_argv(args), engine_env))
+        children.append(_Child("executor", executor_argv(args), engine_env))
+        children.append(_Child("frontend", frontend_argv(args), frontend_env(args, env)))
         url = f"http://{args.host}:{args.port}"
         announced = False
         while not stop.is_set():
@@ -101,7 +105,7 @@ def serve(args) -> int:
         message = f"pagedserve: the {failed.name} process {failed.why()}; stopped the others"
         log.error("service died", service=failed.name, why=failed.why())
         print(message, file=sys.stderr)
-        return 1
+        return CONFIG_ERROR_EXIT_CODE if failed.proc.returncode == CONFIG_ERROR_EXIT_CODE else 1
     return 0
 
 
@@ -147,4 +151,10 @@ def executor_argv(args) -> list[str]:
 
 
 def frontend_argv(args) -> list[str]:
-    return _flags(args, ["model", "served_model_name", "host", "port", "max_model_len", "max_queue_len", "api_key"])
+    return _flags(args, ["model", "served_model_name", "host", "port", "max_model_len", "max_queue_len",
+                         *HTTP_LIMIT_DESTS])
+
+
+def frontend_env(args, env: dict[str, str]) -> dict[str, str]:
+    """The API key goes to the frontend in its environment: an argv is readable by every user."""
+    return {**env, "PAGEDSERVE_API_KEY": args.api_key} if args.api_key else env

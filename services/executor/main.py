@@ -62,13 +62,17 @@ class ExecutorProcess:
         self._request_ids: dict[int, str] = {}  # seq_id -> request_id, for logs
 
     def _load(self):
-        from .loader import build_runner
+        from .loader import build_runner, plan_runner
         from .weights import load_hf_config, load_state_dict
 
         source = resolve_model(self.config.model)
+        options = self.config.runner_options()
         t0 = time.monotonic()
-        self.log.info("loading model", model=source.name, path=source.directory, dtype=self.config.dtype)
-        runner = build_runner(load_hf_config(source), load_state_dict(source), self.config.runner_options())
+        self.log.info("loading model", model=source.name, path=source.directory, dtype=str(options.dtype))
+        hf_config = load_hf_config(source)
+        # Before the weights are read: a model or pool too big for this machine is refused in one line.
+        plan = plan_runner(hf_config, options, f"the executor ({source.name})")
+        runner = build_runner(hf_config, load_state_dict(source), options, plan)
         self.log.info("model loaded", seconds=round(time.monotonic() - t0, 1), num_blocks=runner.num_blocks,
                       kv_cache_mib=round(runner.kv_cache_bytes / 2**20), attention_backend=runner.backend.name,
                       max_model_len=runner.max_model_len, num_cpu_blocks=runner.num_cpu_blocks)

@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from shared.model_check import load_hf_config as checked_hf_config
 from shared.model_source import ModelSource
 
 from .model import LlamaForCausalLM, ModelConfig
@@ -29,9 +30,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_hf_config(source: ModelSource):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(source.directory, **source.pretrained_kwargs())
+    """The model's transformers config, checked first (one-line errors; see ``shared.model_check``)."""
+    return checked_hf_config(source)
 
 
 def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
@@ -40,7 +40,7 @@ def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(
-            source.directory, gguf_file=source.gguf_file, dtype=torch.float32
+            source.directory, gguf_file=source.gguf_file, dtype=torch.float32, trust_remote_code=False
         )
         return dict(hf_model.state_dict())
     from safetensors.torch import load_file

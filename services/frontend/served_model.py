@@ -9,6 +9,8 @@ from typing import Any
 import structlog
 
 from services.frontend.config import FrontendConfig
+from services.frontend.input_limits import body_limit_bytes, longest_token_chars, max_prompt_chars
+from shared.model_check import load_hf_config, model_shape, read_config_json
 from shared.model_source import ModelSource, resolve_model
 
 log = structlog.get_logger()
@@ -16,30 +18,49 @@ log = structlog.get_logger()
 
 @dataclass(frozen=True)
 class ServedModel:
-    """Everything a route needs about the model. ``tokenizer`` is a Hugging Face tokenizer."""
+    """Everything a route needs about the model. ``tokenizer`` is a Hugging Face tokenizer;
+    ``max_token_chars`` (measured from it when left 0) bounds the characters one token covers."""
 
     name: str
     tokenizer: Any
     max_model_len: int
     eos_token_ids: list[int]
     created: int = field(default_factory=lambda: int(time.time()))
+    max_token_chars: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.max_token_chars:
+            object.__setattr__(self, "max_token_chars", longest_token_chars(self.tokenizer))
 
     @property
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """More characters than this cannot fit in ``max_model_len`` tokens (see ``input_limits``)."""
+        return max_prompt_chars(self.max_model_len, self.max_token_chars)
+
+    @property
+    def body_limit_bytes(self) -> int:
+        return body_limit_bytes(self.max_model_len, self.max_token_chars)
+
 
 def load_tokenizer(source: ModelSource) -> Any:
+    """The model's tokenizer (never its own code); a ``ValueError`` in one line when it cannot load."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source.directory, **source.pretrained_kwargs())
+    try:
+        return AutoTokenizer.from_pretrained(source.directory, trust_remote_code=False, **source.pretrained_kwargs())
+    except Exception as exc:  # transformers raises anything (OSError, ValueError, KeyError...)
+        text = " ".join(str(exc).split())[:300]
+        raise ValueError(f"--model {source.gguf_file or source.directory}: cannot load the tokenizer: "
+                         f"{type(exc).__name__}: {text}") from None
 
 
 def model_max_len(source: ModelSource) -> int:
     """``max_position_embeddings`` from the model's config (GGUF metadata for a .gguf file)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(source.directory, **source.pretrained_kwargs())
+    config = load_hf_config(source)
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
@@ -70,6 +91,8 @@ def eos_token_ids(tokenizer: Any, source: ModelSource | None) -> list[int]:
 def load_served_model(config: FrontendConfig) -> ServedModel:
     """Resolve ``config.model``, load its tokenizer and settle the context length (slow: seconds)."""
     source = resolve_model(config.model)
+    if source.gguf_file is None:  # a broken config.json is one line, before the tokenizer trips on it
+        model_shape(read_config_json(source.directory), f"--model {source.directory}")
     started = time.monotonic()
     log.info("loading tokenizer", model=source.name, directory=source.directory, gguf_file=source.gguf_file)
     tokenizer = load_tokenizer(source)
