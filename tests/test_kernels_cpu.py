@@ -228,8 +228,9 @@ def test_backend_views_dtypes_and_one_specialization():
     assert numba.get_num_threads() == min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     # one specialization per combination of formats: every array C-contiguous, indices int32/int64
     # as the wrappers make them, whatever the views and index dtypes the dispatch passed
-    for kernel in (cpu.decode._decode_kernel, cpu.prefill._prefill_kernel,
-                   cpu.cache_ops._write_kv_kernel):
+    seen = {}
+    for kernel in (cpu.decode._decode_kernel, cpu.decode._decode_partitioned_kernel,
+                   cpu.prefill._prefill_kernel, cpu.cache_ops._write_kv_kernel):
         formats = set()
         for sig in kernel.signatures:
             arrays = [a for a in sig if isinstance(a, numba.types.Array)]
@@ -238,5 +239,7 @@ def test_backend_views_dtypes_and_one_specialization():
                                    numba.int64) for a in arrays), sig
             formats.add(tuple(a.dtype for a in arrays))
         assert len(formats) == len(kernel.signatures), kernel.signatures
-        if kernel is not cpu.cache_ops._write_kv_kernel:  # the bf16 cache went through the kernels
-            assert any(numba.uint16 in f for f in formats), kernel.signatures
+        seen[kernel] = {dtype for f in formats for dtype in f}
+    # the bf16 cache went through the kernels (decode: partitioned or not, by the thread count)
+    assert numba.uint16 in seen[cpu.decode._decode_kernel] | seen[cpu.decode._decode_partitioned_kernel]
+    assert numba.uint16 in seen[cpu.prefill._prefill_kernel]
