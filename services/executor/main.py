@@ -79,7 +79,8 @@ class ExecutorProcess:
 
         cfg = self.config
         device = torch.device(cfg.device)
-        dtype = resolve_dtype(cfg.dtype, device)
+        dtype, reason, cpu = resolve_dtype(cfg.dtype, device)
+        self.log.info("dtype chosen", requested=cfg.dtype, dtype=str(dtype), reason=reason, **cpu)
         source = resolve_model(cfg.model)
         t0 = time.monotonic()
         self.log.info("loading model", model=source.name, path=source.directory, dtype=str(dtype))
