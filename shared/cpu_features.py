@@ -76,8 +76,10 @@ class CpuFeatures:
 
     def summary(self) -> dict:
         """What the start-up log shows."""
-        return {"cpu": self.model_name, "cpu_flags": sorted(f for f in self.flags if f in _REPORTED),
-                "torch_cpu_capability": self.torch_capability, "onednn_max_isa": self.onednn_max_isa}
+        return {"cpu": self.model_name,
+                "cpu_flags": sorted(f for f in self.flags if f in _REPORTED),
+                "torch_cpu_capability": self.torch_capability,
+                "onednn_max_isa": self.onednn_max_isa}
 
 
 def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:

@@ -83,5 +83,6 @@ def test_resolve_dtype_explicit_auto_and_errors():
     expected, reason = choose_cpu_dtype(read_cpu_features())
     assert str(choice.dtype) == f"torch.{expected}" and choice.reason == reason
     assert choice.cpu["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    with pytest.raises(ValueError, match="--dtype must be auto, float32, bfloat16, float16; got 'fp8'"):
+    with pytest.raises(ValueError,
+                       match="--dtype must be auto, float32, bfloat16, float16; got 'fp8'"):
         resolve_dtype("fp8", cpu)

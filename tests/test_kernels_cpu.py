@@ -241,5 +241,6 @@ def test_backend_views_dtypes_and_one_specialization():
         assert len(formats) == len(kernel.signatures), kernel.signatures
         seen[kernel] = {dtype for f in formats for dtype in f}
     # the bf16 cache went through the kernels (decode: partitioned or not, by the thread count)
-    assert numba.uint16 in seen[cpu.decode._decode_kernel] | seen[cpu.decode._decode_partitioned_kernel]
+    decode_kernels = (cpu.decode._decode_kernel, cpu.decode._decode_partitioned_kernel)
+    assert numba.uint16 in seen[decode_kernels[0]] | seen[decode_kernels[1]]
     assert numba.uint16 in seen[cpu.prefill._prefill_kernel]

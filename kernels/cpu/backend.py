@@ -69,8 +69,8 @@ class NumbaCPUBackend:
         threads = sync_threads()
         paged_decode_attention(
             kernel_array(out), kernel_array(query), kernel_array(key_cache),
-            kernel_array(value_cache), kernel_array(block_tables), kernel_array(context_lens), scale,
-            num_threads=threads)
+            kernel_array(value_cache), kernel_array(block_tables), kernel_array(context_lens),
+            scale, num_threads=threads)
 
     def prefill(self, out, query, key_cache, value_cache, block_tables, query_start_loc,
                 context_lens, scale) -> None:

@@ -86,5 +86,6 @@ def swap_blocks(dst, src, block_mapping) -> None:
         return
     dst, src = as_bits(dst), as_bits(src)
     if dst.dtype != src.dtype:
-        raise TypeError(f"swap_blocks: both pools must have one format, got {dst.dtype} and {src.dtype}")
+        raise TypeError(f"swap_blocks: both pools must have one format, got {dst.dtype} and "
+                        f"{src.dtype}")
     _copy_rows_kernel(_as_rows(dst), _as_rows(src), mapping)

@@ -60,8 +60,8 @@ def as_bits(array: np.ndarray) -> np.ndarray:
     if array.dtype == np.float16:
         return array.view(np.int16)
     if array.dtype not in _NP_FORMATS:
-        raise TypeError(f"the kernels take float32, float16, or bfloat16/float16 bits (uint16/int16) "
-                        f"arrays; got {array.dtype}")
+        raise TypeError("the kernels take float32, float16, or bfloat16/float16 bits "
+                        f"(uint16/int16) arrays; got {array.dtype}")
     return array
 
 
@@ -72,7 +72,8 @@ def as_input(array: np.ndarray, cache: np.ndarray) -> np.ndarray:
         array = array.astype(np.float32)
     array = as_bits(array)
     if array.dtype != cache.dtype and array.dtype != np.float32:
-        raise TypeError(f"inputs must be float32 or the cache's format {cache.dtype}, got {array.dtype}")
+        raise TypeError(f"inputs must be float32 or the cache's format {cache.dtype}, "
+                        f"got {array.dtype}")
     return np.ascontiguousarray(array)
 
 

@@ -25,7 +25,8 @@ import numpy as np
 from numba import njit, prange
 
 from kernels.cpu.common import (
-    _FASTMATH, _prefetch, as_bits, as_input, line_elems, narrow_like, output_target, widen, widen_rows,
+    _FASTMATH, _prefetch, as_bits, as_input, line_elems, narrow_like, output_target, widen,
+    widen_rows,
 )
 
 _PREFETCH_AHEAD = 2  # cache blocks ahead of the one being read whose K/V are prefetched

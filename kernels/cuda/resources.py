@@ -114,8 +114,8 @@ def assemble(name: str, ptx: str, cc: tuple[int, int], ptxas: str, threads: int,
             cmd.insert(1, f"--maxrregcount={max_registers}")
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
-        raise RuntimeError(f"ptxas failed on {name} for sm_{cc[0]}{cc[1]} (exit {done.returncode}): "
-                           f"{done.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"ptxas failed on {name} for sm_{cc[0]}{cc[1]} (exit "
+                           f"{done.returncode}): {done.stderr.strip()[-2000:]}")
     report = done.stderr + done.stdout
     if "Used " not in report:
         raise RuntimeError(f"ptxas gave no resource report for {name}: {report[-2000:]}")
