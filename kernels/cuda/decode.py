@@ -8,6 +8,10 @@ split ``head_dim``), block-wide max, ``exp``, block-wide sum, then the weighted 
 split ``head_dim`` and the partition's tokens). With one partition the kernel writes the
 normalized output; with several (long contexts, or a forced ``partition_size``) it writes each
 partition's normalized output, max logit and exp-sum, and ``merge_kernel`` combines them.
+
+Registers: token walks carry (table index, offset in block) forward instead of dividing each
+position by the block size (a 64-bit division costs a dozen registers), and the kernel is held to
+``ATTENTION_MAX_REGISTERS``, which keeps half the SM's warps resident (``kernels/cuda/resources.py``).
 """
 
 from __future__ import annotations
