@@ -94,4 +94,4 @@ def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: Runner
 def _dtype(options: RunnerOptions) -> torch.dtype:
     if isinstance(options.dtype, torch.dtype):
         return options.dtype
-    return resolve_dtype(options.dtype, torch.device(options.device))
+    return resolve_dtype(options.dtype, torch.device(options.device)).dtype

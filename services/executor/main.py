@@ -6,6 +6,7 @@ Rank 0 samples and replies with a ``StepResult``; other ranks (tensor parallelis
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 import traceback
@@ -62,11 +63,16 @@ class ExecutorProcess:
         self._request_ids: dict[int, str] = {}  # seq_id -> request_id, for logs
 
     def _load(self):
+        import torch
+
         from .loader import build_runner, plan_runner
-        from .weights import load_hf_config, load_state_dict
+        from .weights import load_hf_config, load_state_dict, resolve_dtype
 
         source = resolve_model(self.config.model)
-        options = self.config.runner_options()
+        choice = resolve_dtype(self.config.dtype, torch.device(self.config.device))
+        self.log.info("dtype chosen", requested=self.config.dtype, dtype=str(choice.dtype), reason=choice.reason,
+                      **choice.cpu)
+        options = dataclasses.replace(self.config.runner_options(), dtype=choice.dtype)
         t0 = time.monotonic()
         self.log.info("loading model", model=source.name, path=source.directory, dtype=str(options.dtype))
         hf_config = load_hf_config(source)
