@@ -12,6 +12,7 @@ import traceback
 from dataclasses import dataclass
 
 from shared.endpoints import Endpoints
+from shared.heartbeat import Heartbeat
 from shared.logging import configure_logging
 from shared.messages import DecodeError, ExecutorReady, Hello, HelloAck, Shutdown, Step, StepResult, decode, encode
 from shared.model_source import resolve_model
@@ -117,12 +118,14 @@ class ExecutorProcess:
         results = ctx.socket(zmq.PUSH)
         results.setsockopt(zmq.LINGER, 0)
         results.connect(cfg.endpoints.result)
+        heartbeat = Heartbeat(f"executor-{cfg.rank}")  # removes a stale file; beats once loaded
         try:
             runner, max_model_len = self._load()
             results.send(encode(ExecutorReady(cfg.rank, cfg.world_size, runner.num_blocks,
                                               cfg.block_size, max_model_len,
                                               len(runner.cpu_kv_caches[0][0]) if runner.cpu_kv_caches else 0)))
             while not self.stopping:
+                heartbeat.beat()  # before and after every step: only one step longer than the max age fails
                 if not steps.poll(200):
                     continue
                 try:
@@ -132,6 +135,7 @@ class ExecutorProcess:
                     continue
                 if isinstance(msg, Step):
                     result = self._execute(runner, msg)
+                    heartbeat.beat()
                     if cfg.rank == 0:
                         results.send(encode(result))
                 elif isinstance(msg, Hello):

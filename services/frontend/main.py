@@ -99,7 +99,7 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: b
                        help="most requests waiting for their first token; more get a 503 (default: no limit)")
     group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on every route but /health "
-                            "(default: env PAGEDSERVE_API_KEY, else no key)")
+                            "(default: env PAGEDSERVE_API_KEY, else the file $PAGEDSERVE_API_KEY_FILE, else no key)")
     if endpoint_flags:
         group.add_argument("--request-endpoint", default=os.environ.get("PAGEDSERVE_REQUEST_ENDPOINT"),
                            help="ZMQ endpoint the scheduler pulls requests from (env PAGEDSERVE_REQUEST_ENDPOINT)")
@@ -125,8 +125,21 @@ def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | N
         max_model_len=args.max_model_len,
         endpoints=endpoints,
         max_queue_len=getattr(args, "max_queue_len", None),
-        api_key=getattr(args, "api_key", None) or None,
+        api_key=getattr(args, "api_key", None) or api_key_from_file(),
     )
+
+
+def api_key_from_file() -> str | None:
+    """The key in the file ``$PAGEDSERVE_API_KEY_FILE`` (a compose secret), stripped; ``None`` when
+    unset or empty (compose mounts the empty deploy/no-api-key when no key is configured)."""
+    path = os.environ.get("PAGEDSERVE_API_KEY_FILE")
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError as exc:
+        raise ValueError(f"PAGEDSERVE_API_KEY_FILE={path}: cannot read the API key: {exc.strerror}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
