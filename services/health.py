@@ -1,13 +1,13 @@
 """``pagedserve health scheduler|executor|frontend``: exit 0 when that process is alive, else 1.
 
 For container healthchecks. The scheduler and the executors have no HTTP port: they touch a
-heartbeat file from their loops (``shared/heartbeat.py``) and the check compares its age with
-``--max-age-s``. An executor touches it before and after every step, so only a single step longer
-than ``--max-age-s`` (default 30 s) reads as a failure; the scheduler touches it while starting and
-on every loop turn but not while it waits for a step's result, so a scheduler stuck on a lost
-executor reads as a failure too. The frontend is asked ``GET /health``,
-which answers 200 only once the scheduler reports ready. Imports nothing heavy: a healthcheck runs
-this every few seconds.
+heartbeat file in ``$PAGEDSERVE_HEALTH_DIR`` from their loops (``shared/heartbeat.py``; the image
+sets the variable) and the check compares its age with ``--max-age-s``. An executor touches it
+before and after every step, so only a single step longer than ``--max-age-s`` (default 30 s)
+reads as a failure; the scheduler touches it while starting and on every loop turn but not while
+it waits for a step's result, so a scheduler stuck on a lost executor reads as a failure too. The
+frontend is asked ``GET /health``, which answers 200 only once the scheduler reports ready.
+Imports nothing heavy: a healthcheck runs this every few seconds.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from shared.heartbeat import heartbeat_age_s, heartbeat_path
+from shared.heartbeat import health_dir, heartbeat_age_s, heartbeat_path
 
 DEFAULT_MAX_AGE_S = 30.0
 SERVICES = ("scheduler", "executor", "frontend")
@@ -41,9 +41,12 @@ def heartbeat_name(service: str, rank: int = 0) -> str:
 
 
 def check_heartbeat(name: str, max_age_s: float) -> tuple[bool, str]:
-    age_s = heartbeat_age_s(name)
+    directory = health_dir()
+    if directory is None:
+        return False, f"{name}: PAGEDSERVE_HEALTH_DIR is not set, so no process writes a heartbeat"
+    age_s = heartbeat_age_s(name, directory)
     if age_s is None:
-        return False, f"{name}: no heartbeat yet at {heartbeat_path(name)}"
+        return False, f"{name}: no heartbeat yet at {heartbeat_path(name, directory)}"
     if age_s > max_age_s:
         return False, f"{name}: last heartbeat {age_s:.1f} s ago, older than --max-age-s {max_age_s:g}"
     return True, f"{name}: alive (heartbeat {age_s:.1f} s ago)"

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from services.health import main as health_main
-from shared.heartbeat import Heartbeat, heartbeat_age_s, heartbeat_path
+from shared.heartbeat import Heartbeat, heartbeat_age_s
 
 
 @pytest.fixture
@@ -34,10 +34,20 @@ def test_no_heartbeat_fails_and_names_the_file(health_dir, capsys):
 def test_fresh_heartbeat_passes_and_old_one_fails_with_the_flag_named(health_dir, capsys):
     Heartbeat("scheduler").beat()
     assert health_main(["scheduler"]) == 0
-    _age(heartbeat_path("scheduler"), 45)
+    _age(str(health_dir / "scheduler.heartbeat"), 45)
     assert health_main(["scheduler"]) == 1
     assert "older than --max-age-s 30" in capsys.readouterr().err
     assert health_main(["scheduler", "--max-age-s", "60"]) == 0  # a generous limit tolerates a long step
+
+
+def test_without_a_health_dir_nothing_is_written_and_the_check_says_why(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("PAGEDSERVE_HEALTH_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    beat = Heartbeat("scheduler")
+    beat.beat()
+    assert beat.path is None and list(tmp_path.iterdir()) == []
+    assert health_main(["scheduler"]) == 1
+    assert "PAGEDSERVE_HEALTH_DIR is not set" in capsys.readouterr().err
 
 
 def test_executor_ranks_have_their_own_files(health_dir):
@@ -51,15 +61,14 @@ def test_beats_are_rate_limited(health_dir):
     beat.beat()
     _age(beat.path, 100)
     beat.beat()  # within the interval: the file is not touched again
-    assert heartbeat_age_s("scheduler") >= 99
-    assert Heartbeat("scheduler", min_interval_s=0).path == beat.path
+    assert heartbeat_age_s("scheduler", str(health_dir)) >= 99
 
 
 def test_a_new_process_removes_a_stale_heartbeat(health_dir):
     Heartbeat("executor-0").beat()
-    assert heartbeat_age_s("executor-0") is not None
+    assert heartbeat_age_s("executor-0", str(health_dir)) is not None
     Heartbeat("executor-0")  # a restarted executor, still loading its model
-    assert heartbeat_age_s("executor-0") is None
+    assert heartbeat_age_s("executor-0", str(health_dir)) is None
     assert health_main(["executor"]) == 1
 
 
