@@ -59,15 +59,32 @@ class ComposeProject:
         networks = run(["docker", "network", "ls", "-q", "--filter", label], 30).stdout.split()
         return [f"container:{c}" for c in containers] + [f"network:{n}" for n in networks]
 
+    def inspect(self, service: str) -> dict | None:
+        """``docker inspect`` of the service's container, or ``None`` when it has none."""
+        cid = self.container_id(service)
+        return None if cid is None else json.loads(run(["docker", "inspect", cid], 30).stdout)[0]
+
     def state(self, service: str) -> dict:
         """``{"status", "exit_code", "restart_count", "health"}`` of the service's container."""
-        cid = self.container_id(service)
-        if cid is None:
+        info = self.inspect(service)
+        if info is None:
             return {"status": "absent", "exit_code": None, "restart_count": 0, "health": None}
-        info = json.loads(run(["docker", "inspect", cid], 30).stdout)[0]
         state = info["State"]
         return {"status": state["Status"], "exit_code": state["ExitCode"], "restart_count": info["RestartCount"],
                 "health": (state.get("Health") or {}).get("Status")}
+
+    def published_ports(self, service: str) -> list[str]:
+        """The service's ports published on the host, as ``host_ip:host_port->port``."""
+        ports = ((self.inspect(service) or {}).get("NetworkSettings") or {}).get("Ports") or {}
+        return [f"{b['HostIp']}:{b['HostPort']}->{port}" for port, bindings in ports.items() for b in bindings or ()]
+
+    def exec(self, service: str, *argv: str) -> str:
+        return run(["docker", "exec", self.container_id(service, include_stopped=False), *argv], 60).stdout
+
+    def log_lines(self, service: str) -> list[str]:
+        """Everything the service's container wrote, stdout and stderr, line by line."""
+        proc = run(["docker", "logs", self.container_id(service)], 60)
+        return [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
 
     def wait_healthy(self, services: tuple[str, ...], timeout_s: float) -> float:
         """Seconds until every service's container is running and healthy; raises after ``timeout_s``."""
@@ -80,13 +97,22 @@ class ComposeProject:
                 raise TimeoutError(f"not all of {services} healthy within {timeout_s:.0f} s: {states}")
             time.sleep(1.0)
 
+    def wait_alive(self, service: str, timeout_s: float) -> float:
+        """Seconds until ``pagedserve health <service>`` passes inside the running container. Unlike
+        the health status, this is not stale after a restart: Docker keeps a restarted container's
+        last status until ``retries`` probes have failed."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            cid = self.container_id(service, include_stopped=False)
+            if cid and run(["docker", "exec", cid, "pagedserve", "health", service], 60, check=False).returncode == 0:
+                return time.monotonic() - start
+            time.sleep(1.0)
+        raise TimeoutError(f"pagedserve health {service} did not pass within {timeout_s:.0f} s")
+
     def crash_main_process(self, service: str) -> None:
         """SIGKILL the service's process inside its container (the child of compose's ``init``), as a
         crash would: unlike ``docker kill``, Docker then applies the restart policy."""
-        cid = self.container_id(service, include_stopped=False)
-        if cid is None:
-            raise RuntimeError(f"{service} is not running")
-        run(["docker", "exec", cid, "sh", "-c", "kill -KILL $(cat /proc/1/task/1/children)"], 30)
+        self.exec(service, "sh", "-c", "kill -KILL $(cat /proc/1/task/1/children)")
 
     def logs_tail(self, num_lines: int = 20) -> str:
         return self.compose("logs", "--no-color", "--tail", str(num_lines), check=False, timeout_s=60).stdout

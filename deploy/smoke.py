@@ -11,18 +11,27 @@
 4. ``docker kill`` the executor and watch what Docker and compose do; then ``compose up -d``;
 5. crash the executor's process inside its container and watch the restart policy bring it back;
    after each recovery the same question again;
-6. ``compose down``, and check that no container of the project is left.
+6. recreate the frontend with an API key file as its compose secret: without the key a 401;
+7. ``compose down``, and check that no container or network of the project is left.
+
+Along the way: only the frontend's port is published (on 127.0.0.1), the services run as a
+non-root user, and their logs are JSON lines.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -141,11 +150,76 @@ def watch_after_crash(report: SmokeReport, project: ComposeProject) -> None:
     deadline = start + HEALTHY_TIMEOUT_S
     while project.state("executor")["restart_count"] == before and time.monotonic() < deadline:
         time.sleep(0.5)
-    restarts = project.state("executor")["restart_count"]
-    report.check("restart policy restarts a crashed executor", restarts > before,
-                 f"restarts {before} -> {restarts} after {time.monotonic() - start:.1f} s")
-    project.wait_healthy(SERVICES, HEALTHY_TIMEOUT_S)
+    st = project.state("executor")
+    report.check("restart policy restarts a crashed executor", st["restart_count"] > before,
+                 f"restarts {before} -> {st['restart_count']} after {time.monotonic() - start:.1f} s")
+    report.note(f"right after the restart Docker reports the executor {st['health']} (its last status)")
+    project.wait_alive("executor", HEALTHY_TIMEOUT_S)
     report.times_s["recovery after crash (restart policy)"] = time.monotonic() - start
+    report.note(f"the restarted executor's heartbeat passes {time.monotonic() - start:.1f} s after the crash")
+
+
+def check_exposure(report: SmokeReport, project: ComposeProject) -> None:
+    published = {service: project.published_ports(service) for service in SERVICES}
+    only_frontend = (not published["scheduler"] and not published["executor"] and published["frontend"] != []
+                     and all(p.startswith("127.0.0.1:") for p in published["frontend"]))
+    report.check("only the frontend is published, on 127.0.0.1", only_frontend, f"published: {published}")
+    uids = {service: project.exec(service, "id", "-u").strip() for service in SERVICES}
+    report.check("the services run as a non-root user", "0" not in uids.values(), f"uids: {uids}")
+
+
+def check_json_logs(report: SmokeReport, project: ComposeProject) -> None:
+    counts, examples = {}, []
+    for service in SERVICES:
+        lines = project.log_lines(service)
+        not_json = [line for line in lines if not _is_json_object(line)]
+        counts[service] = f"{len(lines) - len(not_json)}/{len(lines)}"
+        examples += not_json[:1]
+    report.check("the logs are JSON lines", not examples,
+                 f"JSON lines per service: {counts}" + (f"; not JSON: {examples}" if examples else ""))
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def check_api_key_secret(report: SmokeReport, project: ComposeProject, port: int) -> None:
+    """Recreate the frontend with a key file as its compose secret: /v1/models needs the key."""
+    key = secrets.token_hex(16)
+    with tempfile.NamedTemporaryFile("w", prefix="pagedserve-smoke-", suffix=".key", delete=False) as f:
+        f.write(key + "\n")
+    try:
+        if os.geteuid() == 0:
+            os.chown(f.name, 10001, 10001)  # the image's user must read the mounted secret
+        else:
+            os.chmod(f.name, 0o644)
+        project.env["PAGEDSERVE_API_KEY_FILE"] = f.name
+        project.compose("up", "-d", "--no-deps", "--force-recreate", "frontend")
+        project.wait_healthy(SERVICES, HEALTHY_TIMEOUT_S)
+        url = f"http://127.0.0.1:{port}/v1/models"
+        without, with_key = _http_status(url, None), _http_status(url, key)
+        argv = project.exec("frontend", "sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
+    except (RuntimeError, TimeoutError) as exc:
+        report.check("API key from a compose secret", False, f"{type(exc).__name__}: {exc}")
+        return
+    finally:
+        project.env.pop("PAGEDSERVE_API_KEY_FILE", None)
+        os.unlink(f.name)
+    report.check("API key from a compose secret", without == 401 and with_key == 200 and key not in argv,
+                 f"/v1/models answered {without} without the key and {with_key} with it; key on a command line: "
+                 f"{key in argv}")
+
+
+def _http_status(url: str, key: str | None) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def run_smoke(image: str = "pagedserve:cpu", do_build: bool = True, port: int | None = None) -> SmokeReport:
@@ -167,11 +241,14 @@ def run_smoke(image: str = "pagedserve:cpu", do_build: bool = True, port: int | 
         project.wait_healthy(SERVICES, HEALTHY_TIMEOUT_S)
         report.times_s["up to healthy"] = time.monotonic() - start
         report.note(f"all three healthy {report.times_s['up to healthy']:.1f} s after compose up -d began")
+        check_exposure(report, project)
         ask_and_check(report, port, "first answer")
+        check_json_logs(report, project)
         watch_after_docker_kill(report, project)
         ask_and_check(report, port, "answer after docker kill + compose up -d")
         watch_after_crash(report, project)
         ask_and_check(report, port, "answer after executor crash + restart")
+        check_api_key_secret(report, project, port)
     except Exception as exc:
         report.check("deployment steps", False, f"{type(exc).__name__}: {exc}")
         say("last logs:\n" + project.logs_tail())
