@@ -32,6 +32,7 @@ def test_every_service_has_a_healthcheck_a_restart_policy_and_rotated_json_logs(
         assert service["restart"] in ("unless-stopped", "on-failure", "always"), name
         assert service["logging"]["driver"] == "json-file" and service["logging"]["options"]["max-size"], name
         assert service["image"].startswith("${PAGEDSERVE_IMAGE:-"), name
+        assert service["tmpfs"] == ["/tmp/pagedserve-health:uid=10001,gid=10001,mode=0700"], name  # fresh per start
 
 
 def test_only_the_frontend_is_published_and_on_loopback_by_default(compose):
