@@ -110,10 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
     from services.frontend.main import add_frontend_arguments
 
     add_frontend_arguments(fe)
+
+    from services.health import add_health_arguments
+
+    add_health_arguments(sub.add_parser("health", help="exit 0 if a service is alive (for container healthchecks)"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["health"]:  # a healthcheck runs it every few seconds: skip the services' imports
+        from services.health import main as health_main
+
+        return health_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":

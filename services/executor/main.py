@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shared.endpoints import Endpoints
+from shared.heartbeat import Heartbeat
 from shared.logging import configure_logging
 from shared.messages import DecodeError, ExecutorReady, Hello, HelloAck, Shutdown, Step, StepResult, decode, encode
 from shared.model_source import resolve_model
@@ -99,11 +100,13 @@ class ExecutorProcess:
         results = ctx.socket(zmq.PUSH)
         results.setsockopt(zmq.LINGER, 0)
         results.connect(cfg.endpoints.result)
+        heartbeat = Heartbeat(f"executor-{cfg.rank}")  # removes a stale file; beats once loaded
         try:
             runner = self._load()
             results.send(encode(ExecutorReady(cfg.rank, cfg.world_size, runner.num_blocks, runner.block_size,
                                               runner.max_model_len, runner.num_cpu_blocks)))
             while not self.stopping:
+                heartbeat.beat()  # before and after every step: only one step longer than the max age fails
                 if not steps.poll(200):
                     continue
                 try:
@@ -113,6 +116,7 @@ class ExecutorProcess:
                     continue
                 if isinstance(msg, Step):
                     result = self._execute(runner, msg)
+                    heartbeat.beat()
                     if cfg.rank == 0:
                         results.send(encode(result))
                 elif isinstance(msg, Hello):

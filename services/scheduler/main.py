@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import zmq
 
 from shared.endpoints import Endpoints
+from shared.heartbeat import Heartbeat
 from shared.logging import configure_logging
 from shared.messages import (
     AbortRequest, AddRequest, DecodeError, ExecutorReady, Hello, HelloAck, Shutdown, Step, StepResult, decode,
@@ -66,6 +67,9 @@ class SchedulerProcess:
         self.stopping = False
         self.scheduler: Scheduler | None = None
         self._last_stats = 0.0
+        # Beats while starting and on every loop turn, not while a step is out: a scheduler stuck
+        # on a lost executor's result turns unhealthy after `pagedserve health --max-age-s`.
+        self.heartbeat = Heartbeat("scheduler")
 
     def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -101,12 +105,14 @@ class SchedulerProcess:
         self.log.info("waiting for executors", world_size=cfg.world_size)
         ready: dict[int, ExecutorReady] = {}
         while len(ready) < cfg.world_size:
+            self.heartbeat.beat()
             msg = self._recv(self.results, timeout_ms=200)
             if isinstance(msg, ExecutorReady):
                 ready[msg.rank] = msg
                 self.log.info("executor ready", rank=msg.rank, num_blocks=msg.num_blocks)
         nonce, acked = int(time.time() * 1000) & 0x7FFFFFFF, set()
         while len(acked) < cfg.world_size:
+            self.heartbeat.beat()
             self.steps.send(encode(Hello(nonce)))
             msg = self._recv(self.results, timeout_ms=100)
             if isinstance(msg, HelloAck) and msg.nonce == nonce:
@@ -134,6 +140,7 @@ class SchedulerProcess:
 
     def _loop_once(self) -> None:
         sched = self.scheduler
+        self.heartbeat.beat()
         # Sleep on the request socket when idle; only drain it when there is work.
         self._drain_requests(timeout_ms=0 if sched.has_work() else 100)
         step = sched.schedule() if sched.has_work() else None
