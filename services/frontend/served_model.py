@@ -11,7 +11,7 @@ import structlog
 from services.frontend.config import FrontendConfig
 from services.frontend.input_limits import body_limit_bytes, longest_token_chars, max_prompt_chars
 from shared.model_check import load_hf_config, model_shape, read_config_json
-from shared.model_source import ModelSource, resolve_model
+from shared.model_source import ModelSource, eos_token_ids, load_tokenizer, resolve_model
 
 log = structlog.get_logger()
 
@@ -46,18 +46,6 @@ class ServedModel:
         return body_limit_bytes(self.max_model_len, self.max_token_chars)
 
 
-def load_tokenizer(source: ModelSource) -> Any:
-    """The model's tokenizer (never its own code); a ``ValueError`` in one line when it cannot load."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(source.directory, trust_remote_code=False, **source.pretrained_kwargs())
-    except Exception as exc:  # transformers raises anything (OSError, ValueError, KeyError...)
-        text = " ".join(str(exc).split())[:300]
-        raise ValueError(f"--model {source.gguf_file or source.directory}: cannot load the tokenizer: "
-                         f"{type(exc).__name__}: {text}") from None
-
-
 def model_max_len(source: ModelSource) -> int:
     """``max_position_embeddings`` from the model's config (GGUF metadata for a .gguf file)."""
     config = load_hf_config(source)
@@ -66,26 +54,6 @@ def model_max_len(source: ModelSource) -> int:
         if isinstance(value, int) and value > 0:
             return value
     raise ValueError(f"cannot find the context length in {source.directory}'s config; pass --max-model-len")
-
-
-def eos_token_ids(tokenizer: Any, source: ModelSource | None) -> list[int]:
-    """The tokenizer's EOS id plus any the generation config lists (absent for GGUF files)."""
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    if source is not None:
-        from transformers import GenerationConfig
-
-        try:
-            gen = GenerationConfig.from_pretrained(source.directory, **source.pretrained_kwargs())
-        except (OSError, ValueError) as exc:
-            log.debug("no generation config", reason=str(exc).splitlines()[0])
-        else:
-            extra = gen.eos_token_id
-            for token_id in extra if isinstance(extra, list) else [extra]:
-                if token_id is not None and int(token_id) not in ids:
-                    ids.append(int(token_id))
-    return ids
 
 
 def load_served_model(config: FrontendConfig) -> ServedModel:
