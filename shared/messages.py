@@ -98,7 +98,7 @@ class RequestOutput:
 
     ``new_token_ids`` are the tokens generated since the previous delta. ``finish_reason`` is
     ``None`` while running, else ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (then
-    ``error`` says why). ``request_finished`` is set on the request's last output, after every
+    ``error`` says why and ``error_kind`` whose fault it is). ``request_finished`` is set on the request's last output, after every
     choice has sent its own last one (best_of's held samples, all of beam search's hypotheses,
     however few): nothing more comes for this request.
     """
@@ -118,6 +118,9 @@ class RequestOutput:
     top_token_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
     request_finished: bool = False
+    # With finish_reason "error": whose fault it is. "request": it can never run as asked (the
+    # frontend answers 400); "engine": the engine failed while running it (500).
+    error_kind: str | None = None
 
 
 @dataclass

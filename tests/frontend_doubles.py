@@ -246,6 +246,7 @@ class FakeScheduler:
             finish_reason=finish_reason,
             num_prompt_tokens=0 if active.sent_first else len(active.request.prompt_token_ids),
             error="simulated engine failure" if finish_reason == "error" else None,
+            error_kind="engine" if finish_reason == "error" else None,
         )
         num_top = active.request.sampling.logprobs
         if num_top is not None and with_logprobs:

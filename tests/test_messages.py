@@ -23,6 +23,7 @@ EXAMPLES = [
     RequestOutput("r1", 1, [8, 9], "length", num_prompt_tokens=3, num_cached_tokens=2, num_preemptions=1,
                   logprobs=[-0.5, -1.0], top_token_ids=[[8, 1], [9, 1]], top_logprobs=[[-0.5, -2.0], [-1.0, -3.0]],
                   request_finished=True),
+    RequestOutput("r2", 0, [], "error", error="the executor failed: boom", request_finished=True, error_kind="engine"),
     FrontendHello(pid=4321),
     Step(
         step_id=7, num_decodes=1, seq_ids=np.array([3, 4], np.int64), input_token_ids=np.array([9, 5, 6], np.int64),

@@ -28,7 +28,7 @@ from .block_manager import AllocStatus, BlockManager
 from .groups import GroupUpdate, SequenceGroup, new_group
 from .outputs import Sample, error_output
 from .plan import Plan, SchedulerConfig
-from .sequence import Sequence, SequenceStatus
+from .sequence import ErrorKind, Sequence, SequenceStatus
 from .stats import SchedulerStats
 from .step_builder import Scheduled, build_step
 
@@ -218,7 +218,7 @@ class Scheduler:
         for request_id in dict.fromkeys(s.seq.request_id for s in scheduled):
             group = self.groups.get(request_id)
             if group is not None:
-                self._apply(group, group.fail(f"the executor failed: {error}"))
+                self._apply(group, group.fail(f"the executor failed: {error}", ErrorKind.ENGINE))
 
     # ------------------------------------------------------------------ blocks and queues
 
