@@ -1,0 +1,334 @@
+"""Where one engine step's time goes, beside the time of its matmuls alone.
+
+    python -m loadtest.profile [--dtype auto|float32|bfloat16] [--steps 10] [--context 256]
+
+Runs SmolLM2 (or ``--model``) in one process through the product's own pieces, as the server's
+lock-step loop does: ``Scheduler.schedule``, the ``Step`` encoded, sent over a ZeroMQ ipc socket
+and decoded, ``ModelRunner.execute``, the ``StepResult`` back the same way, ``Scheduler.update``,
+and the ``RequestOutput`` frames for the frontend encoded. Scenarios: decode batches of 1, 16 and
+64 at ``--context`` tokens, and a mixed step (a fresh ``--prefill``-token prompt plus
+``--prefill-decodes`` decodes). The cache is filled with noise instead of being prefilled (the
+runner's bookkeeping runs, the model does not), so that setting up costs seconds.
+
+For each scenario it prints the median per step of: scheduling, messages, and in the executor the
+matmuls, attention, norms, rotary, the other per-layer ops, the LM head, sampling and the runner's
+own work (``loadtest/step_timer.py`` times them with wrappers installed from outside; the product
+carries no timing code); then the matmul roofline (``loadtest/profile_costs.py``) and the ratio of
+the step to it. Last, the frontend's CPU cost per 1000 output tokens (output frames,
+detokenization, SSE chunks). Figures from a machine shared with other work are noisy: compare
+ratios measured in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+from shared.threads import configure_cpu_threads
+
+EXTERNAL_PARTS = (("scheduler", "scheduler: schedule + update"),
+                  ("messages", "messages: Step/StepResult/outputs msgpack + zmq"))
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class _NoMaths:
+    """Stands in for the model while the cache is "prefilled": the runner's bookkeeping runs (new
+    sequences, histories, sampling), the forward pass does not; logits are noise."""
+
+    def __init__(self, model) -> None:
+        import torch
+
+        self._torch, self.rotary = torch, model.rotary
+        self._hidden, self._vocab = model.config.hidden_size, model.config.vocab_size
+
+    def __call__(self, input_ids, positions, kv_caches, meta, backend):
+        return self._torch.zeros(len(input_ids), self._hidden)
+
+    def compute_logits(self, hidden):
+        return self._torch.randn(hidden.shape[0], self._vocab)
+
+
+class StepBench:
+    """A scheduler over ``runner``'s pool, stepping it with every message through the wire."""
+
+    def __init__(self, runner, max_num_seqs: int, max_num_batched_tokens: int, clock=time.perf_counter_ns) -> None:
+        import zmq
+
+        from services.scheduler.block_manager import BlockManager
+        from services.scheduler.scheduler import Scheduler, SchedulerConfig
+
+        from .step_timer import RegionTimer, install
+
+        self.runner = runner
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, runner.max_model_len),
+                                   self.blocks)
+        self._dir = tempfile.TemporaryDirectory(prefix="pagedserve-profile-")
+        self._ctx = zmq.Context()
+        self._push, self._pull = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
+        endpoint = f"ipc://{self._dir.name}/step"
+        self._pull.bind(endpoint)
+        self._push.connect(endpoint)
+        self.timer = RegionTimer(clock)
+        self._install = lambda: install(runner, self.timer)
+        self._num_requests = 0
+        self._rng = __import__("random").Random(0)
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)
+        self._dir.cleanup()
+
+    def add_requests(self, num_requests: int, num_prompt_tokens: int) -> list[str]:
+        """Queue requests with prompts of random tokens (no prefix-cache hits), greedy, long."""
+        import numpy as np
+
+        from shared.messages import AddRequest, SamplingParams
+
+        vocab = self.runner.model.config.vocab_size
+        params = SamplingParams(temperature=0.0, max_tokens=self.runner.max_model_len, ignore_eos=True)
+        ids = []
+        for _ in range(num_requests):
+            request_id = f"profile-{self._num_requests}"
+            self._num_requests += 1
+            prompt = np.array([self._rng.randrange(100, vocab) for _ in range(num_prompt_tokens)], np.int32)
+            self.scheduler.add_request(AddRequest(request_id, prompt, params, [], time.time()))
+            ids.append(request_id)
+        return ids
+
+    def prefill_without_maths(self) -> None:
+        """Step until every running sequence decodes, with the forward pass replaced by noise."""
+        model = self.runner.model
+        self.runner.model = _NoMaths(model)
+        try:
+            while self.scheduler.waiting or any(s.num_pending_tokens > 1 for s in self.scheduler.running):
+                self.scheduler.update(self.runner.execute(self.scheduler.schedule()))
+                self.scheduler.take_outputs()
+        finally:
+            self.runner.model = model
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.scheduler.abort_request(request_id)
+        self.scheduler.take_outputs()
+
+    def timed_step(self) -> dict[str, int]:
+        """One step through the whole loop; ns per part (``step_timer.breakdown`` and ours)."""
+        from shared.messages import decode, encode
+
+        from .step_timer import breakdown
+
+        clock = self.timer.clock
+        uninstall = self._install()
+        try:
+            t0 = clock()
+            step = self.scheduler.schedule()
+            t1 = clock()
+            step = self._send(step)
+            t2 = clock()
+            result = self.runner.execute(step)
+            t3 = clock()
+            result = self._send(result)
+            t4 = clock()
+            self.scheduler.update(result)
+            outputs = self.scheduler.take_outputs()
+            t5 = clock()
+            frames = [encode(out) for out in outputs]
+            t6 = clock()
+        finally:
+            uninstall()
+        assert frames and all(decode(f).error is None for f in frames)
+        parts = breakdown(self.timer.take())
+        parts.update(scheduler=(t1 - t0) + (t5 - t4), messages=(t2 - t1) + (t4 - t3) + (t6 - t5))
+        return parts
+
+    def _send(self, message):
+        from shared.messages import decode, encode
+
+        self._push.send(encode(message))
+        return decode(self._pull.recv())
+
+
+def run_scenario(bench: StepBench, label: str, num_decodes: int, context: int, num_prefill: int,
+                 warmup: int, steps: int) -> list[dict[str, int]]:
+    """``num_decodes`` sequences at ``context`` tokens, decoding; with ``num_prefill`` > 0 a fresh
+    prompt of that many tokens joins every step (and is aborted after it)."""
+    say(f"  {label}: filling the cache of {num_decodes} sequence(s) with {context} tokens")
+    decoding = bench.add_requests(num_decodes, context)
+    bench.prefill_without_maths()
+    samples = []
+    for i in range(warmup + steps):
+        say(f"  {label}: step {i + 1}/{warmup + steps}{' (warm-up)' if i < warmup else ''}")
+        fresh = bench.add_requests(1, num_prefill) if num_prefill else []
+        parts = bench.timed_step()
+        bench.abort(fresh)
+        if i >= warmup:
+            samples.append(parts)
+    bench.abort(decoding)
+    return samples
+
+
+def build(model: str | None, dtype_name: str, num_blocks: int, max_model_len: int):
+    """(runner, dtype choice, model source) with the KV pool filled with noise."""
+    import torch
+
+    from services.executor.loader import RunnerOptions, build_runner
+    from services.executor.weights import load_hf_config, load_state_dict, resolve_dtype
+    from shared.model_source import resolve_model
+
+    source = resolve_model(model)
+    choice = resolve_dtype(dtype_name, torch.device("cpu"))
+    say(f"loading {source.name} in {choice.dtype} ({choice.reason})")
+    options = RunnerOptions(dtype=choice.dtype, num_kv_blocks=num_blocks, num_cpu_blocks=0,
+                            max_model_len=max_model_len)
+    runner = build_runner(load_hf_config(source), load_state_dict(source), options)
+    for key_cache, value_cache in runner.kv_caches:
+        key_cache.normal_()
+        value_cache.normal_()
+    return runner, choice, source
+
+
+def scenarios(args) -> list[tuple[str, int, int]]:
+    """(label, decodes, prefill tokens) per column."""
+    cols = [(f"decode {b}", b, 0) for b in args.batches]
+    if args.prefill:
+        cols.append((f"prefill {args.prefill} + {args.prefill_decodes} dec", args.prefill_decodes, args.prefill))
+    return cols
+
+
+def measure(args) -> tuple[dict, list]:
+    """Run every scenario; returns (header facts, [(label, parts, roofline)])."""
+    from .profile_costs import matmul_roofline, median_parts
+
+    cols = scenarios(args)
+    max_seqs = max(n + (1 if p else 0) for _, n, p in cols)
+    per_seq = -(-(args.context + args.warmup + args.steps + 2) // 16)
+    num_blocks = max_seqs * per_seq + -(-args.prefill // 16) + 8
+    runner, choice, source = build(args.model, args.dtype, num_blocks, args.context + args.prefill + 64)
+    clock = time.process_time_ns if args.clock == "cpu" else time.perf_counter_ns
+    bench = StepBench(runner, max_seqs, max(2048, args.prefill + args.prefill_decodes), clock)
+    results = []
+    try:
+        for label, num_decodes, num_prefill in cols:
+            samples = run_scenario(bench, label, num_decodes, args.context, num_prefill, args.warmup, args.steps)
+            say(f"  {label}: matmul roofline")
+            roof = matmul_roofline(runner.model.config, choice.dtype, num_decodes + num_prefill,
+                                   num_decodes + (1 if num_prefill else 0), args.roofline_repeats, clock)
+            results.append((label, median_parts(samples), roof))
+    finally:
+        bench.close()
+    facts = {"model": source.name, "dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason,
+             "source": source, "backend": runner.backend.name}
+    return facts, results
+
+
+def format_table(facts: dict, results: list, args) -> str:
+    from .step_timer import EXECUTOR_PARTS
+
+    width = 62
+    lines = [f"{'ms per step (% of step)':{width}}" + "".join(f"{label:>22}" for label, _, _ in results)]
+
+    def row(name: str, values: list[str]) -> None:
+        lines.append(f"{name:{width}}" + "".join(f"{v:>22}" for v in values))
+
+    totals = [sum(parts.values()) / 1e6 for _, parts, _ in results]
+    for key, name in (*EXTERNAL_PARTS, *(("", "executor:"),), *EXECUTOR_PARTS):
+        if not key:
+            row(name, [""] * len(results))
+            continue
+        indent = "  " if key not in dict(EXTERNAL_PARTS) else ""
+        row(indent + name, [f"{parts.get(key, 0) / 1e6:8.2f} ({100 * parts.get(key, 0) / 1e6 / t:3.0f}%)"
+                            for (_, parts, _), t in zip(results, totals)])
+    row("step (sum of the medians)", [f"{t:8.2f}       " for t in totals])
+    row(f"matmuls alone: F.linear, HF shapes, best of {args.roofline_repeats}",
+        [f"{r.total_s * 1e3:8.2f}       " for _, _, r in results])
+    row("  of which the LM head", [f"{r.lm_head_s * 1e3:8.2f}       " for _, _, r in results])
+    row("step / matmul roofline", [f"x{t / (r.total_s * 1e3):.2f}       " for t, (_, _, r) in zip(totals, results)])
+    row("in-model matmuls + LM head / roofline",
+        [f"x{(p.get('matmul', 0) + p.get('lm_head', 0)) / 1e6 / (r.total_s * 1e3):.2f}       "
+         for _, p, r in results])
+    return "\n".join(lines)
+
+
+def format_frontend(costs: dict[str, float], results: list) -> str:
+    per_k = {k: v * 1000 / 1e6 for k, v in costs.items()}  # ns per token -> ms per 1000 tokens
+    total = sum(per_k.values())
+    text = (f"frontend, CPU-ms per 1000 output tokens: RequestOutput decode {per_k['outputs']:.1f}, "
+            f"detokenize {per_k['detokenize']:.1f}, SSE chunks {per_k['sse']:.1f}; total {total:.1f}")
+    decodes = [(label, int(label.split()[-1])) for label, _, _ in results if label.startswith("decode")]
+    if decodes:
+        label, batch = decodes[-1]
+        text += f" (at {label}: {total * batch / 1000:.2f} ms of frontend CPU per step)"
+    return text
+
+
+def header(facts: dict, args, load_before: tuple) -> str:
+    import numba
+    import torch
+
+    from shared.cpu_features import read_cpu_features
+
+    cpu = read_cpu_features()
+    load_after = os.getloadavg()
+    return "\n".join([
+        f"pagedserve step profile: {facts['model']} in {facts['dtype']} ({args.dtype}: {facts['reason']}), "
+        f"attention backend {facts['backend']}",
+        f"CPU: {cpu.model_name}, {os.cpu_count()} cores; threads: torch {torch.get_num_threads()}, "
+        f"numba {numba.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; "
+        f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after",
+        f"{args.clock} clock; median of {args.steps} steps per column (after {args.warmup} warm-up), "
+        f"context {args.context}; "
+        "a shared machine makes absolute times noisy: compare ratios from one run",
+    ])
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="as the server's --model (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 16, 64],
+                    help="decode batch sizes, comma-separated (default 1,16,64)")
+    ap.add_argument("--context", type=int, default=256, help="tokens in each decoding sequence's cache")
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the mixed step (0: no mixed step)")
+    ap.add_argument("--prefill-decodes", type=int, default=32, help="decodes beside the prefill in the mixed step")
+    ap.add_argument("--steps", type=int, default=10, help="steps measured per scenario")
+    ap.add_argument("--warmup", type=int, default=2, help="steps run first and not measured")
+    ap.add_argument("--roofline-repeats", type=int, default=5)
+    ap.add_argument("--num-threads", type=int, default=None, help="as the executor's --num-threads")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="wall time, or the process's CPU time (steadier on a busy machine, with "
+                         "--num-threads 1)")
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.context < 1 or min(args.batches) < 1:
+        ap.error(f"--steps, --context and --batches must be positive, got {args.steps}, {args.context}, "
+                 f"{args.batches}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    configure_cpu_threads(args.num_threads)  # before torch is imported
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    facts, results = measure(args)
+    say("  frontend: detokenization and SSE chunks")
+    from shared.model_source import load_tokenizer
+
+    from .profile_costs import frontend_costs
+
+    costs = frontend_costs(load_tokenizer(facts["source"]))
+    print(header(facts, args, load_before))
+    print()
+    print(format_table(facts, results, args))
+    print()
+    print(format_frontend(costs, results))
+    say(f"done in {time.monotonic() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
