@@ -267,6 +267,18 @@ def format_frontend(costs: dict[str, float], results: list) -> str:
     return text
 
 
+def write_json(path: str, facts: dict, results: list, costs: dict[str, float]) -> None:
+    """ms per step per part and scenario, the roofline, the frontend's ms per 1000 tokens."""
+    import json
+
+    body = {"dtype": facts["dtype"], "frontend_ms_per_1000_tokens": {k: v / 1e3 for k, v in costs.items()},
+            "scenarios": {label: {"parts_ms": {k: v / 1e6 for k, v in parts.items()},
+                                  "roofline_ms": r.total_s * 1e3, "roofline_lm_head_ms": r.lm_head_s * 1e3}
+                          for label, parts, r in results}}
+    with open(path, "w") as f:
+        json.dump(body, f, indent=1)
+
+
 def header(facts: dict, args, load_before: tuple) -> str:
     import numba
     import torch
@@ -300,6 +312,7 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="steps run first and not measured")
     ap.add_argument("--roofline-repeats", type=int, default=5)
     ap.add_argument("--num-threads", type=int, default=None, help="as the executor's --num-threads")
+    ap.add_argument("--json", default=None, help="also write the medians (ms) to this file")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="wall time, or the process's CPU time (steadier on a busy machine, with "
                          "--num-threads 1)")
@@ -327,6 +340,8 @@ def main(argv=None) -> None:
     print(format_table(facts, results, args))
     print()
     print(format_frontend(costs, results))
+    if args.json:
+        write_json(args.json, facts, results, costs)
     say(f"done in {time.monotonic() - t0:.0f} s")
 
 

@@ -90,11 +90,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        # q: [T, H, D], k: [T, Hkv, D], positions: [T]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, D]`` of ``positions`` ``[T]`` in ``dtype`` (as transformers casts
+        them): looked up once per forward pass, used by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, D] (queries and keys together), cos and sin: [T, 1, D]; a new tensor
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -103,45 +106,78 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """This rank's query heads and the KV heads they use; o_proj's partial sums are all-reduced."""
+    """This rank's query heads and the KV heads they use; o_proj's partial sums are all-reduced.
+
+    q, k and v are one matmul: ``qkv_proj`` holds this rank's rows of Hugging Face's q_proj,
+    k_proj and v_proj one after the other (``fuse_projections``)."""
 
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, comm: Communicator) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = plan.num_local_heads, plan.num_local_kv_heads
         self.head_dim, self.comm = cfg.head_dim, comm
-        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata, backend):
-        # x: [T, hidden]
-        num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(q, k, positions)
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], rotary, kv_cache, meta: AttentionMetadata,
+                backend):
+        # x: [T, hidden]; rope: cos and sin [T, 1, D] (``RotaryEmbedding.at``)
+        num_tokens, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
+        # queries and keys are adjacent: rotated together, into a new [T, H + Hkv, D]
+        qk = rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, self.head_dim), *rope)
+        q, k = qk[:, : self.num_heads].contiguous(), qk[:, self.num_heads:].contiguous()
+        v = qkv[:, self.q_size + self.kv_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         backend.write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
-        out = paged_attention(backend, q.contiguous(), key_cache, value_cache, meta, self.scale)
-        return self.comm.all_reduce_(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
+        out = paged_attention(backend, q, key_cache, value_cache, meta, self.scale)
+        return self.comm.all_reduce_(self.o_proj(out.view(num_tokens, self.q_size)))
 
 
 class MLP(nn.Module):
-    """This rank's intermediate columns; down_proj's partial sums are all-reduced."""
+    """This rank's intermediate columns; down_proj's partial sums are all-reduced.
+
+    gate and up are one matmul: ``gate_up_proj`` holds this rank's rows of gate_proj, then of
+    up_proj (``fuse_projections``)."""
 
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, comm: Communicator) -> None:
         super().__init__()
         start, stop = plan.intermediate_range
-        self.comm = comm
-        self.gate_proj = nn.Linear(cfg.hidden_size, stop - start, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, stop - start, bias=False)
-        self.down_proj = nn.Linear(stop - start, cfg.hidden_size, bias=False)
+        self.comm, self.size = comm, stop - start
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.size, bias=False)
+        self.down_proj = nn.Linear(self.size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce_(self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)))
+        gate_up = self.gate_up_proj(x)  # [T, 2 * I]: both halves are fresh, so edited in place
+        gate, up = gate_up[:, : self.size], gate_up[:, self.size:]
+        return self.comm.all_reduce_(self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up)))
+
+
+# Hugging Face's separate projections -> (our fused parameter, its parts in order)
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with Hugging Face names (whole, or already cut to one rank's slices by
+    ``shard_state_dict``) with each layer's q/k/v and gate/up weights (and biases) concatenated
+    into ``qkv_proj`` and ``gate_up_proj``; every other entry as it was. Parts missing from
+    ``state`` stay as they are (``load_state_dict`` then reports them)."""
+    out = dict(state)
+    for name in state:
+        for fused, parts in FUSED_PROJECTIONS.items():
+            prefix, _, kind = name.partition(parts[0] + ".")
+            if not kind or not prefix.startswith("model.layers."):
+                continue
+            names = [f"{prefix}{part}.{kind}" for part in parts]
+            if all(n in state for n in names):
+                out[f"{prefix}{fused}.{kind}"] = torch.cat([state[n] for n in names])
+                for n in names:
+                    del out[n]
+    return out
 
 
 class VocabEmbedding(nn.Module):
@@ -169,9 +205,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rope, rotary, kv_cache, meta, backend):
+        # residual + sublayer, summed into the sublayer's fresh output (same sums as x + sublayer)
+        x = self.self_attn(self.input_layernorm(x), rope, rotary, kv_cache, meta, backend).add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class LlamaModel(nn.Module):
@@ -213,8 +250,9 @@ class LlamaForCausalLM(nn.Module):
         backend,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
+        rope = self.rotary.at(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, meta, backend)
+            x = layer(x, rope, self.rotary, kv_cache, meta, backend)
         return self.model.norm(x)
 
     @torch.inference_mode()

@@ -8,6 +8,10 @@ Penalties and ``min_tokens`` read each sequence's tokens from the executor's ``T
 (prompt and outputs apart): repetition counts both, presence and frequency the outputs only, and
 ``min_tokens`` compares with the number of outputs so far.
 
+Random rows are drawn by inverse CDF (``draw.py``), one uniform number per row; top-k and top-p
+look at each row's most likely tokens first and sort a whole row only when its nucleus is larger
+(``logits_processors.truncate``).
+
 Logprobs are those of the model's raw distribution (log-softmax of the logits before logit bias,
 bans, penalties and temperature), as vLLM reports them by default.
 """
@@ -22,6 +26,7 @@ import torch
 from shared.messages import SamplingParams
 
 from . import logits_processors as lp
+from .draw import draw
 from .histories import TokenHistories
 
 
@@ -132,15 +137,24 @@ class Sampler:
             top_k=[p.top_k or 0 for p in params],
             top_p=[p.top_p for p in params],
         )
-        probs = logits.softmax(-1)
-        picked = torch.argmax(logits, dim=-1)
+        picked = draw(logits.softmax(-1), self._uniforms(states, logits.device))
         # A row whose distribution is not finite (it should not happen) takes its argmax rather than
         # failing the whole step.
-        valid = torch.isfinite(probs).all(-1).tolist()
-        for row, state in enumerate(states):
-            if valid[row]:
-                picked[row] = torch.multinomial(probs[row], 1, generator=self._generator(state, logits.device))[0]
+        if bool((picked < 0).any()):
+            picked = torch.where(picked >= 0, picked, torch.argmax(logits, dim=-1))
         return picked
+
+    def _uniforms(self, states: list[_SeqState], device: torch.device) -> torch.Tensor:
+        """[R] float32 uniforms in [0, 1): seeded rows from their own generators, the others from
+        the shared one, in row order."""
+        out = torch.empty(len(states), device=device)
+        shared = [i for i, s in enumerate(states) if s.params.seed is None]
+        if shared:
+            out[shared] = torch.rand(len(shared), device=device, generator=self._generator(states[shared[0]], device))
+        for i, state in enumerate(states):
+            if state.params.seed is not None:
+                out[i] = torch.rand(1, device=device, generator=self._generator(state, device))[0]
+        return out
 
     def _generator(self, state: _SeqState, device: torch.device) -> torch.Generator:
         if state.params.seed is None:

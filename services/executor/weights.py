@@ -16,7 +16,7 @@ from shared.cpu_features import choose_cpu_dtype, read_cpu_features
 from shared.model_check import load_hf_config as checked_hf_config
 from shared.model_source import ModelSource
 
-from .model import LlamaForCausalLM, ModelConfig
+from .model import LlamaForCausalLM, ModelConfig, fuse_projections
 from .parallel.sharding import ShardPlan, shard_state_dict
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,7 +85,7 @@ def build_model(
     state = {k: v for k, v in state_dict.items() if "rotary_emb" not in k}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    state = shard_state_dict(state, plan)
+    state = fuse_projections(shard_state_dict(state, plan))  # each rank's q, k, v cut, then joined
     missing, unexpected = model.load_state_dict(state, strict=False, assign=False)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
