@@ -1,0 +1,83 @@
+"""loadtest.profile on a tiny model: every part of a step is timed, the timing wrappers come off
+afterwards, and the table and JSON are written."""
+
+import json
+
+import pytest
+
+import torch
+
+from loadtest import profile
+from loadtest.profile_costs import MatmulRoofline, matmul_roofline
+from loadtest.step_timer import EXECUTOR_PARTS, RegionTimer, breakdown, install
+from services.executor.loader import RunnerOptions, build_runner
+from services.executor.model import ModelConfig
+from tests.harness import tiny_llama
+
+
+def tiny_runner():
+    hf = tiny_llama(seed=3)
+    return build_runner(hf.config, hf.state_dict(), RunnerOptions(
+        dtype=torch.float32, num_kv_blocks=64, num_cpu_blocks=0, max_model_len=200, attention_backend="torch"))
+
+
+def test_every_part_of_a_decode_and_a_mixed_step_is_timed():
+    runner = tiny_runner()
+    bench = profile.StepBench(runner, max_num_seqs=8, max_num_batched_tokens=256)
+    try:
+        decode = profile.run_scenario(bench, "decode 4", 4, 20, 0, warmup=1, steps=2)
+        mixed = profile.run_scenario(bench, "mixed", 3, 20, 40, warmup=0, steps=2)
+    finally:
+        bench.close()
+    assert len(decode) == 2 and len(mixed) == 2
+    for parts in decode + mixed:
+        assert set(parts) == {key for key, _ in EXECUTOR_PARTS} | {"scheduler", "messages"}
+        assert all(parts[key] > 0 for key in ("matmul", "attention", "norm", "rotary", "lm_head", "sampling",
+                                              "scheduler", "messages"))
+        assert parts["other_layer"] >= 0 and parts["runner"] >= 0
+    assert not bench.scheduler.has_work()  # every request was aborted at the end of its scenario
+
+
+def test_the_wrappers_come_off():
+    runner = tiny_runner()
+    timer = RegionTimer()
+    uninstall = install(runner, timer)
+    linear = runner.model.model.layers[0].self_attn.qkv_proj
+    assert "forward" in vars(linear) and "execute" in vars(runner)
+    uninstall()
+    assert "forward" not in vars(linear) and "execute" not in vars(runner) and "sample" not in vars(runner.sampler)
+    assert not any("forward" in vars(m) for m in runner.model.modules())
+
+
+def test_breakdown_derives_the_rest():
+    parts = breakdown({"execute": 100, "forward": 70, "matmul": 30, "attention": 20, "norm": 5, "rotary": 5,
+                       "lm_head": 10, "sampling": 5})
+    assert parts["other_layer"] == 10 and parts["runner"] == 15
+
+
+def test_roofline_times_the_model_shapes(tmp_path):
+    cfg = ModelConfig.from_hf(tiny_llama(seed=3).config)
+    roof = matmul_roofline(cfg, torch.float32, num_tokens=8, num_sampled=2, repeats=2)
+    assert roof.layers_s > 0 and roof.lm_head_s > 0 and roof.total_s == roof.layers_s + roof.lm_head_s
+    parts = {"matmul": 3e6, "attention": 1e6}
+    results = [("decode 8", parts, MatmulRoofline(0.002, 0.001))]
+    args = profile.parse_args(["--roofline-repeats", "2"])
+    table = profile.format_table({}, results, args)
+    assert "x1.33" in table  # step 4 ms / roofline 3 ms
+    out = tmp_path / "profile.json"
+    profile.write_json(str(out), {"dtype": "float32"}, results, {"outputs": 1e4, "detokenize": 2e4, "sse": 3e4})
+    body = json.loads(out.read_text())
+    assert body["scenarios"]["decode 8"]["parts_ms"] == {"matmul": 3.0, "attention": 1.0}
+    assert body["frontend_ms_per_1000_tokens"]["sse"] == 30.0
+
+
+@pytest.mark.slow
+def test_frontend_costs_on_smollm2_streams():
+    from loadtest.profile_costs import frontend_costs, stream_token_ids
+    from shared.model_source import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(None))
+    streams = stream_token_ids(tokenizer, 3, 50)
+    assert [len(s) for s in streams] == [50, 50, 50] and streams[0] != streams[1]
+    costs = frontend_costs(tokenizer, num_streams=3, num_tokens=50)
+    assert set(costs) == {"outputs", "detokenize", "sse"} and all(v > 0 for v in costs.values())
