@@ -291,7 +291,8 @@ def header(facts: dict, args, load_before: tuple) -> str:
         f"pagedserve step profile: {facts['model']} in {facts['dtype']} ({args.dtype}: {facts['reason']}), "
         f"attention backend {facts['backend']}",
         f"CPU: {cpu.model_name}, {os.cpu_count()} cores; threads: torch {torch.get_num_threads()}, "
-        f"numba {numba.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; "
+        f"numba {numba.get_num_threads()} ({facts.get('threads_reason', '')}), "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; "
         f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after",
         f"{args.clock} clock; median of {args.steps} steps per column (after {args.warmup} warm-up), "
         f"context {args.context}; "
@@ -325,10 +326,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    configure_cpu_threads(args.num_threads)  # before torch is imported
+    threads = configure_cpu_threads(args.num_threads)  # before torch is imported
     load_before = os.getloadavg()
     t0 = time.monotonic()
     facts, results = measure(args)
+    facts["threads_reason"] = threads.reason
     say("  frontend: detokenization and SSE chunks")
     from shared.model_source import load_tokenizer
 

@@ -1,30 +1,118 @@
-"""CPU thread pools: torch's OpenMP pool and Numba's pool must not spin against each other.
+"""CPU thread pools of the executor: how many threads, and how idle OpenMP threads wait.
 
-Measured here (2 cores, SmolLM2 decode, frontend and scheduler running beside the executor):
-torch's default OpenMP threads busy-wait after each parallel region, and with another process
-on the other core a decode step took 5 to 12 times longer than with one thread. Passive waiting
-removes the spin; we set ``OMP_WAIT_POLICY=PASSIVE`` before torch is imported and give torch and
-Numba the same thread count (default: all cores, see ``loadtest/threads.py`` for the figures).
+The rule (``choose_threads``), from what a process reads at start-up in well under a millisecond:
+
+- cores: the CPUs this process may run on (``os.sched_getaffinity``: taskset, cpusets), capped by
+  a cgroup CPU quota (``docker --cpus``, Kubernetes limits), counted once per physical core
+  (two SMT siblings of one core share its vector units: a second matmul thread there only
+  contends).
+- threads: every such core, less one when there are at least ``RESERVE_FROM_CORES`` of them and
+  the frontend and scheduler run on the same machine (``colocated``), so that those two Python
+  processes never take a core an OpenMP thread is waiting for. Below that, every core computes:
+  on two cores, giving one of two to processes that need a few percent of one halves the
+  executor for nothing.
+- waiting: ``OMP_WAIT_POLICY=PASSIVE`` always. torch and Numba bring two GNU OpenMP runtimes
+  (torch's bundled libgomp; Numba's ``omp`` layer links the system's), so every layer alternates
+  between two thread pools on the same cores, and an idle thread of one pool that spins takes
+  the core a thread of the other pool needs. ``PAGEDSERVE_NUM_THREADS`` or ``--num-threads``
+  overrides the count, an ``OMP_WAIT_POLICY`` already set overrides the policy.
+
+Measured with ``python -m loadtest.threads`` (SmolLM2 decode, batch 32, context 256, median step,
+2 rounds interleaved; a 2-core AMD EPYC Zen 5 VM shared with other jobs, load average 2-5, so
+only the large ratios are to be trusted):
+
+MEASUREMENTS
+
+The earlier choice (PASSIVE, all cores; measured on a 2-core AMD EPYC with AVX2 only, where a
+spinning pool made a step 5 to 12 times longer next to a busy process) stands for two cores.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
+
+RESERVE_FROM_CORES = 8  # from this many cores on, one is left to a colocated frontend and scheduler
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    num_threads: int
+    reason: str
 
 
 def set_thread_env() -> None:
-    """Call before importing torch or numba (the OpenMP runtime reads these once)."""
+    """Call before importing torch or numba (the OpenMP runtimes read these once)."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("KMP_BLOCKTIME", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def configure_cpu_threads(num_threads: int | None) -> int:
-    """Give torch and Numba the same pool size; returns it."""
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs' worth of time the cgroup quota allows (cgroup v2 ``cpu.max`` or v1 ``cfs_quota``), or
+    None without a quota."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
+            quota_us = int(f.read())
+        with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
+            period_us = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+
+
+def physical_cores(cpus: set[int], sysfs: str = "/sys/devices/system/cpu") -> int:
+    """How many physical cores ``cpus`` cover (SMT siblings counted once; a CPU whose topology
+    cannot be read counts as a core of its own)."""
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(os.path.join(sysfs, f"cpu{cpu}", "topology", "thread_siblings_list")) as f:
+                cores.add(f.read().strip())
+        except OSError:
+            cores.add(f"cpu{cpu}")
+    return len(cores)
+
+
+def usable_cores() -> tuple[int, str]:
+    """(physical cores this process may use, how they were counted)."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores = physical_cores(cpus)
+    how = f"{len(cpus)} CPUs allowed, {cores} physical cores"
+    limit = cgroup_cpu_limit()
+    if limit is not None and math.floor(limit) < cores:
+        cores = max(1, math.floor(limit))
+        how += f", cgroup quota of {limit:g} CPUs"
+    return cores, how
+
+
+def choose_threads(num_threads: int | None, colocated: bool = True, cores: tuple[int, str] | None = None) -> ThreadChoice:
+    """The executor's thread count: ``num_threads`` (or ``PAGEDSERVE_NUM_THREADS``) when given,
+    else the rule of this module's docstring. ``colocated``: the frontend and scheduler share
+    the machine (they do under ``pagedserve serve``)."""
+    asked = num_threads or int(os.environ.get("PAGEDSERVE_NUM_THREADS", 0) or 0)
+    if asked:
+        return ThreadChoice(asked, "--num-threads / PAGEDSERVE_NUM_THREADS")
+    count, how = cores or usable_cores()
+    if colocated and count >= RESERVE_FROM_CORES:
+        return ThreadChoice(count - 1, f"{how}; one left to the frontend and scheduler")
+    return ThreadChoice(count, how)
+
+
+def configure_cpu_threads(num_threads: int | None, colocated: bool = True) -> ThreadChoice:
+    """Give torch and Numba the same pool size (``choose_threads``); returns the choice."""
     set_thread_env()
     import torch
 
-    n = num_threads or int(os.environ.get("PAGEDSERVE_NUM_THREADS", 0)) or (os.cpu_count() or 1)
+    choice = choose_threads(num_threads, colocated)
+    n = choice.num_threads
     torch.set_num_threads(n)
     try:
         import numba
@@ -32,4 +120,4 @@ def configure_cpu_threads(num_threads: int | None) -> int:
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     except ImportError:
         pass
-    return n
+    return choice

@@ -7,6 +7,7 @@ Rank 0 samples and replies with a ``StepResult``; other ranks (tensor parallelis
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import time
 import traceback
@@ -91,7 +92,10 @@ class ExecutorProcess:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         cfg = self.config
-        configure_cpu_threads(cfg.num_threads)
+        # ipc:// endpoints: the scheduler (and so the frontend) runs on this machine
+        threads = configure_cpu_threads(cfg.num_threads, colocated=cfg.endpoints.step.startswith("ipc://"))
+        self.log.info("cpu threads", num_threads=threads.num_threads, reason=threads.reason,
+                      omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
         ctx = zmq.Context()
         steps = ctx.socket(zmq.SUB)
         steps.setsockopt(zmq.LINGER, 0)
