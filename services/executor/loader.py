@@ -1,6 +1,6 @@
-"""Build a ``ModelRunner``: our model from a config and weights, the KV pools sized from the flags,
-the attention backend. The executor process and the offline engine (``services.offline``) both
-start here, so that one model loads the same way in both."""
+"""Build a ``ModelRunner``: our model from a config and weights (the whole model, or one rank's
+shard), the KV pools sized from the flags, the attention backend. The executor process and the
+offline engine (``services.offline``) both start here, so that one model loads the same way in both."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 
 from .attention import select_backend
 from .model import ModelConfig
+from .parallel.base import Communicator
+from .parallel.sharding import ShardPlan
 from .runner import ModelRunner, allocate_kv_cache, kv_block_bytes
 from .weights import build_model, resolve_dtype
 
@@ -58,23 +60,30 @@ class RunnerOptions:
             raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
 
 
-def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: RunnerOptions) -> ModelRunner:
+def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: RunnerOptions,
+                 comm: Communicator | None = None) -> ModelRunner:
     """Our model for ``hf_config`` (a transformers config) with ``state_dict``'s weights, over fresh
-    KV pools."""
+    KV pools.
+
+    With ``comm`` (a connected communicator of a group of more than one rank), the model is rank
+    ``comm.rank``'s shard and both KV pools hold only its KV heads: a block takes fewer bytes, so
+    ``kv_cache_memory`` and ``swap_space`` (per rank) hold more of them."""
     device = torch.device(options.device)
     dtype = options.dtype if isinstance(options.dtype, torch.dtype) else resolve_dtype(options.dtype, device)
     model_len = hf_config.max_position_embeddings
     max_model_len = min(options.max_model_len or model_len, model_len)
-    model = build_model(hf_config, state_dict, dtype, device, max_model_len)
     cfg = ModelConfig.from_hf(hf_config)
-    block_bytes = kv_block_bytes(cfg, options.block_size, dtype)
+    plan = ShardPlan.for_model(cfg, comm.rank, comm.world_size) if comm is not None else None
+    model = build_model(hf_config, state_dict, dtype, device, max_model_len, plan, comm)
+    kv_cfg = model.kv_cache_config  # only this rank's KV heads
+    block_bytes = kv_block_bytes(kv_cfg, options.block_size, dtype)
     num_blocks = options.num_kv_blocks or parse_bytes(options.kv_cache_memory) // block_bytes
     if num_blocks <= 0:
         raise ValueError(f"--kv-cache-memory {options.kv_cache_memory} holds no block of {block_bytes} bytes")
     num_cpu_blocks = options.num_cpu_blocks
     if num_cpu_blocks is None:
         num_cpu_blocks = int(options.swap_space * 2**30) // block_bytes
-    kv = allocate_kv_cache(cfg, num_blocks, options.block_size, dtype, device)
-    cpu_kv = allocate_kv_cache(cfg, num_cpu_blocks, options.block_size, dtype, torch.device("cpu"))
+    kv = allocate_kv_cache(kv_cfg, num_blocks, options.block_size, dtype, device)
+    cpu_kv = allocate_kv_cache(kv_cfg, num_cpu_blocks, options.block_size, dtype, torch.device("cpu"))
     return ModelRunner(model, kv, select_backend(options.attention_backend, device), device, seed=options.seed,
                        cpu_kv_caches=cpu_kv)
