@@ -217,10 +217,12 @@ def group_stats(ready: dict[int, ExecutorReady], world_size: int) -> dict:
     Raises ``ValueError`` when the ranks disagree with the scheduler or each other about the group."""
     ranks = [ready[r] for r in sorted(ready)]
     for r in ranks:
-        if r.world_size != world_size or r.block_size != ranks[0].block_size:
-            raise ValueError(f"executor rank {r.rank} reports --world-size {r.world_size} and --block-size "
-                             f"{r.block_size}; the scheduler has --world-size {world_size} and rank "
-                             f"{ranks[0].rank} --block-size {ranks[0].block_size}")
+        if r.world_size != world_size:
+            raise ValueError(f"executor rank {r.rank} reports --world-size {r.world_size}; the scheduler has "
+                             f"--world-size {world_size}")
+        if r.block_size != ranks[0].block_size:
+            raise ValueError(f"executor rank {r.rank} has --block-size {r.block_size}, rank {ranks[0].rank} "
+                             f"{ranks[0].block_size}")
     return {"world_size": world_size, "all_reduce": ranks[0].all_reduce,
             "num_kv_blocks_per_rank": [r.num_blocks for r in ranks],
             "kv_cache_bytes_per_rank": [r.kv_cache_bytes for r in ranks]}
