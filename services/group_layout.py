@@ -49,9 +49,10 @@ class GroupLayout:
         """The ``GroupConfig`` rank ``rank`` will open (validates the flags; imports torch)."""
         from services.executor.parallel.group import GroupConfig
 
+        timeout = {} if self.timeout_s is None else {"timeout_s": self.timeout_s}
         return GroupConfig(rank=rank, world_size=self.world_size, all_reduce=self.all_reduce,
                            num_nodes=self.num_nodes, group_id=self.group_id, store_path=self.store_path,
-                           dist_init_addr=self.dist_init_addr, timeout_s=self.timeout_s or 60.0)
+                           dist_init_addr=self.dist_init_addr, **timeout)
 
     def scheduler_argv(self) -> list[str]:
         if self.world_size == 1:
