@@ -69,18 +69,19 @@ class _Child:
 
 def serve(args) -> int:
     """Run the services until a signal or a failure; returns the exit code."""
-    log = configure_logging("launcher")
     sock_dir = make_private_socket_dir()
-    try:
+    try:  # bad group flags, or heads that do not split: a one-line error before anything starts
         layout = layout_from_args(args, sock_dir)
         if layout.world_size > 1:
             check_model_split(args.model, layout.world_size)
-            log.info("executor group", world_size=layout.world_size, all_reduce=layout.all_reduce,
-                     num_nodes=layout.num_nodes, node_rank=layout.node_rank, ranks=list(layout.local_ranks),
-                     group_id=layout.group_id, dist_init_addr=layout.dist_init_addr)
     except BaseException:
         shutil.rmtree(sock_dir, ignore_errors=True)
         raise
+    log = configure_logging("launcher")
+    if layout.world_size > 1:
+        log.info("executor group", world_size=layout.world_size, all_reduce=layout.all_reduce,
+                 num_nodes=layout.num_nodes, node_rank=layout.node_rank, ranks=list(layout.local_ranks),
+                 group_id=layout.group_id, dist_init_addr=layout.dist_init_addr)
     endpoints = Endpoints.in_directory(sock_dir)
     env = {**os.environ, **endpoints.to_env(), "PYTHONUNBUFFERED": "1"}
     env.setdefault("PAGEDSERVE_LOG_FORMAT", "console" if sys.stderr.isatty() else "json")
