@@ -217,6 +217,10 @@ class ExecutorReady:
     block_size: int
     max_model_len: int
     num_cpu_blocks: int = 0  # swap space
+    # Tensor parallelism: the group's all-reduce ("single", "shm", "cuda_ipc" or "torch") and the
+    # bytes of this rank's device KV pool (only its KV heads).
+    all_reduce: str = "single"
+    kv_cache_bytes: int = 0
 
 
 @dataclass
@@ -267,6 +271,12 @@ class EngineStats:
     num_cached_blocks: int = 0  # unused blocks kept for their content (evictable)
     num_swap_outs: int = 0  # preemptions by swap
     num_recomputes: int = 0  # preemptions by recompute
+    # The executor group (from the ranks' ExecutorReady): tensor-parallel size, all-reduce kind,
+    # and per rank (indexed by rank) its device KV blocks and their bytes.
+    world_size: int = 1
+    all_reduce: str = "single"
+    num_kv_blocks_per_rank: list[int] = field(default_factory=list)
+    kv_cache_bytes_per_rank: list[int] = field(default_factory=list)
 
 
 MESSAGE_TYPES: dict[int, type] = {

@@ -38,10 +38,13 @@ EXAMPLES = [
                top_token_ids=np.array([[11, 4]], np.int64), top_logprobs=np.array([[-0.25, -2.5]], np.float32)),
     StepResult(8, np.zeros(0, np.int64), np.zeros(0, np.int64), error="boom"),
     ExecutorReady(0, 1, 100, 16, 2048, num_cpu_blocks=8),
+    ExecutorReady(1, 3, 300, 16, 2048, num_cpu_blocks=8, all_reduce="shm", kv_cache_bytes=3 * 2**20),
     Hello(99),
     HelloAck(0, 99),
     Shutdown("bye"),
-    EngineStats(1, 2, 100, 10, 30, 40, True, num_steps=5, sum_slots_used=9, num_swap_outs=1, num_recomputes=2),
+    EngineStats(1, 2, 100, 10, 30, 40, True, num_steps=5, sum_slots_used=9, num_swap_outs=1, num_recomputes=2,
+                world_size=2, all_reduce="torch", num_kv_blocks_per_rank=[100, 120],
+                kv_cache_bytes_per_rank=[2**20, 2**20 + 5]),
 ]
 
 
@@ -67,6 +70,14 @@ def test_every_message_type_has_an_example():
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_round_trip(message):
     _assert_same(decode(encode(message)), message)
+
+
+def test_group_fields_default_to_one_rank():
+    ready = decode(encode(ExecutorReady(0, 1, 10, 16, 64)))
+    stats = decode(encode(EngineStats(0, 0, 10, 0, 0, 0, True)))
+    assert (ready.all_reduce, ready.kv_cache_bytes) == ("single", 0)
+    assert (stats.world_size, stats.all_reduce, stats.num_kv_blocks_per_rank, stats.kv_cache_bytes_per_rank) == (
+        1, "single", [], [])
 
 
 def test_request_output_defaults_to_not_finished():

@@ -260,14 +260,15 @@ def tiny_model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory)
 
 
-def save_tiny_model(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's tokenizer, saved as a model directory; returns its path."""
+def save_tiny_model(tmp_path_factory, **config):
+    """A tiny random Llama with SmolLM2's tokenizer, saved as a model directory; returns its path.
+    ``config`` overrides ``tiny_llama``'s configuration (heads, sizes)."""
     from tests.frontend_doubles import cached_tokenizer
     from tests.harness import tiny_llama
 
     tokenizer = cached_tokenizer()
     model_dir = tmp_path_factory.mktemp("tiny-model")
-    tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256).save_pretrained(model_dir)
+    tiny_llama(**{"vocab_size": len(tokenizer), "max_position_embeddings": 256, **config}).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     return model_dir
 

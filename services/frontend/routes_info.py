@@ -77,8 +77,16 @@ async def health(request: web.Request) -> web.Response:
         "kv_slot_utilization": (
             stats.sum_slots_used / stats.sum_slots_allocated if stats.sum_slots_allocated else None
         ),
+        "group": _group(stats),
     }
     return web.json_response(body, status=200 if stats.ready else 503)
+
+
+def _group(stats) -> dict[str, Any]:
+    """The executor group: tensor-parallel size, all-reduce kind, KV blocks and bytes per rank."""
+    return {"world_size": stats.world_size, "all_reduce": stats.all_reduce,
+            "num_kv_blocks_per_rank": stats.num_kv_blocks_per_rank,
+            "kv_cache_bytes_per_rank": stats.kv_cache_bytes_per_rank}
 
 
 async def metrics(request: web.Request) -> web.Response:
