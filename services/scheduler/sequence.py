@@ -8,6 +8,8 @@ from enum import Enum, StrEnum
 
 from shared.messages import SamplingParams
 
+from .prompt_scores import PromptScores
+
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
@@ -54,6 +56,7 @@ class Sequence:
     pending_children: list = field(default_factory=list)  # siblings that fork once the prompt is in
     cum_logprob: float = 0.0  # sum of the sampled tokens' logprobs (best_of, beam search)
     beam_candidates: tuple | None = None  # (token ids, logprobs) awaiting the beam decision
+    prompt_scores: PromptScores | None = None  # its group's, on the sequence that prefills the prompt
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -78,6 +81,13 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+
+    def forget_computed(self) -> None:
+        """A recompute preemption freed its blocks: it is computed again from its first token."""
+        self.num_computed_tokens = 0
+        self.beam_candidates = None  # the re-prefill samples them again
+        if self.prompt_scores is not None:
+            self.prompt_scores.reset()  # and scores the prompt again unless that was complete
 
     def stop_reason(self, max_model_len: int) -> FinishReason | None:
         """STOP or LENGTH if the last appended token ends the sequence, else None."""

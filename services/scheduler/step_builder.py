@@ -17,6 +17,7 @@ class Scheduled:
     seq: Sequence
     num_new_tokens: int
     is_fork_parent: bool = False  # forked children follow it in the prefill part, sharing its last row
+    scored_rows: slice | None = None  # its rows of the step's prompt scores, if any (set by build_step)
 
     @property
     def is_decode(self) -> bool:
@@ -35,7 +36,9 @@ def build_step(
     """Flatten ``scheduled`` (reordered in place: decodes first, then prefill chunks) into a Step.
 
     A sequence not yet announced goes out as a ``NewSequence`` with its sampling parameters and
-    every token it has (prompt, and outputs for a forked beam), and is marked announced.
+    every token it has (prompt, and outputs for a forked beam), and is marked announced. A sequence
+    whose prompt is being scored gets its positions to score, and its rows of the result in
+    ``Scheduled.scored_rows``. A sequence with ``max_tokens`` 0 is never sampled.
     """
     scheduled.sort(key=lambda s: not s.is_decode)  # stable: keeps arrival order in each part
     num_seqs = len(scheduled)
@@ -44,6 +47,7 @@ def build_step(
     query_start_loc = np.zeros(num_seqs + 1, np.int32)
     context_lens = np.zeros(num_seqs, np.int32)
     sample_mask = np.zeros(num_seqs, bool)
+    num_scored = np.zeros(num_seqs, np.int32)
     tokens, positions, slots = [], [], []
     new_seqs = []
     for i, s in enumerate(scheduled):
@@ -53,7 +57,11 @@ def build_step(
         block_tables[i, : len(table)] = table
         query_start_loc[i + 1] = query_start_loc[i] + s.num_new_tokens
         context_lens[i] = end
-        sample_mask[i] = end == seq.num_tokens
+        sample_mask[i] = end == seq.num_tokens and seq.sampling.max_tokens > 0
+        if seq.prompt_scores is not None and (n := seq.prompt_scores.num_rows(start, end)):
+            first = int(num_scored.sum())
+            num_scored[i] = n
+            s.scored_rows = slice(first, first + n)
         for pos in range(start, end):
             tokens.append(seq.token_id(pos))
             positions.append(pos)
@@ -78,4 +86,7 @@ def build_step(
         swap_out=_pairs(swap_out),
         swap_in=_pairs(swap_in),
         block_copies=_pairs(list(block_copies)),
+        num_scored_tokens=num_scored if num_scored.any() else np.zeros(0, np.int32),
+        num_prompt_top_logprobs=max((s.seq.prompt_scores.num_top for s in scheduled
+                                     if s.scored_rows is not None), default=0),
     )
