@@ -127,7 +127,8 @@ def test_prompt_logprobs_reach_the_engine_with_echoed_logprobs_folded_in(model):
                 "prompt_logprobs is not supported with use_beam_search")
 
     def engine_top(echo: bool, **fields) -> int | None:
-        return sampling_params(completion(echo=echo, **fields).options, 3, model, 16, "prompt", echo=echo).prompt_logprobs
+        options = completion(echo=echo, **fields).options
+        return sampling_params(options, 3, model, 16, "prompt", echo=echo).prompt_logprobs
 
     assert engine_top(False, prompt_logprobs=3) == engine_top(True, prompt_logprobs=3) == 3
     assert engine_top(False) is engine_top(True) is engine_top(False, logprobs=2) is None
@@ -220,7 +221,8 @@ def vllm_prompt_logprobs(model, prompt_ids: list[int], num_top: int) -> list:
     """vLLM's ``prompt_logprobs`` of the fake scheduler's scores, as JSON brings them back."""
     entries = [None]
     for t in prompt_ids[1:]:
-        ranked = {str(t): {"logprob": fake_logprob(t), "rank": fake_rank(t), "decoded_token": model.tokenizer.decode([t])}}
+        ranked = {str(t): {"logprob": fake_logprob(t), "rank": fake_rank(t),
+                           "decoded_token": model.tokenizer.decode([t])}}
         for r in range(num_top):
             ranked[str(t + 1 + r)] = {"logprob": fake_logprob(t) - 1 - r, "rank": r + 1,
                                       "decoded_token": model.tokenizer.decode([t + 1 + r])}
@@ -232,7 +234,8 @@ def test_vllm_prompt_logprobs_per_choice_on_completions_and_once_on_chat(client,
     prompt_ids = list(model.tokenizer.encode("Score me"))
     result = client.completions.create(model=model.name, prompt="Score me", max_tokens=2, n=2,
                                        extra_body={"prompt_logprobs": 2})
-    assert [c.model_extra["prompt_logprobs"] for c in result.choices] == [vllm_prompt_logprobs(model, prompt_ids, 2)] * 2
+    want = vllm_prompt_logprobs(model, prompt_ids, 2)
+    assert [c.model_extra["prompt_logprobs"] for c in result.choices] == [want, want]
     assert [c.logprobs for c in result.choices] == [None, None]  # prompt_logprobs alone lists no token logprobs
     echoed = client.completions.create(model=model.name, prompt="Score me", max_tokens=0, echo=True, logprobs=1,
                                        extra_body={"prompt_logprobs": 3})

@@ -74,7 +74,8 @@ def test_chunks_of_16_tokens_beside_decodes_equal_transformers(model):
     engine.step()  # it decodes while the others are prefilled chunk by chunk
     prompts = {"a": prompt_of(61, seed=3), "b": prompt_of(37, seed=4), "c": prompt_of(1, seed=5)}
     for request_id, prompt in prompts.items():
-        engine.add(request_id, prompt, temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2 + len(prompt) % 3)
+        engine.add(request_id, prompt, temperature=0.0, max_tokens=2, ignore_eos=True,
+                   prompt_logprobs=2 + len(prompt) % 3)
     engine.run()
     assert engine.max_tokens_in_step <= 16 and engine.mixed_steps > 0
     for request_id in ("a", "b"):
@@ -156,12 +157,11 @@ def test_llm_generate_exposes_prompt_logprobs_in_vllms_shape(model):
         token_id = prompts[0][position + 1]
         assert next(iter(ranked)) == token_id  # the prompt token first, then the top 2
         assert abs(ranked[token_id].logprob - ref[position, token_id].item()) < TOLERANCE
-        top_ids = list(ranked)[1:] if len(ranked) == 3 else list(ranked)
-        assert [ranked[t].rank for t in top_ids if t != token_id] == [r for r, t in enumerate(top_ids, 1)
-                                                                       if t != token_id]
-        torch.testing.assert_close(torch.tensor([ranked[t].logprob for t in top_ids]), torch.topk(ref[position], 2).values,
-                                   atol=TOLERANCE, rtol=0)
-        assert isinstance(ranked[token_id], Logprob)
+        others = sorted(lp.rank for t, lp in ranked.items() if t != token_id)
+        assert others == [1, 2] if len(ranked) == 3 else others in ([1], [2])  # the prompt token among the top 2
+        best = sorted((lp.logprob for lp in ranked.values()), reverse=True)[:2]
+        torch.testing.assert_close(torch.tensor(best), torch.topk(ref[position], 2).values, atol=TOLERANCE, rtol=0)
+        assert isinstance(ranked[token_id], Logprob) and ranked[token_id].rank >= 1
     assert all(o.choices[0].token_ids == [] and o.choices[0].finish_reason == "length" for o in outs)
     [plain] = llm.generate([prompts[0]], SamplingParams(max_tokens=1))
     assert plain.prompt_logprobs is None

@@ -93,7 +93,8 @@ class SequenceGroup:
             ))
         self.prompt_scores = None
         if request.sampling.prompt_logprobs is not None:
-            self.prompt_scores = self.seqs[0].prompt_scores = PromptScores(len(prompt), request.sampling.prompt_logprobs)
+            self.prompt_scores = PromptScores(len(prompt), request.sampling.prompt_logprobs)
+            self.seqs[0].prompt_scores = self.prompt_scores
 
     def _executor_sampling(self, sampling: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """The sampling the executors get for every sequence of the group."""
