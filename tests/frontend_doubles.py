@@ -139,8 +139,9 @@ class FakeScheduler:
         with self._changed:
             self._raw_frames.append(frame)
 
-    def wait_for(self, predicate, timeout: float = 5.0) -> bool:
-        """Wait until ``predicate(self)`` holds (checked after each received message)."""
+    def wait_for(self, predicate, timeout: float = 30.0) -> bool:
+        """Wait until ``predicate(self)`` holds (checked after each received message). The default
+        timeout only guards against a hang: a loaded machine may take seconds."""
         with self._changed:
             return self._changed.wait_for(lambda: predicate(self), timeout)
 
