@@ -46,7 +46,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server_log(server, tmp_path_factory):
     """The server's log (every process's JSON lines, forwarded by the launcher)."""
-    [log] = tmp_path_factory.getbasetemp().glob("serve-api*/serve.log")
+    [log] = tmp_path_factory.getbasetemp().glob("serve-api[0-9]*/serve.log")  # tiny_server's folder
     return log
 
 
@@ -59,9 +59,11 @@ def engine_outcomes(log, request_ids: list[str], timeout: float = 60.0) -> dict[
         outcomes = {}
         for line in log.read_text().splitlines():
             event = json.loads(line) if line.startswith("{") else {}
-            if event.get("request_id") in request_ids and event.get("event") == "request aborted":
+            if event.get("process") != "scheduler" or event.get("request_id") not in request_ids:
+                continue
+            if event["event"] == "request aborted":
                 outcomes.setdefault(event["request_id"], "aborted")
-            elif event.get("request_id") in request_ids and event.get("event") == "request finished":
+            elif event["event"] == "request finished":
                 outcomes.setdefault(event["request_id"], event["finish_reason"])
         if len(outcomes) == len(request_ids) or time.monotonic() > deadline:
             return outcomes
