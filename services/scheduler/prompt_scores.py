@@ -2,12 +2,12 @@
 
 The sequence that prefills the prompt (the first of its group; the others fork from it) is the
 one scored: each step that computes prompt positions not yet scored asks the executor for them
-(``Step.num_scored_tokens``), and ``add`` keeps the rows that come back. Positions are scored in
-order, so the rows a step asks for always start where the scores so far end; two things keep that
-true: a sequence whose prompt is not yet scored takes no prefix-cache hit (a cached block is never
-computed, so it could not be scored), and a recompute preemption before the prompt is complete
-drops what was gathered (``reset``), since the prompt is computed again from its start. When every
-position is scored, the group puts them on the request's first output (``attach``), once.
+(``Step.num_scored_tokens``: a leading run of the chunk), and ``add`` keeps the rows that come back.
+Positions are scored in order. A chunk never starts past the scores so far, because a sequence
+whose prompt is not yet scored takes no prefix-cache hit (a cached block is never computed, so it
+could not be scored); one that starts before their end (the prompt computed again after a
+recompute preemption) scores those positions again. Once every position is scored, nothing more
+is asked, and the group puts the scores on the request's first output (``attach``), once.
 """
 
 from __future__ import annotations
@@ -37,14 +37,17 @@ class PromptScores:
         return self.num_scored == self.num_positions
 
     def num_rows(self, start: int, end: int) -> int:
-        """How many of the positions ``[start, end)`` a step computing them must score.
+        """How many of the positions ``[start, end)``, from ``start``, a step computing them must
+        score; the scores from ``start`` on are dropped, to come again.
 
-        Raises ``ValueError`` if they would leave a gap or score a position twice."""
+        Raises ``ValueError`` if the chunk starts past the scores so far (it would leave a gap)."""
         if self.complete:
             return 0
-        if start != self.num_scored:
+        if start > self.num_scored:
             raise ValueError(f"a chunk from position {start} would be scored, but the prompt is scored up to "
                              f"{self.num_scored} of {self.num_positions} positions")
+        for scores in (self.logprobs, self.ranks, self.top_token_ids, self.top_logprobs):
+            del scores[start:]
         return max(0, min(end, self.num_positions) - start)
 
     def add(self, result: StepResult, rows: slice) -> None:
@@ -53,11 +56,6 @@ class PromptScores:
         self.ranks += result.prompt_ranks[rows].tolist()
         self.top_token_ids += result.prompt_top_token_ids[rows, : self.num_top].tolist()
         self.top_logprobs += result.prompt_top_logprobs[rows, : self.num_top].tolist()
-
-    def reset(self) -> None:
-        """Forget a partial score (a recompute preemption computes the prompt again)."""
-        if not self.complete:
-            self.logprobs, self.ranks, self.top_token_ids, self.top_logprobs = [], [], [], []
 
     def attach(self, out: RequestOutput) -> None:
         """Put the whole score on ``out``; once complete, and only once."""

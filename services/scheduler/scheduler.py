@@ -227,7 +227,7 @@ class Scheduler:
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks that hold this sequence's leading tokens (at least one token is left)."""
-        if not self.blocks.enable_prefix_caching or (seq.prompt_scores and not seq.prompt_scores.complete):
+        if not self.blocks.enable_prefix_caching or (seq.prompt_scores is not None and not seq.prompt_scores.complete):
             return []  # a prompt to score is computed whole: a cached block is never computed
         limit = (seq.num_tokens - 1) // self.blocks.block_size
         if len(seq.block_hashes) < limit:
@@ -271,7 +271,8 @@ class Scheduler:
             return
         for seq in reversed(group):  # recompute: free now, prefill prompt + output again later
             self.blocks.free(seq.seq_id)
-            seq.forget_computed()
+            seq.num_computed_tokens = 0
+            seq.beam_candidates = None  # the re-prefill samples them again
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
 

@@ -82,13 +82,6 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
-    def forget_computed(self) -> None:
-        """A recompute preemption freed its blocks: it is computed again from its first token."""
-        self.num_computed_tokens = 0
-        self.beam_candidates = None  # the re-prefill samples them again
-        if self.prompt_scores is not None:
-            self.prompt_scores.reset()  # and scores the prompt again unless that was complete
-
     def stop_reason(self, max_model_len: int) -> FinishReason | None:
         """STOP or LENGTH if the last appended token ends the sequence, else None."""
         num_out = len(self.output_token_ids)
