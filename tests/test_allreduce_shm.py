@@ -26,7 +26,7 @@ def spec(tmp_path):
     assert group_segments(group_id) == [], "a segment was left in /dev/shm"
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2] + [pytest.param(n, marks=pytest.mark.slow) for n in (3, 4)])
 def test_sums_equal_torch_sum(world_size, spec):
     cases = [(n, "float32") for n in SIZES] + [(n, d) for n in (1, 577, 2**17 + 3) for d in ("bfloat16", "float16")]
     check_sums(RankGroup(sums_worker, world_size, "shm", spec, cases), cases)

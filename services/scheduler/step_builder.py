@@ -41,13 +41,13 @@ def build_step(
     ``Scheduled.scored_rows``. A sequence with ``max_tokens`` 0 is never sampled.
     """
     scheduled.sort(key=lambda s: not s.is_decode)  # stable: keeps arrival order in each part
+    num_scored, num_top = _prompt_scoring(scheduled)
     num_seqs = len(scheduled)
     max_blocks = max((len(blocks.block_tables[s.seq.seq_id]) for s in scheduled), default=0)
     block_tables = np.zeros((num_seqs, max_blocks), np.int32)
     query_start_loc = np.zeros(num_seqs + 1, np.int32)
     context_lens = np.zeros(num_seqs, np.int32)
     sample_mask = np.zeros(num_seqs, bool)
-    num_scored = np.zeros(num_seqs, np.int32)
     tokens, positions, slots = [], [], []
     new_seqs = []
     for i, s in enumerate(scheduled):
@@ -58,10 +58,6 @@ def build_step(
         query_start_loc[i + 1] = query_start_loc[i] + s.num_new_tokens
         context_lens[i] = end
         sample_mask[i] = end == seq.num_tokens and seq.sampling.max_tokens > 0
-        if seq.prompt_scores is not None and (n := seq.prompt_scores.num_rows(start, end)):
-            first = int(num_scored.sum())
-            num_scored[i] = n
-            s.scored_rows = slice(first, first + n)
         for pos in range(start, end):
             tokens.append(seq.token_id(pos))
             positions.append(pos)
@@ -86,7 +82,21 @@ def build_step(
         swap_out=_pairs(swap_out),
         swap_in=_pairs(swap_in),
         block_copies=_pairs(list(block_copies)),
-        num_scored_tokens=num_scored if num_scored.any() else np.zeros(0, np.int32),
-        num_prompt_top_logprobs=max((s.seq.prompt_scores.num_top for s in scheduled
-                                     if s.scored_rows is not None), default=0),
+        num_scored_tokens=num_scored,
+        num_prompt_top_logprobs=num_top,
     )
+
+
+def _prompt_scoring(scheduled: list[Scheduled]) -> tuple[np.ndarray, int]:
+    """``Step.num_scored_tokens`` and ``num_prompt_top_logprobs`` for ``scheduled`` (in step order),
+    and each scored sequence's ``scored_rows``."""
+    num_scored = np.zeros(len(scheduled), np.int32)
+    num_top = 0
+    for i, s in enumerate(scheduled):
+        scores, start = s.seq.prompt_scores, s.seq.num_computed_tokens
+        if scores is not None and (n := scores.num_rows(start, start + s.num_new_tokens)):
+            first = int(num_scored.sum())
+            num_scored[i] = n
+            s.scored_rows = slice(first, first + n)
+            num_top = max(num_top, scores.num_top)
+    return (num_scored if num_scored.any() else np.zeros(0, np.int32)), num_top
