@@ -38,9 +38,10 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, tiny_model_dir):
     yield from tiny_server(tmp_path_factory, "serve-api", "--served-model-name", MODEL, "--max-model-len",
-                           str(MAX_MODEL_LEN), "--kv-cache-memory", "16MiB", "--max-queue-len", "200")
+                           str(MAX_MODEL_LEN), "--kv-cache-memory", "16MiB", "--max-queue-len", "200",
+                           model_dir=tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ IGNORE_EOS = {"ignore_eos": True}  # a random model may end at any token; fixed 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, tiny_model_dir):
     yield from tiny_server(tmp_path_factory, "serve-groups", "--served-model-name", MODEL, "--max-model-len",
-                           str(MAX_MODEL_LEN), "--kv-cache-memory", "16MiB")
+                           str(MAX_MODEL_LEN), "--kv-cache-memory", "16MiB", model_dir=tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

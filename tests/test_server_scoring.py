@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_server import save_tiny_model, tiny_server
+from tests.test_server import tiny_server
 
 pytestmark = pytest.mark.slow
 
@@ -18,12 +18,12 @@ PROMPTS = ["The capital of France is Paris, and the capital of Italy is Rome; th
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, tiny_model_dir):
     """(the Hugging Face model, the tokenizer, an ``openai`` client of the server on it)."""
     from openai import OpenAI
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = save_tiny_model(tmp_path_factory)
+    model_dir = tiny_model_dir
     server = tiny_server(tmp_path_factory, "serve-scoring", "--served-model-name", "tiny", "--dtype", "float32",
                          "--kv-cache-memory", "16MiB", "--block-size", "4", "--max-num-batched-tokens", "16",
                          model_dir=model_dir)
