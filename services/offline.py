@@ -202,7 +202,7 @@ class LLM:
                 self.engine.abort_request(request_id)
         for result, p in zip(results.values(), params):
             if p is not None and p.prompt_logprobs is not None and result.prompt_logprobs is None:
-                result.prompt_logprobs = [None] * len(result.prompt_token_ids)  # none came: one token, nothing to score
+                result.prompt_logprobs = [None] * len(result.prompt_token_ids)  # one token: nothing to score
             for choice in result.choices:
                 choice.text = self._detokenize(choice.token_ids)
         return list(results.values())

@@ -91,7 +91,7 @@ class SequenceGroup:
                 prompt_token_ids=prompt, sampling=seq_sampling,
                 eos_token_ids=frozenset(request.eos_token_ids), arrival_time=request.arrival_time,
             ))
-        self.prompt_scores = None
+        self.prompt_scores: PromptScores | None = None
         if request.sampling.prompt_logprobs is not None:
             self.prompt_scores = PromptScores(len(prompt), request.sampling.prompt_logprobs)
             self.seqs[0].prompt_scores = self.prompt_scores
