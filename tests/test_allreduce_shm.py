@@ -189,3 +189,25 @@ def test_rendezvous_names_missing_ranks(tmp_path):
 def test_wait_policy_validated():
     with pytest.raises(ValueError):
         WaitPolicy(timeout_s=0)
+
+
+def _header() -> memoryview:
+    return memoryview(bytearray(4096)).cast("q")
+
+
+def test_a_peer_that_arrived_then_closed_is_not_blamed():
+    """The race a loaded machine hits: rank 0 sees rank 1 short of the epoch; before rank 0 looks at
+    its status, rank 1 publishes it, finishes and closes. Only a peer still short is blamed."""
+    from services.executor.parallel.flags import PeerFlags
+    from services.executor.parallel.segment import STATUS_CLOSED, W_EPOCH, W_STATUS
+
+    flags = PeerFlags(_header(), new_group_id(), 0, WaitPolicy())
+    peer = _header()
+    flags.peers.append((1, peer, {"pid": os.getpid(), "pid_start": 0, "pid_ns": 0}))
+    lagging = list(flags.peers)  # seen short of epoch 1 ...
+    peer[W_EPOCH], peer[W_STATUS] = 1, STATUS_CLOSED  # ... then it arrived, and closed
+    flags._check_lagging(lagging, W_EPOCH, 1, "collective 1", waited_s=1e9)
+    assert flags.error is None
+    with pytest.raises(GroupError, match="rank 1 closed while rank 0 waited for it at collective 2") as info:
+        flags._check_lagging(lagging, W_EPOCH, 2, "collective 2", waited_s=0.0)
+    assert info.value.rank == 1
