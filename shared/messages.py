@@ -62,8 +62,10 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
-    # vLLM's prompt_logprobs: None, or k >= 0 for every prompt token's logprob and the k most
-    # likely tokens' at its position. The frontend refuses it until the engine computes them.
+    # vLLM's prompt_logprobs: None, or k >= 0 for the logprob of every prompt token after the
+    # first (given the tokens before it) and the k most likely tokens' at its position, from the
+    # model's raw distribution like ``logprobs``. A request that asks takes no prefix-cache hit
+    # until its prompt is scored; max_tokens 0 then scores the prompt and generates nothing.
     prompt_logprobs: int | None = None
 
     @property
@@ -121,6 +123,14 @@ class RequestOutput:
     # With finish_reason "error": whose fault it is. "request": it can never run as asked (the
     # frontend answers 400); "engine": the engine failed while running it (500).
     error_kind: str | None = None
+    # Once per request, on its first output, when SamplingParams.prompt_logprobs is set (else
+    # empty): for each prompt token after the first, its logprob given the tokens before it, its
+    # rank in that distribution (1: the most likely), and the prompt_logprobs most likely tokens
+    # at its position with theirs. Empty also when the prompt has one token.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)
+    prompt_top_token_ids: list[list[int]] = field(default_factory=list)
+    prompt_top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -187,6 +197,12 @@ class Step:
     swap_out: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
     # [num_pairs, 2] int64 (cpu block, device block): copy in, applied after swap_out.
     swap_in: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+    # Prompt scoring: the first ``num_scored_tokens[i]`` new tokens of sequence ``i`` need the
+    # logprob of the token that follows each (the next prompt token) and the
+    # ``num_prompt_top_logprobs`` most likely tokens at their positions. [S] int32, or empty when
+    # no sequence of the step is scored.
+    num_scored_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    num_prompt_top_logprobs: int = 0
 
 
 @dataclass
@@ -204,6 +220,13 @@ class StepResult:
     # [num_sampled, K]: the K most likely tokens, K the most any of these sequences asked for.
     top_token_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
     top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    # Prompt scoring, one row per scored token in step order (``Step.num_scored_tokens``; all
+    # empty when none): the next prompt token's logprob and rank (1: the most likely), and the
+    # ``Step.num_prompt_top_logprobs`` most likely tokens. Raw distribution, as ``logprobs``.
+    prompt_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # [R]
+    prompt_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [R]
+    prompt_top_token_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))  # [R, K]
+    prompt_top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # [R, K]
 
 
 @dataclass
