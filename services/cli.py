@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     from services.frontend.http_limits import add_http_limit_arguments
 
     add_http_limit_arguments(g)
+    from services.frontend.playground import add_playground_argument
+
+    add_playground_argument(g)
 
     sched = sub.add_parser("scheduler", help="the scheduler process alone")
     _add_engine_arguments(sched)
