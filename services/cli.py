@@ -126,7 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "simulate":
             from services.scheduler.simulate import run_simulate
 
-            return run_simulate(args)
+            code = run_simulate(args)
+            if args.html:
+                from services.replay_page import write_replay_page
+
+                print(f"\nwrote {write_replay_page(args)}: open it in a browser to replay both runs step by step")
+            return code
         if args.command == "scheduler":
             from services.scheduler.main import SchedulerProcessConfig, run_scheduler
 

@@ -77,7 +77,8 @@
 
   class KvMap {
     /** opts: device (canvas), cpu (canvas or null), palette, maxHeight (CSS px the device map aims
-        for), minCell / maxCell (CSS px), showSlots (draw slot dividers when cells are wide enough),
+        for), minCell / maxCell (CSS px), columns (a fixed number of cells per row, else as many as
+        fit), showSlots (draw slot dividers when cells are wide enough),
         onHover(info or null): info = {pool, cell, clientX, clientY}. */
     constructor(opts) {
       this.device = opts.device;
@@ -88,6 +89,7 @@
       this.minCell = opts.minCell || 3;
       this.maxCell = opts.maxCell || 30;
       this.showSlots = !!opts.showSlots;
+      this.columns = opts.columns || 0;
       this.onHover = opts.onHover || null;
       this.onUpdate = [];  // callbacks(map) after every snapshot is drawn
       this.lastSnapshot = null;
@@ -166,7 +168,11 @@
       let rows;
       for (;;) {
         gap = cell >= 10 ? 3 : 1;
-        cols = Math.max(1, Math.floor((width + gap) / (cell + gap)));
+        cols = this.columns || Math.max(1, Math.floor((width + gap) / (cell + gap)));
+        if (this.columns && cell > this.minCell && cols * (cell + gap) - gap > width) {
+          cell -= 1;
+          continue;
+        }
         rows = Math.max(1, Math.ceil(num / cols));
         if (cell <= this.minCell || rows * (cell + gap) - gap <= maxHeight) break;
         cell -= 1;
