@@ -1,10 +1,11 @@
 """The JSON form of a ``KvSnapshot``: what ``/v1/kv/events`` streams and ``simulate --html`` embeds,
 and its JSON Schema (served in ``/openapi.json``). One declaration of the shape, used by both.
 
-Block ``i`` of the device pool is ``blocks.ref_counts[i]`` (0: not in any table) and
-``blocks.cached[i]`` (1: holds a prefix-cache entry; with count 0 it is cached but free, reusable
-by a later prompt, evicted when a block is needed). Its owners are the sequences whose
-``block_table`` holds ``i`` (``on_cpu`` tables index the CPU pool instead).
+Sparse: a pool lists the blocks some table holds (``used_block_ids``, with their ``ref_counts``)
+and, on the device, the blocks with a prefix-cache entry (``cached_block_ids``; one that is not
+also used is cached but free: reusable by a later prompt with the same prefix, evicted when a block
+is needed). Every other block is free. A block's owners are the sequences whose ``block_table``
+holds it (``on_cpu`` tables index the CPU pool instead).
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ def kv_snapshot_json(snapshot: KvSnapshot) -> dict[str, Any]:
     return {
         "snapshot_id": snapshot.snapshot_id,
         "block_size": snapshot.block_size,
-        "blocks": {"ref_counts": snapshot.ref_counts.tolist(), "cached": snapshot.cached.astype(int).tolist()},
-        "cpu_blocks": {"ref_counts": snapshot.cpu_ref_counts.tolist()},
+        "blocks": {"num_blocks": snapshot.num_blocks, "used_block_ids": snapshot.used_block_ids.tolist(),
+                   "ref_counts": snapshot.used_ref_counts.tolist(),
+                   "cached_block_ids": snapshot.cached_block_ids.tolist()},
+        "cpu_blocks": {"num_blocks": snapshot.num_cpu_blocks, "used_block_ids": snapshot.cpu_used_block_ids.tolist(),
+                       "ref_counts": snapshot.cpu_used_ref_counts.tolist()},
         "sequences": sequences,
         "events": events,
         "num_events_dropped": snapshot.num_events_dropped,
@@ -42,11 +46,19 @@ def kv_snapshot_json(snapshot: KvSnapshot) -> dict[str, Any]:
     }
 
 
-def _ints(description: str, maximum: int | None = None) -> dict[str, Any]:
-    item: dict[str, Any] = {"type": "integer", "minimum": 0}
-    if maximum is not None:
-        item["maximum"] = maximum
-    return {"type": "array", "items": item, "description": description}
+def _ints(description: str) -> dict[str, Any]:
+    return {"type": "array", "items": {"type": "integer", "minimum": 0}, "description": description}
+
+
+def _pool(description: str, cached: bool = False) -> dict[str, Any]:
+    properties = {
+        "num_blocks": {"type": "integer", "minimum": 0},
+        "used_block_ids": _ints("blocks some block table holds, ascending (every other block has count 0)"),
+        "ref_counts": _ints("the block tables holding each of used_block_ids"),
+    }
+    if cached:
+        properties["cached_block_ids"] = _ints("blocks holding a prefix-cache entry (not used: cached but free)")
+    return {"type": "object", "description": description, "required": list(properties), "properties": properties}
 
 
 def kv_snapshot_schema() -> dict[str, Any]:
@@ -74,11 +86,8 @@ def kv_snapshot_schema() -> dict[str, Any]:
         "properties": {
             "snapshot_id": {"type": "integer"},
             "block_size": {"type": "integer", "description": "token slots per block"},
-            "blocks": {"type": "object", "required": ["ref_counts", "cached"], "properties": {
-                "ref_counts": _ints("device block id -> block tables holding it"),
-                "cached": _ints("device block id -> 1 if it holds a prefix-cache entry", 1)}},
-            "cpu_blocks": {"type": "object", "required": ["ref_counts"], "properties": {
-                "ref_counts": _ints("CPU (swap) block id -> block tables holding it")}},
+            "blocks": _pool("The device pool.", cached=True),
+            "cpu_blocks": _pool("The CPU pool that swapped-out sequences' blocks move to."),
             "sequences": {"type": "array", "items": sequence},
             "events": {"type": "array", "items": event, "description": "block moves since the previous snapshot"},
             "num_events_dropped": {"type": "integer", "description": "moves that did not fit the scheduler's log"},

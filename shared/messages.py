@@ -297,18 +297,23 @@ class KvEventKind(IntEnum):
 class KvSnapshot:
     """scheduler -> the frontends that watch: the block pool at one moment (``/v1/kv/events``).
 
-    A block's owners are the sequences whose tables hold it: sequence ``i``'s table is
-    ``table_block_ids[table_starts[i]:table_starts[i + 1]]``, in the CPU pool when ``on_cpu[i]``
-    (swapped out), else on the device. ``events`` are the block moves since the previous snapshot
-    (oldest first; ``num_events_dropped`` more did not fit in the scheduler's bounded log).
+    Sparse, so that its size follows the blocks in use, not the pool's: a block not listed in
+    ``used_block_ids`` has count 0. A block's owners are the sequences whose tables hold it:
+    sequence ``i``'s table is ``table_block_ids[table_starts[i]:table_starts[i + 1]]``, in the CPU
+    pool when ``on_cpu[i]`` (swapped out), else on the device. ``events`` are the block moves since
+    the previous snapshot (oldest first; ``num_events_dropped`` more did not fit the scheduler's log).
     """
 
     TAG: ClassVar[int] = 41
     snapshot_id: int
     block_size: int
-    ref_counts: np.ndarray  # [num_blocks] int32
-    cached: np.ndarray  # [num_blocks] bool: has a prefix-cache entry (count 0: cached but free)
-    cpu_ref_counts: np.ndarray  # [num_cpu_blocks] int32
+    num_blocks: int
+    num_cpu_blocks: int
+    used_block_ids: np.ndarray  # [U] int32: device blocks held by some table, ascending
+    used_ref_counts: np.ndarray  # [U] int32: their reference counts
+    cached_block_ids: np.ndarray  # [C] int32: device blocks with a prefix-cache entry (count 0: cached, free)
+    cpu_used_block_ids: np.ndarray  # [V] int32: CPU blocks held by some table, ascending
+    cpu_used_ref_counts: np.ndarray  # [V] int32
     seq_ids: np.ndarray  # [S] int64
     request_ids: list[str]  # [S]
     choice_idxs: np.ndarray  # [S] int32
@@ -319,7 +324,6 @@ class KvSnapshot:
     events: np.ndarray  # [E, 3] int32: (KvEventKind, src, dst)
     num_events_dropped: int
     stats: EngineStats
-
 
 MESSAGE_TYPES: dict[int, type] = {
     cls.TAG: cls

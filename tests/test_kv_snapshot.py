@@ -124,15 +124,16 @@ def test_snapshot_shows_parallel_samples_sharing_the_prompt_then_copying_on_writ
     assert snap.choice_idxs.tolist() == [0, 1, 2] and not snap.on_cpu.any()
     assert snap.table_starts.tolist() == [0, 3, 6, 9]
     assert snap.table_block_ids.tolist() == [0, 1, 2] * 3
-    assert snap.ref_counts.tolist()[:4] == [3, 3, 3, 0]
-    assert snap.cached.tolist()[:3] == [True, True, False]  # full computed blocks enter the prefix cache
+    assert snap.used_block_ids.tolist() == [0, 1, 2] and snap.used_ref_counts.tolist() == [3, 3, 3]
+    assert snap.cached_block_ids.tolist() == [0, 1]  # full computed blocks enter the prefix cache
+    assert snap.num_blocks == 16 and snap.num_cpu_blocks == 0
     assert snap.num_computed_tokens.tolist() == [9, 9, 9]
     assert snap.stats.num_running == 3 and snap.stats.num_blocks_used == 3
     assert snap.events.shape == (0, 3)
     _step(sched)  # the first decode: two samples copy the partial block 2 before writing
     snap = build_kv_snapshot(sched, 2)
     assert snap.events.tolist() == [[COPY, 2, 3], [COPY, 2, 4]]
-    assert snap.ref_counts.tolist()[:5] == [3, 3, 1, 1, 1]
+    assert snap.used_block_ids.tolist() == [0, 1, 2, 3, 4] and snap.used_ref_counts.tolist() == [3, 3, 1, 1, 1]
     assert build_kv_snapshot(sched, 3).events.shape == (0, 3)  # each move is reported once
 
 
@@ -149,7 +150,9 @@ def test_snapshot_shows_a_swapped_group_in_the_cpu_pool():
     assert on_cpu == {"old": False, "new": True}
     view = kv_snapshot_json(snap)
     swapped = next(s for s in view["sequences"] if s["on_cpu"])
-    assert all(view["cpu_blocks"]["ref_counts"][b] == 1 for b in swapped["block_table"])
+    cpu_counts = dict(zip(view["cpu_blocks"]["used_block_ids"], view["cpu_blocks"]["ref_counts"]))
+    assert sorted(cpu_counts) == sorted(swapped["block_table"]) and set(cpu_counts.values()) == {1}
+    assert view["cpu_blocks"]["num_blocks"] == 8
     assert "swap_out" in {e["kind"] for e in view["events"]}
     assert snap.stats.num_swapped == 1 and snap.stats.num_preemptions == 1
 
@@ -163,8 +166,18 @@ def test_json_form_round_trips_the_message_and_fits_its_schema():
     _validate(view, kv_snapshot_schema())
     assert view["snapshot_id"] == 5 and view["block_size"] == 4
     assert [s["block_table"] for s in view["sequences"]] == [[0, 1, 2], [0, 1, 2]]
-    assert view["blocks"]["cached"][:3] == [1, 1, 0]
+    assert view["blocks"]["cached_block_ids"] == [0, 1] and view["blocks"]["used_block_ids"] == [0, 1, 2]
     assert view["stats"]["num_running"] == 2
+
+
+def test_snapshot_size_follows_the_blocks_in_use_not_the_pool():
+    sched = Scheduler(SchedulerConfig(max_model_len=64),
+                      BlockManager(1_000_000, 4, watermark=0.0, num_cpu_blocks=1_000_000))
+    _add(sched, "r", num_prompt=9, n=3)
+    _step(sched)
+    snap = build_kv_snapshot(sched, 1)
+    assert snap.num_blocks == snap.num_cpu_blocks == 1_000_000
+    assert len(encode(snap)) < 2_000 and len(json.dumps(kv_snapshot_json(snap))) < 2_000
 
 
 def _validate(value, schema: dict) -> None:

@@ -44,8 +44,9 @@ EXAMPLES = [
     EngineStats(1, 2, 100, 10, 30, 40, True, num_steps=5, sum_slots_used=9, num_swap_outs=1, num_recomputes=2),
     KvWatch(on=True),
     KvSnapshot(
-        snapshot_id=3, block_size=4, ref_counts=np.array([2, 0, 1, 0], np.int32),
-        cached=np.array([True, True, False, False]), cpu_ref_counts=np.array([1, 0], np.int32),
+        snapshot_id=3, block_size=4, num_blocks=4, num_cpu_blocks=2, used_block_ids=np.array([0, 2], np.int32),
+        used_ref_counts=np.array([2, 1], np.int32), cached_block_ids=np.array([0, 1], np.int32),
+        cpu_used_block_ids=np.array([0], np.int32), cpu_used_ref_counts=np.array([1], np.int32),
         seq_ids=np.array([5, 6, 7], np.int64), request_ids=["ra", "ra", "rb"], choice_idxs=np.array([0, 1, 0], np.int32),
         on_cpu=np.array([False, False, True]), num_computed_tokens=np.array([5, 6, 3], np.int32),
         table_starts=np.array([0, 2, 3, 4], np.int32), table_block_ids=np.array([0, 2, 0, 0], np.int32),

@@ -8,13 +8,18 @@ one leaves: with no client connected, nothing is built, sent or encoded.
 Each snapshot is encoded once (``shared.kv_json``, one ``data:`` line) and offered to every
 client's mailbox, which holds only the newest frame: a client that reads slowly gets fewer
 updates (each one it misses is counted in ``num_dropped``), never a growing queue, and nothing
-here ever waits on a client. A client that reads nothing at all is cut by the connection guard's
-write deadline. Comments (``: keep-alive``) go out when the pool is quiet for ``KEEPALIVE_S``.
+here ever waits on a client. A client's handler takes the next frame only once what it wrote
+before has left (the connection's send buffer is kept small, ``SEND_BUFFER_BYTES``), so a slow
+client sees the newest state rather than a backlog of old ones; one whose stream stays stalled for
+the write deadline (``--http-write-timeout``) is cut. Comments (``: keep-alive``) go out when the
+pool is quiet for ``KEEPALIVE_S``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 from typing import Iterator
 
 import structlog
@@ -24,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from services.frontend.engine_client import EngineClient
+from services.frontend.http_limits import HTTP_LIMITS
 from services.frontend.responses import sse_event
 from shared.kv_json import kv_snapshot_json
 from shared.messages import KvSnapshot
@@ -32,6 +38,9 @@ log = structlog.get_logger()
 
 RENEW_S = 1.0
 KEEPALIVE_S = 15.0
+SEND_BUFFER_BYTES = 32 * 1024  # the kernel's send buffer of an events connection (loopback's default is MBs)
+MAX_BACKLOG_BYTES = 32 * 1024  # written but not yet handed to the kernel: past it, wait before taking a frame
+BACKLOG_POLL_S = 0.05
 
 
 class Mailbox:
@@ -139,14 +148,20 @@ class _HubCollector(Collector):
 
 
 async def kv_events(request: web.Request, hub: KvHub) -> web.StreamResponse:
-    """Stream snapshots until the client leaves (its handler is cancelled) or the server stops."""
+    """Stream snapshots until the client leaves (its handler is cancelled), stalls past the write
+    deadline, or the server stops."""
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await response.prepare(request)
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+    stall_limit_s = request.app[HTTP_LIMITS].write_timeout_s
     mailbox = hub.subscribe()
     try:
         await response.write(b": block-pool snapshots follow\n\n")
-        while not mailbox.closed:
+        while not mailbox.closed and await _drained(transport, mailbox, stall_limit_s):
             frame = await mailbox.take(KEEPALIVE_S)
             if frame is not None:
                 await response.write(frame)
@@ -155,3 +170,20 @@ async def kv_events(request: web.Request, hub: KvHub) -> web.StreamResponse:
     finally:
         hub.unsubscribe(mailbox)
     return response
+
+
+async def _drained(transport: asyncio.Transport | None, mailbox: Mailbox, stall_limit_s: float) -> bool:
+    """Wait until the client has taken what was written (its mailbox meanwhile keeps only the
+    newest frame); False, with the connection cut, when it has not for ``stall_limit_s``."""
+    if transport is None:
+        return True
+    stalled_since = time.monotonic()
+    while transport.get_write_buffer_size() > MAX_BACKLOG_BYTES and not mailbox.closed:
+        if transport.is_closing():
+            return False
+        if time.monotonic() - stalled_since > stall_limit_s:
+            log.info("kv events: client stalled; cut", stalled_s=round(stall_limit_s, 1))
+            transport.abort()
+            return False
+        await asyncio.sleep(BACKLOG_POLL_S)
+    return True

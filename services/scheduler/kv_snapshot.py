@@ -1,8 +1,10 @@
 """One ``KvSnapshot`` of the scheduler's block pool, for the playground's map. Plain Python, no I/O.
 
-Built only while a frontend watches (``kv_publisher``). Reads the block manager's tables as the
-truth about ownership: every sequence holding blocks, device or CPU, sorted by sequence id, with
-the request and choice it belongs to; then drains the block manager's event log.
+Built only while a frontend watches (``kv_publisher``), in time proportional to the blocks in use
+and in the prefix cache, not to the pool's size: the block manager's tables are the truth about
+ownership (every sequence holding blocks, device or CPU, sorted by sequence id, with the request
+and choice it belongs to) and a block's count is the number of tables holding it. The block
+manager's event log is drained into it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,12 @@ import numpy as np
 from shared.messages import KvSnapshot
 
 from .scheduler import Scheduler
+
+
+def _used(tables: dict[int, list[int]], ref_counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The blocks the tables hold, ascending, and their counts."""
+    block_ids = sorted({b for table in tables.values() for b in table})
+    return np.array(block_ids, np.int32), np.array([ref_counts[b] for b in block_ids], np.int32)
 
 
 def build_kv_snapshot(sched: Scheduler, snapshot_id: int) -> KvSnapshot:
@@ -28,13 +36,19 @@ def build_kv_snapshot(sched: Scheduler, snapshot_id: int) -> KvSnapshot:
         choice_idxs.append(seq.choice_idx if seq is not None else -1)
         num_computed.append(seq.num_computed_tokens if seq is not None else 0)
     lengths = [len(t) for _, _, t in tables]
+    used_ids, used_counts = _used(blocks.block_tables, blocks.ref_counts)
+    cpu_used_ids, cpu_used_counts = _used(blocks.cpu_tables, blocks.cpu_ref_counts)
     events, num_dropped = blocks.events.drain()
     return KvSnapshot(
         snapshot_id=snapshot_id,
         block_size=blocks.block_size,
-        ref_counts=np.asarray(blocks.ref_counts, np.int32),
-        cached=np.fromiter((h is not None for h in blocks.block_hashes), bool, blocks.num_blocks),
-        cpu_ref_counts=np.asarray(blocks.cpu_ref_counts, np.int32).reshape(-1),
+        num_blocks=blocks.num_blocks,
+        num_cpu_blocks=blocks.num_cpu_blocks,
+        used_block_ids=used_ids,
+        used_ref_counts=used_counts,
+        cached_block_ids=np.array(sorted(blocks.cached.values()), np.int32),
+        cpu_used_block_ids=cpu_used_ids,
+        cpu_used_ref_counts=cpu_used_counts,
         seq_ids=np.array([seq_id for seq_id, _, _ in tables], np.int64),
         request_ids=request_ids,
         choice_idxs=np.array(choice_idxs, np.int32),

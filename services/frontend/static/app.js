@@ -16,11 +16,13 @@
     busy: null,  // the AbortController of the answer streaming now
     poolAbort: null,
     focus: null,  // request id the map highlights (hovered message, sequence or cell)
+    mapPaused: false,
+    heldSnapshot: null,  // the newest snapshot that came while the map was paused
     requests: [],  // every answer of this page: {id, n, texts, finishReasons, done, error}
   };
   const map = new KvMap({ device: $("device-map"), cpu: $("cpu-map"), palette, maxHeight: 360, onHover: onCellHover });
   window.kvMap = map;
-  window.playground = { state, palette, send: (text) => send(text) };
+  window.playground = { state, palette, send: (text) => send(text), pauseMap: (on) => pauseMap(on) };
 
   // ------------------------------------------------------------------ helpers
 
@@ -128,7 +130,12 @@
         } else if (r.ok) {
           setConn("live", "map live");
           for await (const data of sseData(r)) {
-            map.update(JSON.parse(data));
+            const snapshot = JSON.parse(data);
+            if (state.mapPaused) {
+              state.heldSnapshot = snapshot;
+              continue;
+            }
+            map.update(snapshot);
             updatePanels();
           }
         }
@@ -139,6 +146,18 @@
       await sleep(ctl.signal.aborted ? 50 : 1500);
     }
   }
+
+  function pauseMap(on) {
+    state.mapPaused = on;
+    $("pause-map").textContent = on ? "Resume" : "Pause map";
+    $("pause-map").classList.toggle("active", on);
+    if (!on && state.heldSnapshot) {
+      map.update(state.heldSnapshot);
+      state.heldSnapshot = null;
+      updatePanels();
+    }
+  }
+  $("pause-map").addEventListener("click", () => pauseMap(!state.mapPaused));
 
   document.addEventListener("visibilitychange", () => {
     if (document.hidden && state.poolAbort) state.poolAbort.abort();
@@ -168,44 +187,56 @@
     $("c-preempt").parentElement.title = `${s.num_swap_outs} by swap, ${s.num_recomputes} by recompute`;
     $("usage").querySelector(".u-used").style.width = pct(total ? used / total : 0);
     $("usage").querySelector(".u-cached").style.width = pct(total ? cached / total : 0);
-    const numCpu = snap.cpu_blocks.ref_counts.length;
-    $("device-caption").textContent = `${total} blocks \u00d7 ${snap.block_size} token slots`;
-    $("cpu-caption").textContent = numCpu ? `${numCpu} blocks` : "none (serve with --swap-space)";
+    const numCpu = snap.cpu_blocks.num_blocks;
+    const grouped = (pool) => {
+      const layout = map.layout(pool);
+      return layout && layout.group > 1 ? ` \u00b7 one cell per ${layout.group} blocks` : "";
+    };
+    $("device-caption").textContent = `${total} blocks \u00d7 ${snap.block_size} token slots${grouped("device")}`;
+    $("cpu-caption").textContent = numCpu
+      ? `${numCpu} blocks${grouped("cpu")} \u00b7 used by --preemption-mode swap`
+      : "none (serve with --swap-space)";
     $("pool-caption").textContent = `snapshot ${snap.snapshot_id}`;
     renderSequences();
     renderDetail();
   }
 
+  /** One row per request holding blocks. Rows are kept (keyed by request id) and refilled, so
+      that the row under the pointer stays the same element while snapshots arrive. */
   function renderSequences() {
     const box = $("requests");
     const byRequest = map.requests();
-    box.replaceChildren();
+    const rows = new Map([...box.querySelectorAll(".req")].map((row) => [row.dataset.request, row]));
     if (!byRequest.size) {
-      box.appendChild(el("p", "hint", "No sequence holds blocks right now."));
+      box.replaceChildren(el("p", "hint", "No sequence holds blocks right now."));
       return;
     }
     const bs = map.lastSnapshot.block_size;
+    const ordered = [];
     for (const [rid, seqs] of byRequest) {
-      const row = el("div", "req" + (state.focus === rid ? " focused" : ""));
+      const row = rows.get(rid) || el("div", "req");
       row.dataset.request = rid;
+      row.classList.toggle("focused", state.focus === rid);
       const swatches = el("span", "swatches");
       for (const seq of seqs) {
         const sw = el("span", "swatch");
         sw.style.setProperty("--c", palette.color(rid, seq.choice));
         swatches.appendChild(sw);
       }
-      row.appendChild(swatches);
-      row.appendChild(el("span", "rid", shortId(rid)));
-      const mine = state.requests.some((r) => r.id === rid);
-      if (mine) row.appendChild(el("span", "tag", "this page"));
-      if (seqs.some((q) => q.on_cpu)) row.appendChild(el("span", "tag cpu", "swapped to CPU"));
+      const parts = [swatches, el("span", "rid", shortId(rid))];
+      if (state.requests.some((r) => r.id === rid)) parts.push(el("span", "tag", "this page"));
+      if (seqs.some((q) => q.on_cpu)) parts.push(el("span", "tag cpu", "swapped to CPU"));
       const blocks = new Set(seqs.flatMap((q) => q.block_table.map((b) => `${q.on_cpu}:${b}`))).size;
       const tokens = Math.max(...seqs.map((q) => q.num_tokens));
-      const summary = `${seqs.length} seq${seqs.length > 1 ? "s" : ""} \u00b7 ${blocks} block${blocks === 1 ? "" : "s"}`
-        + ` \u00b7 ${tokens} tokens`;
-      row.appendChild(el("span", "req-info", summary));
+      parts.push(el("span", "req-info", `${seqs.length} seq${seqs.length > 1 ? "s" : ""} \u00b7 ${blocks} `
+        + `block${blocks === 1 ? "" : "s"} \u00b7 ${tokens} tokens`));
+      row.replaceChildren(...parts);
       row.title = `${rid}: ${Math.ceil(tokens / bs)} blocks per sequence`;
-      box.appendChild(row);
+      ordered.push(row);
+    }
+    const current = [...box.children];
+    if (current.length !== ordered.length || current.some((node, i) => node !== ordered[i])) {
+      box.replaceChildren(...ordered);
     }
   }
 
@@ -233,14 +264,13 @@
     if (state.focus === rid) return;
     state.focus = rid;
     map.setFocus(rid);
-    if (map.lastSnapshot) {
-      renderSequences();
-      renderDetail();
-    }
+    for (const row of $("requests").querySelectorAll(".req")) row.classList.toggle("focused", row.dataset.request === rid);
+    if (map.lastSnapshot) renderDetail();
   }
 
   $("requests").addEventListener("mousemove", (e) => {
-    const row = e.target.closest(".req");
+    const hit = e.target.closest(".req") ? e.target : document.elementFromPoint(e.clientX, e.clientY);
+    const row = hit && hit.closest(".req");
     setFocus(row ? row.dataset.request : null);
   });
   $("requests").addEventListener("mouseleave", () => setFocus(null));

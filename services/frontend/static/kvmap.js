@@ -1,17 +1,22 @@
 /* kvmap.js: draws the KV block pool of one snapshot on canvases, one cell per block.
 
-   A snapshot is the JSON of GET /v1/kv/events (its schema is KvSnapshot in /openapi.json):
-   per device block a reference count and a prefix-cache flag, per CPU (swap) block a count, every
-   sequence with its block table, and the block moves since the previous snapshot.
+   A snapshot is the JSON of GET /v1/kv/events (its schema is KvSnapshot in /openapi.json): for
+   each pool the blocks some table holds with their reference counts (every other block is free),
+   the device blocks in the prefix cache, every sequence with its block table, and the block moves
+   since the previous snapshot.
 
    A cell is coloured by the request (and choice) that owns it, filled left to right as far as its
    slots hold tokens (the pale rest is allocated but empty); a block held by several tables shows
    its reference count; a cached-but-free block is hatched; a free one is grey. Copy-on-write
-   copies, evictions and swaps flash for a moment. The same file is inlined into the pages that
+   copies, evictions and swaps flash for a moment. A pool too large to draw one readable cell per
+   block is drawn with one cell per group of consecutive blocks (the caption says how many), in the
+   colour of the first block in use in it. Drawing costs the blocks in use, not the pool's size
+   (the free grid is drawn once per layout). The same file is inlined into the pages that
    `pagedserve simulate --html` writes, so the live page and the replay draw alike.
 
-   Exposed for pages and tests: KvPalette, KvMap (map.lastSnapshot, map.cells, map.cpuCells,
-   map.renderCount, map.onUpdate callbacks), KvTable (block-table chips for a sequence). */
+   Exposed for pages and tests: KvPalette, KvMap (map.lastSnapshot; map.cells and map.cpuCells: the
+   cells of blocks in use or cached, by block id; map.cellRect, map.layout; map.onUpdate callbacks),
+   KvTable (block-table chips for a sequence, a cell's description). */
 (function (root) {
   "use strict";
 
@@ -42,29 +47,30 @@
     }
   }
 
-  /** Cells of one pool: state, count, owners (every table holding the block), slots filled. */
-  function buildCells(refCounts, cachedFlags, sequences, onCpu, blockSize, palette) {
-    const cells = refCounts.map((count, block) => ({
-      block,
-      state: count > 0 ? "used" : cachedFlags && cachedFlags[block] ? "cached" : "free",
-      refCount: count,
-      owners: [],
-      fill: 0,
-      requestId: null,
-      choice: null,
-      color: count > 0 ? null : cachedFlags && cachedFlags[block] ? CACHED : FREE,
-    }));
+  /** The cells of one pool's blocks in use or cached: state, count, owners (every table holding
+      the block), slots filled, colour. Blocks not listed are free. */
+  function buildPool(pool, sequences, onCpu, blockSize, palette) {
+    const byBlock = new Map();
+    pool.used_block_ids.forEach((block, i) => {
+      byBlock.set(block, { block, state: "used", refCount: pool.ref_counts[i], owners: [], fill: 0, cached: false,
+                           requestId: null, choice: null, color: null, pale: null });
+    });
+    for (const block of pool.cached_block_ids || []) {
+      const cell = byBlock.get(block);
+      if (cell) cell.cached = true;
+      else byBlock.set(block, { block, state: "cached", refCount: 0, owners: [], fill: 0, cached: true,
+                                requestId: null, choice: null, color: CACHED, pale: null });
+    }
     for (const seq of sequences) {
       if (seq.on_cpu !== onCpu) continue;
       seq.block_table.forEach((block, logical) => {
-        const cell = cells[block];
+        const cell = byBlock.get(block);
         if (!cell) return;
         cell.owners.push({ seqId: seq.seq_id, requestId: seq.request_id, choice: seq.choice, logical });
-        const filled = Math.min(blockSize, Math.max(0, seq.num_tokens - logical * blockSize));
-        cell.fill = Math.max(cell.fill, filled);
+        cell.fill = Math.max(cell.fill, Math.min(blockSize, Math.max(0, seq.num_tokens - logical * blockSize)));
       });
     }
-    for (const cell of cells) {
+    for (const cell of byBlock.values()) {
       if (!cell.owners.length) continue;
       const first = cell.owners.reduce((a, b) => (b.seqId < a.seqId ? b : a));  // the oldest holder
       cell.requestId = first.requestId;
@@ -72,29 +78,30 @@
       cell.color = palette.color(first.requestId, first.choice);
       cell.pale = palette.pale(first.requestId, first.choice);
     }
-    return cells;
+    const cells = [...byBlock.values()].sort((a, b) => a.block - b.block);
+    return { numBlocks: pool.num_blocks, cells, byBlock };
   }
 
   class KvMap {
-    /** opts: device (canvas), cpu (canvas or null), palette, maxHeight (CSS px the device map aims
-        for), minCell / maxCell (CSS px), columns (a fixed number of cells per row, else as many as
-        fit), showSlots (draw slot dividers when cells are wide enough),
-        onHover(info or null): info = {pool, cell, clientX, clientY}. */
+    /** opts: device (canvas), cpu (canvas or null), palette, maxHeight / cpuMaxHeight (CSS px the
+        maps aim for), minCell / maxCell (CSS px), columns (a fixed number of cells per row, else as
+        many as fit), showSlots (draw slot dividers when cells are wide enough), onHover(info or
+        null): info = {pool, cell, clientX, clientY}. */
     constructor(opts) {
       this.device = opts.device;
       this.cpu = opts.cpu || null;
       this.palette = opts.palette || new KvPalette();
       this.maxHeight = opts.maxHeight || 420;
       this.cpuMaxHeight = opts.cpuMaxHeight || 72;
-      this.minCell = opts.minCell || 3;
+      this.minCell = opts.minCell || 4;
       this.maxCell = opts.maxCell || 30;
-      this.showSlots = !!opts.showSlots;
       this.columns = opts.columns || 0;
+      this.showSlots = !!opts.showSlots;
       this.onHover = opts.onHover || null;
       this.onUpdate = [];  // callbacks(map) after every snapshot is drawn
       this.lastSnapshot = null;
-      this.cells = [];
-      this.cpuCells = [];
+      this.pools = { device: buildPool({ num_blocks: 0, used_block_ids: [], ref_counts: [] }, [], false, 16, this.palette) };
+      this.pools.cpu = this.pools.device;
       this.focus = null;  // a request id: its cells stand out, the others fade
       this.flashes = [];  // {pool, block, kind, t0}
       this.recentEvents = [];  // the last 200 events seen, for pages and tests
@@ -108,12 +115,16 @@
       }
     }
 
+    get cells() { return this.pools.device.cells; }
+    get cpuCells() { return this.pools.cpu.cells; }
+
     update(snapshot) {
       const bs = snapshot.block_size;
       this.lastSnapshot = snapshot;
-      this.cells = buildCells(snapshot.blocks.ref_counts, snapshot.blocks.cached, snapshot.sequences, false, bs,
-                              this.palette);
-      this.cpuCells = buildCells(snapshot.cpu_blocks.ref_counts, null, snapshot.sequences, true, bs, this.palette);
+      this.pools = {
+        device: buildPool(snapshot.blocks, snapshot.sequences, false, bs, this.palette),
+        cpu: buildPool(snapshot.cpu_blocks, snapshot.sequences, true, bs, this.palette),
+      };
       const now = performance.now();
       for (const ev of snapshot.events) {
         this.recentEvents.push({ ...ev, snapshotId: snapshot.snapshot_id });
@@ -128,7 +139,13 @@
     setFocus(requestId) {
       if (this.focus === requestId) return;
       this.focus = requestId;
-      this.render();
+      if (this.lastSnapshot) this.render();
+    }
+
+    /** The cell of ``block`` in ``pool`` ("device" or "cpu"), a free one if no table holds it. */
+    cellOf(pool, block) {
+      return this.pools[pool].byBlock.get(block)
+        || { block, state: "free", refCount: 0, owners: [], fill: 0, cached: false, requestId: null, color: FREE };
     }
 
     /** The sequences of the last snapshot grouped by request, in order of first appearance. */
@@ -141,11 +158,24 @@
       return byRequest;
     }
 
+    /** The layout of a pool's map: cell size, columns, rows, blocks per cell (``group``). */
+    layout(pool) {
+      return this._layouts.get(pool) || null;
+    }
+
+    /** Where block ``block`` of ``pool`` is drawn: CSS pixels from its canvas' top left corner. */
+    cellRect(pool, block) {
+      const L = this._layouts.get(pool);
+      if (!L) return null;
+      const g = Math.floor(block / L.group);
+      return { x: (g % L.cols) * (L.cell + L.gap), y: Math.floor(g / L.cols) * (L.cell + L.gap), size: L.cell };
+    }
+
     render() {
       const now = performance.now();
       this.flashes = this.flashes.filter((f) => now - f.t0 < FLASH_MS);
-      this._draw("device", this.device, this.cells, this.maxHeight, now);
-      if (this.cpu) this._draw("cpu", this.cpu, this.cpuCells, this.cpuMaxHeight, now);
+      this._draw("device", this.device, this.maxHeight, now);
+      if (this.cpu) this._draw("cpu", this.cpu, this.cpuMaxHeight, now);
       this.renderCount += 1;
       if (this.flashes.length && !this._animating) {
         this._animating = true;
@@ -161,11 +191,13 @@
       const key = `${width}:${num}:${maxHeight}`;
       const known = this._layouts.get(pool);
       if (known && known.key === key) return known;
-      // the largest cell (from maxCell down to minCell) whose grid fits in maxHeight
+      // The largest cell (maxCell down to minCell) whose grid fits in maxHeight; at minCell, group
+      // consecutive blocks into one cell until it fits.
       let cell = this.maxCell;
       let gap;
       let cols;
       let rows;
+      let group = 1;
       for (;;) {
         gap = cell >= 10 ? 3 : 1;
         cols = this.columns || Math.max(1, Math.floor((width + gap) / (cell + gap)));
@@ -174,32 +206,42 @@
           continue;
         }
         rows = Math.max(1, Math.ceil(num / cols));
-        if (cell <= this.minCell || rows * (cell + gap) - gap <= maxHeight) break;
+        if (rows * (cell + gap) - gap <= maxHeight) break;
+        if (cell <= this.minCell) {
+          const maxRows = Math.max(1, Math.floor((maxHeight + gap) / (cell + gap)));
+          group = Math.ceil(num / (cols * maxRows));
+          rows = Math.max(1, Math.ceil(Math.ceil(num / group) / cols));
+          break;
+        }
         cell -= 1;
       }
-      const layout = { key, cell, gap, cols, rows, width: cols * (cell + gap) - gap, height: rows * (cell + gap) - gap };
-      const dpr = root.devicePixelRatio || 1;
-      canvas.width = Math.round(layout.width * dpr);
-      canvas.height = Math.round(layout.height * dpr);
-      canvas.style.width = `${layout.width}px`;
-      canvas.style.height = `${layout.height}px`;
-      layout.dpr = dpr;
-      this._layouts.set(pool, layout);
-      return layout;
+      const numCells = Math.ceil(num / group);
+      const L = { key, cell, gap, cols, rows, group, numCells, dpr: root.devicePixelRatio || 1,
+                  width: cols * (cell + gap) - gap, height: rows * (cell + gap) - gap };
+      canvas.width = Math.round(L.width * L.dpr);
+      canvas.height = Math.round(L.height * L.dpr);
+      canvas.style.width = `${L.width}px`;
+      canvas.style.height = `${L.height}px`;
+      L.background = freeGrid(L);
+      this._layouts.set(pool, L);
+      return L;
     }
 
-    _draw(pool, canvas, cells, maxHeight, now) {
-      const L = this._layout(pool, canvas, cells.length, maxHeight);
+    _draw(pool, canvas, maxHeight, now) {
+      const { numBlocks, cells } = this.pools[pool];
+      const L = this._layout(pool, canvas, numBlocks, maxHeight);
       const ctx = canvas.getContext("2d");
+      ctx.setTransform(1, 0, 0, 1, 0, 0);
+      ctx.clearRect(0, 0, canvas.width, canvas.height);
+      ctx.globalAlpha = this.focus !== null ? 0.45 : 1;  // with a request in focus, the free cells fade too
+      ctx.drawImage(L.background, 0, 0);
       ctx.setTransform(L.dpr, 0, 0, L.dpr, 0, 0);
-      ctx.clearRect(0, 0, L.width, L.height);
       const bs = this.lastSnapshot ? this.lastSnapshot.block_size : 16;
-      for (const cell of cells) {
-        const x = (cell.block % L.cols) * (L.cell + L.gap);
-        const y = Math.floor(cell.block / L.cols) * (L.cell + L.gap);
+      for (const cell of representatives(cells, L.group)) {
+        const { x, y } = this.cellRect(pool, cell.block);
         const dim = this.focus !== null && !cell.owners.some((o) => o.requestId === this.focus);
         ctx.globalAlpha = dim ? 0.22 : 1;
-        drawCell(ctx, x, y, L.cell, cell, bs, this.showSlots);
+        drawCell(ctx, x, y, L.cell, cell, L.group > 1 ? 0 : bs, this.showSlots);
         if (!dim && this.focus !== null && cell.owners.length) {
           ctx.strokeStyle = "#111827";
           ctx.lineWidth = 1.5;
@@ -208,12 +250,10 @@
       }
       ctx.globalAlpha = 1;
       for (const f of this.flashes) {
-        if (f.pool !== pool || f.block >= cells.length) continue;
-        const x = (f.block % L.cols) * (L.cell + L.gap);
-        const y = Math.floor(f.block / L.cols) * (L.cell + L.gap);
-        const t = (now - f.t0) / FLASH_MS;
+        if (f.pool !== pool || f.block >= numBlocks) continue;
+        const { x, y } = this.cellRect(pool, f.block);
         const w = Math.max(2, Math.min(4, L.cell * 0.18));
-        ctx.globalAlpha = Math.max(0, 1 - t);
+        ctx.globalAlpha = Math.max(0, 1 - (now - f.t0) / FLASH_MS);
         ctx.strokeStyle = FLASH_COLORS[f.kind] || "#000";
         ctx.lineWidth = w;
         const grow = Math.min(L.gap, 2) + w / 2 - 1;
@@ -228,10 +268,52 @@
       const rect = canvas.getBoundingClientRect();
       const col = Math.floor((event.clientX - rect.left) / (L.cell + L.gap));
       const row = Math.floor((event.clientY - rect.top) / (L.cell + L.gap));
-      const cells = pool === "device" ? this.cells : this.cpuCells;
-      const cell = col >= 0 && col < L.cols ? cells[row * L.cols + col] : undefined;
-      this.onHover(cell ? { pool, cell, clientX: event.clientX, clientY: event.clientY } : null);
+      const g = row * L.cols + col;
+      if (col < 0 || col >= L.cols || row < 0 || g >= L.numCells) {
+        this.onHover(null);
+        return;
+      }
+      const first = g * L.group;
+      const last = Math.min(this.pools[pool].numBlocks, first + L.group) - 1;
+      const cell = L.group === 1 ? this.cellOf(pool, first) : groupCell(this.pools[pool].cells, first, last);
+      this.onHover({ pool, cell, clientX: event.clientX, clientY: event.clientY });
     }
+  }
+
+  /** One cell per group of ``group`` blocks: the first block in use in it, else the first cached. */
+  function representatives(cells, group) {
+    if (group === 1) return cells;
+    const best = new Map();
+    for (const cell of cells) {
+      const g = Math.floor(cell.block / group);
+      const known = best.get(g);
+      if (!known || (known.state !== "used" && cell.state === "used")) best.set(g, cell);
+    }
+    return [...best.values()];
+  }
+
+  /** A hovered group of blocks: what is in it, and its owners. */
+  function groupCell(cells, first, last) {
+    const inside = cells.filter((c) => c.block >= first && c.block <= last);
+    const used = inside.filter((c) => c.state === "used");
+    const rep = used[0] || inside[0];
+    return { block: first, lastBlock: last, group: true, state: rep ? rep.state : "free",
+             numUsed: used.length, numCached: inside.length - used.length, refCount: rep ? rep.refCount : 0,
+             owners: used.flatMap((c) => c.owners.map((o) => ({ ...o, block: c.block }))),
+             requestId: rep ? rep.requestId : null, fill: 0 };
+  }
+
+  function freeGrid(L) {
+    const bg = document.createElement("canvas");
+    bg.width = Math.round(L.width * L.dpr);
+    bg.height = Math.round(L.height * L.dpr);
+    const ctx = bg.getContext("2d");
+    ctx.setTransform(L.dpr, 0, 0, L.dpr, 0, 0);
+    ctx.fillStyle = FREE;
+    for (let g = 0; g < L.numCells; g++) {
+      ctx.fillRect((g % L.cols) * (L.cell + L.gap), Math.floor(g / L.cols) * (L.cell + L.gap), L.cell, L.cell);
+    }
+    return bg;
   }
 
   function flashTargets(ev) {
@@ -244,24 +326,19 @@
     }
   }
 
+  /** One cell; ``bs`` 0 draws it full (a group of blocks). */
   function drawCell(ctx, x, y, s, cell, bs, showSlots) {
-    if (cell.state === "free" && !cell.owners.length) {
-      ctx.fillStyle = FREE;
-      ctx.fillRect(x, y, s, s);
-      return;
-    }
-    if (cell.state === "cached" && !cell.owners.length) {
+    if (cell.state === "cached") {
       ctx.fillStyle = CACHED;
       ctx.fillRect(x, y, s, s);
       if (s >= 7) hatch(ctx, x, y, s);
       return;
     }
-    ctx.fillStyle = cell.pale || FREE;
+    ctx.fillStyle = cell.pale;
     ctx.fillRect(x, y, s, s);
     ctx.fillStyle = cell.color;
-    const filled = cell.fill >= bs ? s : Math.round((s * cell.fill) / bs);
-    ctx.fillRect(x, y, filled, s);
-    if (showSlots && s / bs >= 3) {
+    ctx.fillRect(x, y, !bs || cell.fill >= bs ? s : Math.round((s * cell.fill) / bs), s);
+    if (showSlots && bs && s / bs >= 3) {
       ctx.fillStyle = "rgba(255,255,255,0.55)";
       for (let i = 1; i < bs; i++) ctx.fillRect(x + Math.round((s * i) / bs), y, 1, s);
     }
@@ -304,21 +381,21 @@
     }
   }
 
-  /** DOM helpers shared by the pages: a sequence's block table as chips, a block's description. */
+  /** DOM helpers shared by the pages: a sequence's block table as chips, a cell's description. */
   const KvTable = {
     chips(seq, map) {
       const wrap = document.createElement("div");
       wrap.className = "kv-table";
       const bs = map.lastSnapshot ? map.lastSnapshot.block_size : 16;
-      const cells = seq.on_cpu ? map.cpuCells : map.cells;
       seq.block_table.forEach((block, logical) => {
         const chip = document.createElement("span");
-        const cell = cells[block];
+        const cell = map.cellOf(seq.on_cpu ? "cpu" : "device", block);
         const filled = Math.min(bs, Math.max(0, seq.num_tokens - logical * bs));
-        chip.className = "kv-chip" + (cell && cell.refCount > 1 ? " shared" : "") + (filled < bs ? " partial" : "");
+        const shared = cell.refCount > 1;
+        chip.className = "kv-chip" + (shared ? " shared" : "") + (filled < bs ? " partial" : "");
         chip.title = `logical block ${logical} -> ${seq.on_cpu ? "CPU" : "device"} block ${block}: `
-          + `${filled}/${bs} slots` + (cell && cell.refCount > 1 ? `, shared by ${cell.refCount}` : "");
-        chip.textContent = `${logical}\u2192${block}` + (cell && cell.refCount > 1 ? ` \u00d7${cell.refCount}` : "");
+          + `${filled}/${bs} slots` + (shared ? `, shared by ${cell.refCount}` : "");
+        chip.textContent = `${logical}\u2192${block}` + (shared ? ` \u00d7${cell.refCount}` : "");
         chip.style.setProperty("--chip", map.palette.color(seq.request_id, seq.choice));
         wrap.appendChild(chip);
       });
@@ -326,12 +403,16 @@
     },
     describe(pool, cell, bs) {
       const where = pool === "cpu" ? "CPU block" : "block";
-      if (!cell.owners.length) {
-        return cell.state === "cached"
-          ? `${where} ${cell.block}: cached, free: a finished prompt's tokens, reusable by a request with the `
-            + "same prefix, evicted when a block is needed"
-          : `${where} ${cell.block}: free`;
+      if (cell.group) {
+        const numFree = cell.lastBlock - cell.block + 1 - cell.numUsed - cell.numCached;
+        return `${where}s ${cell.block}\u2013${cell.lastBlock}: ${cell.numUsed} in use, ${cell.numCached} cached, `
+          + `${numFree} free`;
       }
+      if (cell.state === "cached") {
+        return `${where} ${cell.block}: cached, free: a finished prompt's tokens, reusable by a request with the `
+          + "same prefix, evicted when a block is needed";
+      }
+      if (cell.state === "free") return `${where} ${cell.block}: free`;
       const shared = cell.refCount > 1 ? `, shared by ${cell.refCount} block tables` : "";
       return `${where} ${cell.block}: ${cell.fill}/${bs} slots hold tokens${shared}`;
     },
