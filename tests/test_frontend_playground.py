@@ -141,10 +141,10 @@ def test_a_client_that_never_reads_gets_updates_dropped_not_queued(server, fake,
     try:
         assert fake.wait_for(lambda f: f.kv_watches and f.kv_watches[-1] is True)
         reader = _EventStream(server.server.port)
-        big = [encode(_snapshot(i, num_seqs=1500, blocks_per_seq=16)) for i in range(1, 4)]  # ~250 KB of JSON
-        for i in range(200):  # 16 MB for a client whose socket buffers hold a few hundred KB
+        big = [encode(_snapshot(i, num_seqs=1000, blocks_per_seq=16)) for i in range(1, 4)]  # ~370 KB of JSON
+        for i in range(40):  # 15 MB for a client whose socket buffers hold tens of KB
             fake.send_raw(big[i % 3])
-        assert _wait(lambda: _metric(server.base_url, "kv_events_dropped_total") - dropped_before > 50, 60)
+        assert _wait(lambda: _metric(server.base_url, "kv_events_dropped_total") - dropped_before >= 20, 60)
         # The frontend is not held up by it: the reading client and a generation go on.
         fake.send_raw(encode(_snapshot(99)))
         assert _wait_for_snapshot(reader, 99)

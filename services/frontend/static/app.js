@@ -20,7 +20,10 @@
     heldSnapshot: null,  // the newest snapshot that came while the map was paused
     requests: [],  // every answer of this page: {id, n, texts, finishReasons, done, error}
   };
-  const map = new KvMap({ device: $("device-map"), cpu: $("cpu-map"), palette, maxHeight: 360, onHover: onCellHover });
+  // The device map gets the height the rest of the pool's panel leaves in the window.
+  const mapHeight = () => Math.max(180, Math.min(640, window.innerHeight - 640));
+  const map = new KvMap({ device: $("device-map"), cpu: $("cpu-map"), palette, maxHeight: mapHeight(),
+                          cpuMaxHeight: 48, onHover: onCellHover });
   window.kvMap = map;
   window.playground = { state, palette, send: (text) => send(text), pauseMap: (on) => pauseMap(on) };
 
@@ -149,6 +152,7 @@
 
   function pauseMap(on) {
     state.mapPaused = on;
+    map.freeze(on);
     $("pause-map").textContent = on ? "Resume" : "Pause map";
     $("pause-map").classList.toggle("active", on);
     if (!on && state.heldSnapshot) {
@@ -302,7 +306,8 @@
   function answerView(n) {
     $("empty-hint")?.remove();
     const msg = el("div", "msg assistant");
-    const choices = el("div", `choices n${Math.min(n, 3)}`);
+    const columns = n === 1 ? 1 : n === 2 || n === 4 ? 2 : 3;
+    const choices = el("div", `choices n${columns}${n > 1 ? " multi" : ""}`);
     const parts = [];
     for (let i = 0; i < n; i++) {
       const choice = el("div", "choice");
@@ -317,7 +322,7 @@
       choice.appendChild(head);
       choice.appendChild(bubble);
       choices.appendChild(choice);
-      parts.push({ choice, sw, text, head });
+      parts.push({ choice, sw, text, head, bubble });
     }
     const meta = el("div", "meta", "waiting for the first token\u2026");
     msg.appendChild(choices);
@@ -345,6 +350,7 @@
         if (!record.texts.some(Boolean)) meta.textContent = "streaming\u2026";
         record.texts[i] += delta;
         parts[i].text.textContent = record.texts[i];
+        parts[i].bubble.scrollTop = parts[i].bubble.scrollHeight;
         scroll();
       },
       finish(i, reason) {
@@ -470,7 +476,10 @@
     state.history = [];
     $("messages").replaceChildren();
   });
-  window.addEventListener("resize", () => map.lastSnapshot && map.render());
+  window.addEventListener("resize", () => {
+    map.maxHeight = mapHeight();
+    if (map.lastSnapshot) map.render();
+  });
 
   loadModel();
   watchPool();

@@ -21,14 +21,15 @@
   "use strict";
 
   const HUES = [217, 4, 142, 276, 32, 188, 330, 84, 250, 14, 168, 300];
-  const CHOICE_LIGHTNESS = [46, 30, 62, 38, 70, 24, 54];
+  const CHOICE_LIGHTNESS = [46, 64, 32, 74, 39, 56, 26];  // a request's choices: one hue, these lightnesses
   const FREE = "#e6e9ee";
   const CACHED = "#c9d6de";
   const CACHED_HATCH = "#9fb3c0";
   const FLASH_MS = 1800;
   const FLASH_COLORS = { copy: "#f5a700", evict: "#e5484d", swap_out: "#3e63dd", swap_in: "#18a058" };
 
-  /** Stable colours: each request gets the next hue the first time it is seen; choices vary lightness. */
+  /** Stable colours: each request gets the next hue the first time it is seen; its choices share
+      that hue and differ in lightness. */
   class KvPalette {
     constructor() {
       this.hues = new Map();
@@ -39,11 +40,11 @@
     }
     color(requestId, choice) {
       const c = Math.max(0, choice | 0);
-      return `hsl(${(this.hue(requestId) + 14 * c) % 360} 72% ${CHOICE_LIGHTNESS[c % CHOICE_LIGHTNESS.length]}%)`;
+      return `hsl(${this.hue(requestId)} 70% ${CHOICE_LIGHTNESS[c % CHOICE_LIGHTNESS.length]}%)`;
     }
     pale(requestId, choice) {
       const c = Math.max(0, choice | 0);
-      return `hsl(${(this.hue(requestId) + 14 * c) % 360} 60% 88%)`;
+      return `hsl(${this.hue(requestId)} 60% ${CHOICE_LIGHTNESS[c % CHOICE_LIGHTNESS.length] > 66 ? 94 : 88}%)`;
     }
   }
 
@@ -106,6 +107,7 @@
       this.flashes = [];  // {pool, block, kind, t0}
       this.recentEvents = [];  // the last 200 events seen, for pages and tests
       this.renderCount = 0;
+      this.frozenAt = null;  // while frozen, highlights keep the brightness they had
       this._layouts = new Map();
       this._animating = false;
       for (const [pool, canvas] of [["device", this.device], ["cpu", this.cpu]]) {
@@ -134,6 +136,17 @@
       if (this.flashes.length > 2000) this.flashes.splice(0, this.flashes.length - 2000);
       this.render();
       for (const fn of this.onUpdate) fn(this);
+    }
+
+    /** Freeze (or thaw) the highlights' fading, for a page that pauses its map. */
+    freeze(on) {
+      if (on && this.frozenAt === null) this.frozenAt = performance.now();
+      if (!on && this.frozenAt !== null) {
+        const pausedMs = performance.now() - this.frozenAt;
+        for (const f of this.flashes) f.t0 += pausedMs;
+        this.frozenAt = null;
+        this.render();
+      }
     }
 
     setFocus(requestId) {
@@ -172,12 +185,12 @@
     }
 
     render() {
-      const now = performance.now();
+      const now = this.frozenAt !== null ? this.frozenAt : performance.now();
       this.flashes = this.flashes.filter((f) => now - f.t0 < FLASH_MS);
       this._draw("device", this.device, this.maxHeight, now);
       if (this.cpu) this._draw("cpu", this.cpu, this.cpuMaxHeight, now);
       this.renderCount += 1;
-      if (this.flashes.length && !this._animating) {
+      if (this.flashes.length && !this._animating && this.frozenAt === null) {
         this._animating = true;
         requestAnimationFrame(() => {
           this._animating = false;
@@ -231,18 +244,20 @@
       const { numBlocks, cells } = this.pools[pool];
       const L = this._layout(pool, canvas, numBlocks, maxHeight);
       const ctx = canvas.getContext("2d");
+      // A request in focus stands out where it has blocks: the other cells of that pool fade.
+      const focus = cells.some((c) => c.owners.some((o) => o.requestId === this.focus)) ? this.focus : null;
       ctx.setTransform(1, 0, 0, 1, 0, 0);
       ctx.clearRect(0, 0, canvas.width, canvas.height);
-      ctx.globalAlpha = this.focus !== null ? 0.45 : 1;  // with a request in focus, the free cells fade too
+      ctx.globalAlpha = focus !== null ? 0.45 : 1;
       ctx.drawImage(L.background, 0, 0);
       ctx.setTransform(L.dpr, 0, 0, L.dpr, 0, 0);
       const bs = this.lastSnapshot ? this.lastSnapshot.block_size : 16;
       for (const cell of representatives(cells, L.group)) {
         const { x, y } = this.cellRect(pool, cell.block);
-        const dim = this.focus !== null && !cell.owners.some((o) => o.requestId === this.focus);
+        const dim = focus !== null && !cell.owners.some((o) => o.requestId === focus);
         ctx.globalAlpha = dim ? 0.22 : 1;
         drawCell(ctx, x, y, L.cell, cell, L.group > 1 ? 0 : bs, this.showSlots);
-        if (!dim && this.focus !== null && cell.owners.length) {
+        if (!dim && focus !== null && cell.owners.length) {
           ctx.strokeStyle = "#111827";
           ctx.lineWidth = 1.5;
           ctx.strokeRect(x + 0.75, y + 0.75, L.cell - 1.5, L.cell - 1.5);
