@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 from typing import Iterator
@@ -17,8 +18,12 @@ DRIVER_NAMES = ("chromedriver", "chromium-driver")
 def find_chromium() -> tuple[str, str] | None:
     """``(browser, driver)`` executables, or None. ``PAGEDSERVE_CHROMIUM`` / ``PAGEDSERVE_CHROMEDRIVER``
     override the search on ``PATH``."""
-    browser = os.environ.get("PAGEDSERVE_CHROMIUM") or next(filter(None, map(shutil.which, CHROMIUM_NAMES)), None)
-    driver = os.environ.get("PAGEDSERVE_CHROMEDRIVER") or next(filter(None, map(shutil.which, DRIVER_NAMES)), None)
+    def first(variable: str, names: tuple[str, ...]) -> str | None:
+        chosen = os.environ.get(variable)
+        return shutil.which(chosen) if chosen else next(filter(None, map(shutil.which, names)), None)
+
+    browser = first("PAGEDSERVE_CHROMIUM", CHROMIUM_NAMES)
+    driver = first("PAGEDSERVE_CHROMEDRIVER", DRIVER_NAMES)
     return (browser, driver) if browser and driver else None
 
 
@@ -27,9 +32,7 @@ def skip_without_chromium() -> tuple[str, str]:
     if found is None:
         pytest.skip("no headless Chromium: install Debian's chromium and chromium-driver (`./dev browser` does, "
                     "with selenium), or set PAGEDSERVE_CHROMIUM and PAGEDSERVE_CHROMEDRIVER")
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("selenium") is None:
         pytest.skip("selenium is not installed (`./dev browser` or `pip install -e '.[test]'`)")
     return found
 

@@ -39,7 +39,8 @@ window.kvMap.onUpdate.push((m) => {
   if (full) {
     const r = m.cellRect('device', full.block);
     const dpr = window.devicePixelRatio || 1;
-    const px = m.device.getContext('2d').getImageData(Math.floor((r.x + 2) * dpr), Math.floor((r.y + 2) * dpr), 1, 1).data;
+    const ctx = m.device.getContext('2d');
+    const px = ctx.getImageData(Math.floor((r.x + 2) * dpr), Math.floor((r.y + 2) * dpr), 1, 1).data;
     probe = {painted: [px[0], px[1], px[2]], expected: toRgb(full.color)};
   }
   window.__seen.push({snapshotId: m.lastSnapshot.snapshot_id, rid, probe,
@@ -89,73 +90,75 @@ def test_chat_streams_and_the_map_follows_its_blocks(server, tmp_path):
         wait_js(driver, "return document.getElementById('conn').textContent === 'map live' && "
                         "window.playground.state.model")
         driver.execute_script(RECORDER)
-
-        # One answer: its blocks take its colour while it runs, and come free when it ends.
-        _set(driver, "max-tokens", 200)
-        _set(driver, "ignore-eos", True)
-        _ask(driver, "Hello there, how are the blocks?")
-        wait_js(driver, "const r = window.playground.state.requests; return r.length && r[0].done", 120)
-        record = _last_request(driver)
-        rid = record["id"]
-        assert record["error"] is None and rid.startswith("chatcmpl-")
-        bubble = driver.execute_script("return [...document.querySelectorAll('.msg.assistant .text')].pop().textContent")
-        assert bubble == record["texts"][0] and len(bubble) > 0
-        assert driver.execute_script("return window.__textChanges") > 10  # streamed, not all at once
-        seen = [e for e in driver.execute_script("return window.__seen") if e["rid"] == rid and e["cells"]]
-        assert seen, "no snapshot showed the request's blocks"
-        color = driver.execute_script("return window.playground.palette.color(arguments[0], 0)", rid)
-        swatch = driver.execute_script("return [...document.querySelectorAll('.msg.assistant .swatch')].pop()"
-                                       ".style.getPropertyValue('--c')")
-        assert swatch == color  # the chat and the map say the same colour
-        assert all(c["color"] == color and c["state"] == "used" for e in seen for c in e["cells"])
-        probes = [e["probe"] for e in seen if e["probe"]]
-        assert probes and all(max(abs(a - b) for a, b in zip(p["painted"], p["expected"])) <= 2 for p in probes)
-        _wait_free(driver, rid)
-
-        # n = 3: the three samples share the prompt's full blocks (count 3). The map pauses on the
-        # first snapshot that shows it, so the test can look closely.
+        _one_answer_takes_blocks_in_its_colour_and_frees_them(driver)
         driver.find_element("id", "new-chat").click()  # a fresh conversation: the tiny model holds 256 tokens
-        _set(driver, "n", 3)
-        driver.execute_script("window.__pauseWhen = (mine) => mine.some((c) => c.refCount === 3);")
-        _ask(driver, "Now three answers, please.")
-        wait_js(driver, "return window.playground.state.mapPaused", 120)
-        rid3 = _last_request(driver)["id"]
-        shared = driver.execute_script(
-            "return window.kvMap.cells.filter((c) => c.refCount === 3 && c.requestId === arguments[0])"
-            ".map((c) => ({block: c.block, choices: c.owners.map((o) => o.choice).sort()}))", rid3)
-        assert shared and all(c["choices"] == [0, 1, 2] for c in shared)
-        shot = tmp_path / "playground-n3.png"
-        driver.save_screenshot(str(shot))
-        print(f"\nscreenshot: {shot}")
-
-        # Hovering a shared cell says so; hovering the request lists its three block tables.
-        from selenium.webdriver.common.action_chains import ActionChains
-
-        canvas = driver.find_element("id", "device-map")
-        rect = driver.execute_script("return window.kvMap.cellRect('device', arguments[0])", shared[0]["block"])
-        size = canvas.size
-        ActionChains(driver).move_to_element_with_offset(
-            canvas, rect["x"] + rect["size"] / 2 - size["width"] / 2, rect["y"] + rect["size"] / 2 - size["height"] / 2,
-        ).perform()
-        tip = wait_js(driver, "const t = document.getElementById('tip'); return !t.hidden && t.textContent", 10)
-        assert f"block {shared[0]['block']}" in tip and "shared by 3 block tables" in tip
-        row = driver.find_element("css selector", f".req[data-request='{rid3}']")
-        ActionChains(driver).move_to_element(row).perform()
-        tables = wait_js(driver, "const s = document.querySelectorAll('#detail .detail-seq'); "
-                                 "return s.length === 3 && [...s].map((e) => e.textContent)", 10)
-        assert all("\u00d73" in t for t in tables)  # each table shows the shared blocks' count
-
-        driver.execute_script("window.playground.pauseMap(false)")
-        wait_js(driver, "const r = window.playground.state.requests; return r[r.length - 1].done", 120)
-        record3 = _last_request(driver)
-        assert record3["error"] is None and all(record3["texts"])
-        _wait_free(driver, rid3)
-        assert driver.execute_script("return window.kvMap.cells.some((c) => c.state === 'cached')")
+        _three_samples_share_the_prompt(driver, tmp_path)
         final = tmp_path / "playground-after.png"
         driver.save_screenshot(str(final))
         print(f"screenshot: {final}")
         # the only errors: the 401s the page got before the key was typed
         assert [e for e in console_errors(driver) if "401 (Unauthorized)" not in e] == []
+
+
+def _one_answer_takes_blocks_in_its_colour_and_frees_them(driver) -> None:
+    _set(driver, "max-tokens", 200)
+    _set(driver, "ignore-eos", True)
+    _ask(driver, "Hello there, how are the blocks?")
+    wait_js(driver, "const r = window.playground.state.requests; return r.length && r[0].done", 120)
+    record = _last_request(driver)
+    rid = record["id"]
+    assert record["error"] is None and rid.startswith("chatcmpl-")
+    bubble = driver.execute_script("return [...document.querySelectorAll('.msg.assistant .text')]"
+                                   ".pop().textContent")
+    assert bubble == record["texts"][0] and len(bubble) > 0
+    assert driver.execute_script("return window.__textChanges") > 10  # streamed, not all at once
+    seen = [e for e in driver.execute_script("return window.__seen") if e["rid"] == rid and e["cells"]]
+    assert seen, "no snapshot showed the request's blocks"
+    color = driver.execute_script("return window.playground.palette.color(arguments[0], 0)", rid)
+    swatch = driver.execute_script("return [...document.querySelectorAll('.msg.assistant .swatch')].pop()"
+                                   ".style.getPropertyValue('--c')")
+    assert swatch == color  # the chat and the map say the same colour
+    assert all(c["color"] == color and c["state"] == "used" for e in seen for c in e["cells"])
+    probes = [e["probe"] for e in seen if e["probe"]]
+    assert probes and all(max(abs(a - b) for a, b in zip(p["painted"], p["expected"])) <= 2 for p in probes)
+    _wait_free(driver, rid)
+
+
+def _three_samples_share_the_prompt(driver, tmp_path) -> None:
+    """n = 3: the samples share the prompt's full blocks (count 3). The map pauses on the first
+    snapshot that shows it, so the test can look closely: hover a shared cell, then the request."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    _set(driver, "n", 3)
+    driver.execute_script("window.__pauseWhen = (mine) => mine.some((c) => c.refCount === 3);")
+    _ask(driver, "Now three answers, please.")
+    wait_js(driver, "return window.playground.state.mapPaused", 120)
+    rid = _last_request(driver)["id"]
+    shared = driver.execute_script(
+        "return window.kvMap.cells.filter((c) => c.refCount === 3 && c.requestId === arguments[0])"
+        ".map((c) => ({block: c.block, choices: c.owners.map((o) => o.choice).sort()}))", rid)
+    assert shared and all(c["choices"] == [0, 1, 2] for c in shared)
+    shot = tmp_path / "playground-n3.png"
+    driver.save_screenshot(str(shot))
+    print(f"\nscreenshot: {shot}")
+    canvas = driver.find_element("id", "device-map")
+    rect = driver.execute_script("return window.kvMap.cellRect('device', arguments[0])", shared[0]["block"])
+    size = canvas.size
+    ActionChains(driver).move_to_element_with_offset(
+        canvas, rect["x"] + rect["size"] / 2 - size["width"] / 2, rect["y"] + rect["size"] / 2 - size["height"] / 2,
+    ).perform()
+    tip = wait_js(driver, "const t = document.getElementById('tip'); return !t.hidden && t.textContent", 10)
+    assert f"block {shared[0]['block']}" in tip and "shared by 3 block tables" in tip
+    ActionChains(driver).move_to_element(driver.find_element("css selector", f".req[data-request='{rid}']")).perform()
+    tables = wait_js(driver, "const s = document.querySelectorAll('#detail .detail-seq'); "
+                             "return s.length === 3 && [...s].map((e) => e.textContent)", 10)
+    assert all("\u00d73" in t for t in tables)  # each table shows the shared blocks' count
+    driver.execute_script("window.playground.pauseMap(false)")
+    wait_js(driver, "const r = window.playground.state.requests; return r[r.length - 1].done", 120)
+    record = _last_request(driver)
+    assert record["error"] is None and all(record["texts"])
+    _wait_free(driver, rid)
+    assert driver.execute_script("return window.kvMap.cells.some((c) => c.state === 'cached')")
 
 
 def test_replay_page_plays_both_policies(tmp_path):
