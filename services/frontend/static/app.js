@@ -72,7 +72,7 @@
 
   function setConn(kind, text) {
     const c = $("conn");
-    c.className = `pill status ${kind}`;
+    c.className = `pill status st-${kind}`;
     c.textContent = text;
   }
 
@@ -102,6 +102,8 @@
 
   $("api-key").value = state.key;
   let keyTimer = null;
+  let onKeyChange = null;  // resolves the wait of a map stream that was refused for its key
+  const nextKey = () => new Promise((resolve) => { onKeyChange = resolve; });
   $("api-key").addEventListener("input", () => {
     clearTimeout(keyTimer);
     keyTimer = setTimeout(() => {
@@ -109,6 +111,7 @@
       sessionStorage.setItem(KEY_STORE, state.key);
       loadModel();
       if (state.poolAbort) state.poolAbort.abort();  // reconnect with the new key
+      if (onKeyChange) onKeyChange();
     }, 400);
   });
 
@@ -127,11 +130,14 @@
         if (r.status === 401) {
           setConn("error", "map: API key needed");
           needKey();
+          await nextKey();
+          continue;
         } else if (r.status === 404) {
           setConn("error", "map off (--no-playground)");
           return;
         } else if (r.ok) {
           setConn("live", "map live");
+          $("map-hint").hidden = true;
           for await (const data of sseData(r)) {
             const snapshot = JSON.parse(data);
             if (state.mapPaused) {
