@@ -4,8 +4,9 @@ step, the contiguous policy beside the paged one, for teaching.
 The same request stream runs through the scheduler and block manager under both policies
 (``scheduler.simulate``); after every step a ``KvSnapshot`` is taken (``scheduler.kv_snapshot``, as
 for ``/v1/kv/events``) and kept in its JSON form (``shared.kv_json``). The page is the playground's
-own map code and style (``frontend/static``, read as files) with a small player, all inlined with
-the frames, so it opens from disk with no server and nothing fetched.
+own map code and style (``frontend/static``: kvdraw, kvmap and kvtable, read as files) with a
+small player, all inlined with the frames, so it opens from disk with no server and nothing
+fetched.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def render_page(data: dict) -> str:
     """The page's HTML with its style, scripts and frames inlined."""
     page = _asset("replay.html")
     frames_json = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
-    for marker, text in (("/*STYLE*/", _asset("style.css")), ("/*KVMAP*/", _script_safe(_asset("kvmap.js"))),
-                         ("/*REPLAY*/", _script_safe(_asset("replay.js"))), ("/*DATA*/", frames_json)):
+    scripts = {f"/*{name.upper()}*/": _script_safe(_asset(f"{name}.js"))
+               for name in ("kvdraw", "kvmap", "kvtable", "replay")}
+    for marker, text in (("/*STYLE*/", _asset("style.css")), *scripts.items(), ("/*DATA*/", frames_json)):
         assert page.count(marker) == 1, marker
         page = page.replace(marker, text)
     return page

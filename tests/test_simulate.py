@@ -68,7 +68,8 @@ def test_html_replay_records_every_step_of_both_policies(tmp_path):
     paged_tables = [s["block_table"] for f in data["runs"]["paged"]["frames"] for s in f["snapshot"]["sequences"]]
     assert min(len(t) for t in paged_tables) == 1 and max(len(t) for t in paged_tables) <= 8
     page = render_page(data)
-    assert "/*" + "KVMAP*/" not in page and "class KvMap" in page and "window.replay" in page
+    assert "/*" + "KVMAP*/" not in page and "/*" + "KVDRAW*/" not in page
+    assert "class KvMap" in page and "function drawCell" in page and "KvTable" in page and "window.replay" in page
     embedded = re.search(r'<script type="application/json" id="replay-data">(.*?)</script>', page, re.S).group(1)
     assert json.loads(embedded) == json.loads(json.dumps(data))
     assert "src=" not in page and "href=" not in page  # nothing to fetch: it opens from disk

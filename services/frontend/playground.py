@@ -21,11 +21,17 @@ from services.frontend.kv_stream import KvHub, kv_events
 from services.frontend.state import STATE
 
 KV_HUB = web.AppKey("kv_hub", KvHub)
-STATIC_TYPES = {
+_JS = "text/javascript; charset=utf-8"
+STATIC_TYPES = {  # the page's files, in the order index.html loads them
     "index.html": "text/html; charset=utf-8",
-    "app.js": "text/javascript; charset=utf-8",
-    "kvmap.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
+    "page.js": _JS,  # helpers the page's scripts share
+    "kvdraw.js": _JS,  # painting a pool on a canvas
+    "kvmap.js": _JS,  # the map of a pool (also inlined by simulate --html)
+    "kvtable.js": _JS,  # block-table chips, cell descriptions
+    "pool.js": _JS,  # the pool panel: counters, sequences, tooltip, pause
+    "chat.js": _JS,  # the chat
+    "app.js": _JS,  # the wiring: key, model, the events stream
 }
 PAGE_HEADERS = {
     "Cache-Control": "no-cache",

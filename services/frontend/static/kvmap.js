@@ -20,13 +20,10 @@
 (function (root) {
   "use strict";
 
+  const { FREE, CACHED, FLASH_MS, FLASH_COLORS, representatives, groupCell, freeGrid, flashTargets, drawCell } =
+    root.KvDraw;
   const HUES = [217, 4, 142, 276, 32, 188, 330, 84, 250, 14, 168, 300];
   const CHOICE_LIGHTNESS = [46, 64, 32, 74, 39, 56, 26];  // a request's choices: one hue, these lightnesses
-  const FREE = "#e6e9ee";
-  const CACHED = "#c9d6de";
-  const CACHED_HATCH = "#9fb3c0";
-  const FLASH_MS = 1800;
-  const FLASH_COLORS = { copy: "#f5a700", evict: "#e5484d", swap_out: "#3e63dd", swap_in: "#18a058" };
 
   /** Stable colours: each request gets the next hue the first time it is seen; its choices share
       that hue and differ in lightness. */
@@ -101,8 +98,8 @@
       this.onHover = opts.onHover || null;
       this.onUpdate = [];  // callbacks(map) after every snapshot is drawn
       this.lastSnapshot = null;
-      this.pools = { device: buildPool({ num_blocks: 0, used_block_ids: [], ref_counts: [] }, [], false, 16, this.palette) };
-      this.pools.cpu = this.pools.device;
+      const empty = buildPool({ num_blocks: 0, used_block_ids: [], ref_counts: [] }, [], false, 16, this.palette);
+      this.pools = { device: empty, cpu: empty };
       this.focus = null;  // a request id: its cells stand out, the others fade
       this.flashes = [];  // {pool, block, kind, t0}
       this.recentEvents = [];  // the last 200 events seen, for pages and tests
@@ -295,146 +292,7 @@
     }
   }
 
-  /** One cell per group of ``group`` blocks: the first block in use in it, else the first cached. */
-  function representatives(cells, group) {
-    if (group === 1) return cells;
-    const best = new Map();
-    for (const cell of cells) {
-      const g = Math.floor(cell.block / group);
-      const known = best.get(g);
-      if (!known || (known.state !== "used" && cell.state === "used")) best.set(g, cell);
-    }
-    return [...best.values()];
-  }
-
-  /** A hovered group of blocks: what is in it, and its owners. */
-  function groupCell(cells, first, last) {
-    const inside = cells.filter((c) => c.block >= first && c.block <= last);
-    const used = inside.filter((c) => c.state === "used");
-    const rep = used[0] || inside[0];
-    return { block: first, lastBlock: last, group: true, state: rep ? rep.state : "free",
-             numUsed: used.length, numCached: inside.length - used.length, refCount: rep ? rep.refCount : 0,
-             owners: used.flatMap((c) => c.owners.map((o) => ({ ...o, block: c.block }))),
-             requestId: rep ? rep.requestId : null, fill: 0 };
-  }
-
-  function freeGrid(L) {
-    const bg = document.createElement("canvas");
-    bg.width = Math.round(L.width * L.dpr);
-    bg.height = Math.round(L.height * L.dpr);
-    const ctx = bg.getContext("2d");
-    ctx.setTransform(L.dpr, 0, 0, L.dpr, 0, 0);
-    ctx.fillStyle = FREE;
-    for (let g = 0; g < L.numCells; g++) {
-      ctx.fillRect((g % L.cols) * (L.cell + L.gap), Math.floor(g / L.cols) * (L.cell + L.gap), L.cell, L.cell);
-    }
-    return bg;
-  }
-
-  function flashTargets(ev) {
-    switch (ev.kind) {
-      case "copy": return [["device", ev.dst]];
-      case "evict": return [["device", ev.src]];
-      case "swap_out": return [["device", ev.src], ["cpu", ev.dst]];
-      case "swap_in": return [["cpu", ev.src], ["device", ev.dst]];
-      default: return [];
-    }
-  }
-
-  /** One cell; ``bs`` 0 draws it full (a group of blocks). */
-  function drawCell(ctx, x, y, s, cell, bs, showSlots) {
-    if (cell.state === "cached") {
-      ctx.fillStyle = CACHED;
-      ctx.fillRect(x, y, s, s);
-      if (s >= 7) hatch(ctx, x, y, s);
-      return;
-    }
-    ctx.fillStyle = cell.pale;
-    ctx.fillRect(x, y, s, s);
-    ctx.fillStyle = cell.color;
-    ctx.fillRect(x, y, !bs || cell.fill >= bs ? s : Math.round((s * cell.fill) / bs), s);
-    if (showSlots && bs && s / bs >= 3) {
-      ctx.fillStyle = "rgba(255,255,255,0.55)";
-      for (let i = 1; i < bs; i++) ctx.fillRect(x + Math.round((s * i) / bs), y, 1, s);
-    }
-    if (cell.refCount > 1) drawCount(ctx, x, y, s, cell.refCount);
-  }
-
-  function hatch(ctx, x, y, s) {
-    ctx.save();
-    ctx.beginPath();
-    ctx.rect(x, y, s, s);
-    ctx.clip();
-    ctx.strokeStyle = CACHED_HATCH;
-    ctx.lineWidth = 1;
-    const step = Math.max(3, Math.floor(s / 3));
-    ctx.beginPath();
-    for (let d = -s; d < s; d += step) {
-      ctx.moveTo(x + d, y + s);
-      ctx.lineTo(x + d + s, y);
-    }
-    ctx.stroke();
-    ctx.restore();
-  }
-
-  function drawCount(ctx, x, y, s, count) {
-    if (s >= 12) {
-      const size = Math.max(8, Math.floor(s * 0.62));
-      ctx.font = `700 ${size}px system-ui, -apple-system, "Segoe UI", sans-serif`;
-      ctx.textAlign = "center";
-      ctx.textBaseline = "middle";
-      ctx.lineWidth = Math.max(2, size / 5);
-      ctx.strokeStyle = "rgba(17,24,39,0.75)";
-      const label = count > 99 ? "99+" : String(count);
-      ctx.strokeText(label, x + s / 2, y + s / 2 + 0.5);
-      ctx.fillStyle = "#fff";
-      ctx.fillText(label, x + s / 2, y + s / 2 + 0.5);
-    } else {
-      const d = Math.max(2, Math.floor(s / 2.5));
-      ctx.fillStyle = "#fff";
-      ctx.fillRect(x + s - d, y, d, d);
-    }
-  }
-
-  /** DOM helpers shared by the pages: a sequence's block table as chips, a cell's description. */
-  const KvTable = {
-    chips(seq, map) {
-      const wrap = document.createElement("div");
-      wrap.className = "kv-table";
-      const bs = map.lastSnapshot ? map.lastSnapshot.block_size : 16;
-      seq.block_table.forEach((block, logical) => {
-        const chip = document.createElement("span");
-        const cell = map.cellOf(seq.on_cpu ? "cpu" : "device", block);
-        const filled = Math.min(bs, Math.max(0, seq.num_tokens - logical * bs));
-        const shared = cell.refCount > 1;
-        chip.className = "kv-chip" + (shared ? " shared" : "") + (filled < bs ? " partial" : "");
-        chip.title = `logical block ${logical} -> ${seq.on_cpu ? "CPU" : "device"} block ${block}: `
-          + `${filled}/${bs} slots` + (shared ? `, shared by ${cell.refCount}` : "");
-        chip.textContent = `${logical}\u2192${block}` + (shared ? ` \u00d7${cell.refCount}` : "");
-        chip.style.setProperty("--chip", map.palette.color(seq.request_id, seq.choice));
-        wrap.appendChild(chip);
-      });
-      return wrap;
-    },
-    describe(pool, cell, bs) {
-      const where = pool === "cpu" ? "CPU block" : "block";
-      if (cell.group) {
-        const numFree = cell.lastBlock - cell.block + 1 - cell.numUsed - cell.numCached;
-        return `${where}s ${cell.block}\u2013${cell.lastBlock}: ${cell.numUsed} in use, ${cell.numCached} cached, `
-          + `${numFree} free`;
-      }
-      if (cell.state === "cached") {
-        return `${where} ${cell.block}: cached, free: a finished prompt's tokens, reusable by a request with the `
-          + "same prefix, evicted when a block is needed";
-      }
-      if (cell.state === "free") return `${where} ${cell.block}: free`;
-      const shared = cell.refCount > 1 ? `, shared by ${cell.refCount} block tables` : "";
-      return `${where} ${cell.block}: ${cell.fill}/${bs} slots hold tokens${shared}`;
-    },
-  };
-
   root.KvPalette = KvPalette;
   root.KvMap = KvMap;
-  root.KvTable = KvTable;
   root.KV_COLORS = { free: FREE, cached: CACHED, flash: FLASH_COLORS };
 })(typeof window !== "undefined" ? window : globalThis);
