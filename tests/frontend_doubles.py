@@ -20,7 +20,7 @@ from services.frontend.config import FrontendConfig
 from services.frontend.main import FrontendServer
 from services.frontend.served_model import ServedModel
 from shared.endpoints import Endpoints
-from shared.messages import AbortRequest, AddRequest, EngineStats, RequestOutput, decode, encode
+from shared.messages import AbortRequest, AddRequest, EngineStats, KvWatch, RequestOutput, decode, encode
 from shared.model_source import eos_token_ids, load_tokenizer, resolve_model
 
 # What the fake model "generates": multi-byte characters split across byte-level tokens on purpose.
@@ -91,7 +91,8 @@ class FakeScheduler:
     (k long) with logprobs ``fake_logprob(token) - rank``. ``max_tokens`` 0 gets one output per
     choice, with no token and finish "length". It sends
     ``EngineStats(ready=self.ready)`` every 50 ms and records every ``AddRequest`` and
-    ``AbortRequest``; an aborted request gets no more outputs. A request's last output is marked
+    ``AbortRequest`` (and each ``KvWatch``'s ``on`` in ``kv_watches``; a test sends the snapshots
+    itself with ``send_raw``); an aborted request gets no more outputs. A request's last output is marked
     ``request_finished``, as the real scheduler marks it.
 
     Several choices, shaped like the real scheduler's: with ``n`` each choice ``c`` replies
@@ -109,6 +110,7 @@ class FakeScheduler:
     ready: bool = True
     added: list[AddRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    kv_watches: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.reply_token_ids = list(self.tokenizer.encode(REPLY_TEXT))
@@ -188,6 +190,8 @@ class FakeScheduler:
             elif isinstance(message, AbortRequest):
                 self.aborted.append(message.request_id)
                 self._active.pop(message.request_id, None)
+            elif isinstance(message, KvWatch):
+                self.kv_watches.append(message.on)
             self._changed.notify_all()
 
     def _plan(self, request: AddRequest) -> _Active:

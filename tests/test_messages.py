@@ -10,7 +10,8 @@ import pytest
 
 from shared.messages import (
     MESSAGE_TYPES, AbortRequest, AddRequest, DecodeError, EngineStats, ExecutorReady, FrontendHello, Hello,
-    HelloAck, NewSequence, RequestOutput, SamplingParams, Shutdown, Step, StepResult, decode, encode,
+    HelloAck, KvEventKind, KvSnapshot, KvWatch, NewSequence, RequestOutput, SamplingParams, Shutdown, Step,
+    StepResult, decode, encode,
 )
 
 SAMPLING = SamplingParams(n=2, temperature=0.7, top_k=5, seed=2**62, stop_token_ids=[3, 4], logprobs=2,
@@ -49,6 +50,18 @@ EXAMPLES = [
     EngineStats(1, 2, 100, 10, 30, 40, True, num_steps=5, sum_slots_used=9, num_swap_outs=1, num_recomputes=2,
                 world_size=2, all_reduce="torch", num_kv_blocks_per_rank=[100, 120],
                 kv_cache_bytes_per_rank=[2**20, 2**20 + 5]),
+    KvWatch(on=True),
+    KvSnapshot(
+        snapshot_id=3, block_size=4, num_blocks=4, num_cpu_blocks=2, used_block_ids=np.array([0, 2], np.int32),
+        used_ref_counts=np.array([2, 1], np.int32), cached_block_ids=np.array([0, 1], np.int32),
+        cpu_used_block_ids=np.array([0], np.int32), cpu_used_ref_counts=np.array([1], np.int32),
+        seq_ids=np.array([5, 6, 7], np.int64), request_ids=["ra", "ra", "rb"],
+        choice_idxs=np.array([0, 1, 0], np.int32),
+        on_cpu=np.array([False, False, True]), num_computed_tokens=np.array([5, 6, 3], np.int32),
+        table_starts=np.array([0, 2, 3, 4], np.int32), table_block_ids=np.array([0, 2, 0, 0], np.int32),
+        events=np.array([[KvEventKind.COPY, 1, 2], [KvEventKind.SWAP_OUT, 3, 0]], np.int32), num_events_dropped=1,
+        stats=EngineStats(2, 0, 4, 2, 11, 12, True, num_swapped=1, num_kv_snapshots=3),
+    ),
 ]
 
 

@@ -32,6 +32,7 @@ from shared.messages import (
 from .block_manager import BlockManager
 from .contiguous import ContiguousBlockManager
 from .frontends import FrontendLink
+from .kv_publisher import KvPublisher
 from .scheduler import Scheduler, SchedulerConfig
 
 STATS_INTERVAL_S = 0.5
@@ -65,6 +66,7 @@ class SchedulerProcess:
         self.ctx = zmq.Context()
         ep = config.endpoints
         self.frontends = FrontendLink(self.ctx, ep.request, self.log)
+        self.kv_publisher = KvPublisher(self.frontends)  # the playground's map; idle while nobody watches
         self.steps = self._bind(zmq.PUB, ep.step)
         self.results = self._bind(zmq.PULL, ep.result)
         self.stopping = False
@@ -156,6 +158,7 @@ class SchedulerProcess:
             sched.update(self._wait_result(step))
             self._send_outputs()
         self._send_stats()
+        self.kv_publisher.publish(sched, time.monotonic())
         for request_id in self.frontends.take_orphans():
             self.log.info("request aborted: its frontend is gone", request_id=request_id)
             sched.abort_request(request_id)
