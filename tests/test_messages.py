@@ -10,19 +10,21 @@ import pytest
 
 from shared.messages import (
     MESSAGE_TYPES, AbortRequest, AddRequest, DecodeError, EngineStats, ExecutorReady, FrontendHello, Hello,
-    HelloAck, NewSequence, RequestOutput, SamplingParams, Shutdown, Step, StepResult, decode, encode,
+    HelloAck, KvEventKind, KvSnapshot, KvWatch, NewSequence, RequestOutput, SamplingParams, Shutdown, Step,
+    StepResult, decode, encode,
 )
 
 SAMPLING = SamplingParams(n=2, temperature=0.7, top_k=5, seed=2**62, stop_token_ids=[3, 4], logprobs=2,
                           eos_token_ids=[2], best_of=3, early_stopping="never", logit_bias_token_ids=[7],
-                          logit_bias_values=[-1.5])
+                          logit_bias_values=[-1.5], prompt_logprobs=1)
 
 EXAMPLES = [
     AddRequest("r1", np.array([5, 6, 7], np.int32), SAMPLING, [2], 1234.5),
     AbortRequest("r1"),
     RequestOutput("r1", 1, [8, 9], "length", num_prompt_tokens=3, num_cached_tokens=2, num_preemptions=1,
                   logprobs=[-0.5, -1.0], top_token_ids=[[8, 1], [9, 1]], top_logprobs=[[-0.5, -2.0], [-1.0, -3.0]],
-                  request_finished=True),
+                  request_finished=True, prompt_logprobs=[-2.0, -0.25], prompt_ranks=[3, 1],
+                  prompt_top_token_ids=[[4], [6]], prompt_top_logprobs=[[-0.5], [-0.25]]),
     RequestOutput("r2", 0, [], "error", error="the executor failed: boom", request_finished=True, error_kind="engine"),
     FrontendHello(pid=4321),
     Step(
@@ -32,16 +34,34 @@ EXAMPLES = [
         block_tables=np.array([[5, 1], [2, 0]], np.int32), sample_mask=np.array([True, False]),
         new_seqs=[NewSequence(4, "r2", SAMPLING, np.array([5, 6, 7, 8], np.int32), 3)], finished_seq_ids=[1],
         block_copies=np.array([[1, 2]], np.int64), swap_out=np.array([[3, 0]], np.int64),
-        swap_in=np.array([[0, 3]], np.int64),
+        swap_in=np.array([[0, 3]], np.int64), num_scored_tokens=np.array([0, 2], np.int32), num_prompt_top_logprobs=1,
     ),
     StepResult(7, np.array([3], np.int64), np.array([11], np.int64), logprobs=np.array([-0.25], np.float32),
-               top_token_ids=np.array([[11, 4]], np.int64), top_logprobs=np.array([[-0.25, -2.5]], np.float32)),
+               top_token_ids=np.array([[11, 4]], np.int64), top_logprobs=np.array([[-0.25, -2.5]], np.float32),
+               prompt_logprobs=np.array([-1.5, -0.5], np.float32), prompt_ranks=np.array([4, 1], np.int64),
+               prompt_top_token_ids=np.array([[2], [6]], np.int64),
+               prompt_top_logprobs=np.array([[-0.75], [-0.5]], np.float32)),
     StepResult(8, np.zeros(0, np.int64), np.zeros(0, np.int64), error="boom"),
     ExecutorReady(0, 1, 100, 16, 2048, num_cpu_blocks=8),
+    ExecutorReady(1, 3, 300, 16, 2048, num_cpu_blocks=8, all_reduce="shm", kv_cache_bytes=3 * 2**20),
     Hello(99),
     HelloAck(0, 99),
     Shutdown("bye"),
-    EngineStats(1, 2, 100, 10, 30, 40, True, num_steps=5, sum_slots_used=9, num_swap_outs=1, num_recomputes=2),
+    EngineStats(1, 2, 100, 10, 30, 40, True, num_steps=5, sum_slots_used=9, num_swap_outs=1, num_recomputes=2,
+                world_size=2, all_reduce="torch", num_kv_blocks_per_rank=[100, 120],
+                kv_cache_bytes_per_rank=[2**20, 2**20 + 5]),
+    KvWatch(on=True),
+    KvSnapshot(
+        snapshot_id=3, block_size=4, num_blocks=4, num_cpu_blocks=2, used_block_ids=np.array([0, 2], np.int32),
+        used_ref_counts=np.array([2, 1], np.int32), cached_block_ids=np.array([0, 1], np.int32),
+        cpu_used_block_ids=np.array([0], np.int32), cpu_used_ref_counts=np.array([1], np.int32),
+        seq_ids=np.array([5, 6, 7], np.int64), request_ids=["ra", "ra", "rb"],
+        choice_idxs=np.array([0, 1, 0], np.int32),
+        on_cpu=np.array([False, False, True]), num_computed_tokens=np.array([5, 6, 3], np.int32),
+        table_starts=np.array([0, 2, 3, 4], np.int32), table_block_ids=np.array([0, 2, 0, 0], np.int32),
+        events=np.array([[KvEventKind.COPY, 1, 2], [KvEventKind.SWAP_OUT, 3, 0]], np.int32), num_events_dropped=1,
+        stats=EngineStats(2, 0, 4, 2, 11, 12, True, num_swapped=1, num_kv_snapshots=3),
+    ),
 ]
 
 
@@ -67,6 +87,14 @@ def test_every_message_type_has_an_example():
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_round_trip(message):
     _assert_same(decode(encode(message)), message)
+
+
+def test_group_fields_default_to_one_rank():
+    ready = decode(encode(ExecutorReady(0, 1, 10, 16, 64)))
+    stats = decode(encode(EngineStats(0, 0, 10, 0, 0, 0, True)))
+    assert (ready.all_reduce, ready.kv_cache_bytes) == ("single", 0)
+    assert (stats.world_size, stats.all_reduce, stats.num_kv_blocks_per_rank, stats.kv_cache_bytes_per_rank) == (
+        1, "single", [], [])
 
 
 def test_request_output_defaults_to_not_finished():

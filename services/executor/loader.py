@@ -1,6 +1,6 @@
-"""Build a ``ModelRunner``: our model from a config and weights, the KV pools sized from the flags,
-the attention backend. The executor process and the offline engine (``services.offline``) both
-start here, so that one model loads the same way in both."""
+"""Build a ``ModelRunner``: our model from a config and weights (the whole model, or one rank's
+shard), the KV pools sized from the flags, the attention backend. The executor process and the
+offline engine (``services.offline``) both start here, so that one model loads the same way in both."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import torch
 from .attention import select_backend
 from .model import ModelConfig
 from .model_check import MemoryPlan, plan_memory
+from .parallel.base import Communicator
+from .parallel.sharding import ShardPlan
 from .runner import ModelRunner, allocate_kv_cache
 from .weights import build_model, resolve_dtype
 
@@ -60,9 +62,11 @@ class RunnerOptions:
             raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
 
 
-def plan_runner(hf_config, options: RunnerOptions, where: str = "the model") -> MemoryPlan:
+def plan_runner(hf_config, options: RunnerOptions, where: str = "the model",
+                shard: ShardPlan | None = None) -> MemoryPlan:
     """Settle the pool sizes and ``max_model_len`` for ``options``, and refuse (``ModelCheckError``,
-    one line) a pool of no block or a total this machine cannot hold: before anything is loaded."""
+    one line) a pool of no block or a total this machine cannot hold: before anything is loaded.
+    With ``shard`` (one rank of a tensor-parallel group), for that rank's KV heads and weights."""
     dtype = _dtype(options)
     plan = plan_memory(
         hf_config, f"{where} in {dtype}", dtype_bytes=torch.empty((), dtype=dtype).element_size(),
@@ -70,23 +74,37 @@ def plan_runner(hf_config, options: RunnerOptions, where: str = "the model") -> 
         kv_cache_memory_bytes=parse_bytes(options.kv_cache_memory), kv_cache_memory=options.kv_cache_memory,
         swap_space_gib=options.swap_space if options.num_cpu_blocks is None else 0.0,
         max_model_len=options.max_model_len,
+        num_local_kv_heads=shard.num_local_kv_heads if shard is not None else None,
+        world_size=shard.world_size if shard is not None else 1,
     )
     if options.num_cpu_blocks is not None:
         plan = dataclasses.replace(plan, num_cpu_blocks=options.num_cpu_blocks)
     return plan
 
 
+def shard_plan(hf_config, comm: Communicator | None) -> ShardPlan | None:
+    """Rank ``comm.rank``'s share of the model, or None without a group of more than one rank."""
+    if comm is None:
+        return None
+    return ShardPlan.for_model(ModelConfig.from_hf(hf_config), comm.rank, comm.world_size)
+
+
 def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: RunnerOptions,
-                 plan: MemoryPlan | None = None) -> ModelRunner:
+                 plan: MemoryPlan | None = None, comm: Communicator | None = None) -> ModelRunner:
     """Our model for ``hf_config`` (a transformers config) with ``state_dict``'s weights, over fresh
-    KV pools sized by ``plan`` (``plan_runner``'s, computed here when not given)."""
-    plan = plan or plan_runner(hf_config, options)
+    KV pools sized by ``plan`` (``plan_runner``'s, computed here when not given).
+
+    With ``comm`` (a connected communicator of a group of more than one rank), the model is rank
+    ``comm.rank``'s shard and both KV pools hold only its KV heads: a block takes fewer bytes, so
+    ``kv_cache_memory`` and ``swap_space`` (per rank) hold more of them."""
+    shard = shard_plan(hf_config, comm)
+    plan = plan or plan_runner(hf_config, options, shard=shard)
     device = torch.device(options.device)
     dtype = _dtype(options)
-    model = build_model(hf_config, state_dict, dtype, device, plan.max_model_len)
-    cfg = ModelConfig.from_hf(hf_config)
-    kv = allocate_kv_cache(cfg, plan.num_blocks, options.block_size, dtype, device)
-    cpu_kv = allocate_kv_cache(cfg, plan.num_cpu_blocks, options.block_size, dtype, torch.device("cpu"))
+    model = build_model(hf_config, state_dict, dtype, device, plan.max_model_len, shard, comm)
+    kv_cfg = model.kv_cache_config  # only this rank's KV heads
+    kv = allocate_kv_cache(kv_cfg, plan.num_blocks, options.block_size, dtype, device)
+    cpu_kv = allocate_kv_cache(kv_cfg, plan.num_cpu_blocks, options.block_size, dtype, torch.device("cpu"))
     return ModelRunner(model, kv, select_backend(options.attention_backend, device), device, seed=options.seed,
                        cpu_kv_caches=cpu_kv)
 

@@ -12,6 +12,9 @@ every waiting request when the scheduler has been silent for ``silence_timeout_s
 A request is over at its output marked ``request_finished``, or at once on an ``"error"`` or
 ``"abort"``. Beam search may return fewer than ``n`` hypotheses: the queue then gets ``None`` after
 the last output ("the other choices will not come").
+
+For the playground, ``watch_kv`` asks the scheduler for block-pool snapshots (``KvWatch``), which
+arrive at ``on_kv_snapshot`` (``kv_stream.KvHub``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 import msgpack
 import structlog
@@ -29,7 +33,8 @@ import zmq.asyncio
 
 from shared.endpoints import Endpoints
 from shared.messages import (
-    AbortRequest, AddRequest, DecodeError, EngineStats, FrontendHello, RequestOutput, decode, encode,
+    AbortRequest, AddRequest, DecodeError, EngineStats, FrontendHello, KvSnapshot, KvWatch, RequestOutput, decode,
+    encode,
 )
 
 log = structlog.get_logger()
@@ -72,6 +77,7 @@ class EngineClient:
         self.latest_stats: EngineStats | None = None
         self.latest_stats_time: float | None = None  # time.monotonic() when it arrived
         self.num_dropped_frames = 0
+        self.on_kv_snapshot: Callable[[KvSnapshot], None] | None = None
 
     async def start(self) -> None:
         sock = self._context.socket(zmq.DEALER)
@@ -143,6 +149,11 @@ class EngineClient:
         future = self._socket.send(encode(FrontendHello(os.getpid())), zmq.NOBLOCK)
         future.add_done_callback(_ignore_failure)  # zmq.Again: the next hello will do
 
+    def watch_kv(self, on: bool) -> None:
+        """Ask for block-pool snapshots, or stop; dropped rather than queued if it cannot go now."""
+        if self._socket is not None:
+            self._socket.send(encode(KvWatch(on)), zmq.NOBLOCK).add_done_callback(_ignore_failure)
+
     async def _watch_silence(self) -> None:
         while True:
             await asyncio.sleep(HELLO_INTERVAL_S)
@@ -187,6 +198,9 @@ class EngineClient:
                 log.info("scheduler readiness", ready=message.ready)
             self.latest_stats = message
             self.latest_stats_time = time.monotonic()
+        elif isinstance(message, KvSnapshot):
+            if self.on_kv_snapshot is not None:
+                self.on_kv_snapshot(message)
         else:
             self.num_dropped_frames += 1
             log.error("dropped an unexpected message from the scheduler", type=type(message).__name__)

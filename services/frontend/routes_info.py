@@ -14,6 +14,7 @@ from services.frontend.errors import APIError, bad_request, is_int, optional_boo
 from services.frontend.http_limits import read_body
 from services.frontend.input_limits import chat_chars, check_prompt_chars
 from services.frontend.openapi import openapi_spec
+from services.frontend.playground import KV_HUB
 from services.frontend.preprocess import chat_prompt_ids
 from services.frontend.request_body import ChatBody, check_model, parse_json_body, parse_messages
 from services.frontend.served_model import ServedModel
@@ -77,8 +78,16 @@ async def health(request: web.Request) -> web.Response:
         "kv_slot_utilization": (
             stats.sum_slots_used / stats.sum_slots_allocated if stats.sum_slots_allocated else None
         ),
+        "group": _group(stats),
     }
     return web.json_response(body, status=200 if stats.ready else 503)
+
+
+def _group(stats) -> dict[str, Any]:
+    """The executor group: tensor-parallel size, all-reduce kind, KV blocks and bytes per rank."""
+    return {"world_size": stats.world_size, "all_reduce": stats.all_reduce,
+            "num_kv_blocks_per_rank": stats.num_kv_blocks_per_rank,
+            "kv_cache_bytes_per_rank": stats.kv_cache_bytes_per_rank}
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -153,4 +162,5 @@ async def version(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(openapi_spec(package_version(), state.model.name, state.api_key is not None))
+    return web.json_response(openapi_spec(package_version(), state.model.name, state.api_key is not None,
+                                          playground=KV_HUB in request.app))

@@ -3,18 +3,20 @@
 Frontends connect DEALER sockets, each under an identity of its own, to ``endpoints.request``.
 Every message a frontend sends (``FrontendHello``, ``AddRequest``, ``AbortRequest``) makes it
 known. A request's outputs go to the frontend that sent the request, until the output marked
-``request_finished``; ``EngineStats`` go to every known frontend. The socket is ROUTER_MANDATORY,
-so sending to a frontend that has gone away fails: that frontend is forgotten, and the requests it
-still had wait in ``take_orphans`` for the scheduler to abort.
+``request_finished``; ``EngineStats`` go to every known frontend; ``KvSnapshot`` to the frontends
+whose ``KvWatch`` is on (``kv_watchers``: renewal times, which ``kv_publisher`` lets lapse). The
+socket is ROUTER_MANDATORY, so sending to a frontend that has gone away fails: that frontend is
+forgotten, and the requests it still had wait in ``take_orphans`` for the scheduler to abort.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import zmq
 
-from shared.messages import AddRequest, DecodeError, EngineStats, RequestOutput, decode, encode
+from shared.messages import AddRequest, DecodeError, EngineStats, KvWatch, RequestOutput, decode, encode
 
 
 class FrontendLink:
@@ -27,6 +29,7 @@ class FrontendLink:
         self.frontends: set[bytes] = set()
         self._owners: dict[str, bytes] = {}  # request id -> identity of the frontend that sent it
         self._orphans: list[str] = []
+        self.kv_watchers: dict[bytes, float] = {}  # identity -> time.monotonic() of its last KvWatch(on)
 
     def recv(self, timeout_ms: int) -> Any:
         """The next message from any frontend, or None on timeout. Bad frames are logged and dropped."""
@@ -47,6 +50,11 @@ class FrontendLink:
             return None
         if isinstance(message, AddRequest):
             self._owners[message.request_id] = identity
+        elif isinstance(message, KvWatch):
+            if message.on:
+                self.kv_watchers[identity] = time.monotonic()
+            else:
+                self.kv_watchers.pop(identity, None)
         return message
 
     def send_output(self, output: RequestOutput) -> None:
@@ -62,6 +70,11 @@ class FrontendLink:
     def send_stats(self, stats: EngineStats) -> None:
         frame = encode(stats)
         for identity in list(self.frontends):
+            self._send(identity, frame)
+
+    def send_kv_snapshot(self, frame: bytes) -> None:
+        """To every watching frontend; one that is busy misses this snapshot, not the next."""
+        for identity in list(self.kv_watchers):
             self._send(identity, frame)
 
     def take_orphans(self) -> list[str]:
@@ -81,6 +94,7 @@ class FrontendLink:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
         self.frontends.discard(identity)
+        self.kv_watchers.pop(identity, None)
         gone = [rid for rid, owner in self._owners.items() if owner == identity]
         for request_id in gone:
             del self._owners[request_id]

@@ -7,10 +7,13 @@ every executor rank), ``result`` PULL (executors -> us).
 Start-up handshake: wait for ``ExecutorReady`` from every rank (each reports its KV blocks), then
 repeat ``Hello`` on the PUB socket until every rank acknowledged it (a SUB socket may miss early
 messages), then size the block manager from the smallest rank and report ready to the frontend.
+The ranks' reports (world size, all-reduce kind, KV blocks and bytes per rank) ride along in every
+``EngineStats`` for /health and /metrics.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -29,6 +32,7 @@ from shared.messages import (
 from .block_manager import BlockManager
 from .contiguous import ContiguousBlockManager
 from .frontends import FrontendLink
+from .kv_publisher import KvPublisher
 from .scheduler import Scheduler, SchedulerConfig
 
 STATS_INTERVAL_S = 0.5
@@ -62,6 +66,7 @@ class SchedulerProcess:
         self.ctx = zmq.Context()
         ep = config.endpoints
         self.frontends = FrontendLink(self.ctx, ep.request, self.log)
+        self.kv_publisher = KvPublisher(self.frontends)  # the playground's map; idle while nobody watches
         self.steps = self._bind(zmq.PUB, ep.step)
         self.results = self._bind(zmq.PULL, ep.result)
         self.stopping = False
@@ -70,6 +75,7 @@ class SchedulerProcess:
         # Beats while starting and on every loop turn, not while a step is out: a scheduler stuck
         # on a lost executor's result turns unhealthy after `pagedserve health --max-age-s`.
         self.heartbeat = Heartbeat("scheduler")
+        self._group: dict = {}  # the EngineStats fields describing the executor group
 
     def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -118,6 +124,8 @@ class SchedulerProcess:
             if isinstance(msg, HelloAck) and msg.nonce == nonce:
                 acked.add(msg.rank)
         first = next(iter(ready.values()))
+        self._group = group_stats(ready, cfg.world_size)
+        self.log.info("executor group ready", **self._group)
         num_blocks = min(r.num_blocks for r in ready.values())
         max_model_len = min(r.max_model_len for r in ready.values())
         if cfg.max_model_len is not None:
@@ -150,6 +158,7 @@ class SchedulerProcess:
             sched.update(self._wait_result(step))
             self._send_outputs()
         self._send_stats()
+        self.kv_publisher.publish(sched, time.monotonic())
         for request_id in self.frontends.take_orphans():
             self.log.info("request aborted: its frontend is gone", request_id=request_id)
             sched.abort_request(request_id)
@@ -195,7 +204,7 @@ class SchedulerProcess:
         if not force and now - self._last_stats < STATS_INTERVAL_S:
             return
         self._last_stats = now
-        self.frontends.send_stats(self.scheduler.engine_stats())
+        self.frontends.send_stats(dataclasses.replace(self.scheduler.engine_stats(), **self._group))
 
     def _recv(self, sock: zmq.Socket, timeout_ms: int):
         """One decoded message, or None on timeout. Bad frames are logged and dropped."""
@@ -210,6 +219,23 @@ class SchedulerProcess:
         except DecodeError as exc:
             self.log.warning("dropped a bad frame", error=str(exc), num_bytes=len(frame))
             return None
+
+
+def group_stats(ready: dict[int, ExecutorReady], world_size: int) -> dict:
+    """The ``EngineStats`` fields that describe the group, from every rank's ``ExecutorReady``.
+
+    Raises ``ValueError`` when the ranks disagree with the scheduler or each other about the group."""
+    ranks = [ready[r] for r in sorted(ready)]
+    for r in ranks:
+        if r.world_size != world_size:
+            raise ValueError(f"executor rank {r.rank} reports --world-size {r.world_size}; the scheduler has "
+                             f"--world-size {world_size}")
+        if r.block_size != ranks[0].block_size:
+            raise ValueError(f"executor rank {r.rank} has --block-size {r.block_size}, rank {ranks[0].rank} "
+                             f"{ranks[0].block_size}")
+    return {"world_size": world_size, "all_reduce": ranks[0].all_reduce,
+            "num_kv_blocks_per_rank": [r.num_blocks for r in ranks],
+            "kv_cache_bytes_per_rank": [r.kv_cache_bytes for r in ranks]}
 
 
 def run_scheduler(config: SchedulerProcessConfig) -> None:

@@ -177,15 +177,18 @@ class Scheduler:
         rows = {seq_id: row for row, seq_id in enumerate(result.seq_ids.tolist())}
         for s in scheduled:
             seq = s.seq
+            if s.scored_rows is not None:
+                seq.prompt_scores.add(result, s.scored_rows)
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step was in flight
             seq.num_computed_tokens += s.num_new_tokens
             self._cache_computed_blocks(seq)
             row = rows.get(seq.seq_id)
-            if row is None:
-                continue  # a prefill chunk that is not the last one
             group = self.groups[seq.request_id]
-            self._apply(group, group.on_sample(seq, Sample.from_result(result, row)))
+            if row is not None:
+                self._apply(group, group.on_sample(seq, Sample.from_result(result, row)))
+            elif seq.num_pending_tokens == 0:  # its prompt is in and max_tokens is 0: nothing to sample
+                self._apply(group, group.on_prompt_done(seq))
 
     # ------------------------------------------------------------------ applying decisions
 
@@ -224,8 +227,8 @@ class Scheduler:
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks that hold this sequence's leading tokens (at least one token is left)."""
-        if not self.blocks.enable_prefix_caching:
-            return []
+        if not self.blocks.enable_prefix_caching or (seq.prompt_scores is not None and not seq.prompt_scores.complete):
+            return []  # a prompt to score is computed whole: a cached block is never computed
         limit = (seq.num_tokens - 1) // self.blocks.block_size
         if len(seq.block_hashes) < limit:
             self.blocks.prefix_hashes(seq.token_ids, limit, seq.block_hashes)
@@ -279,7 +282,8 @@ class Scheduler:
         Each child joins the step with no new token, right after the parent, so its first token
         is sampled from the parent's last hidden state.
         """
-        if not parent.pending_children or parent.num_computed_tokens + num_new < parent.num_tokens:
+        if (not parent.pending_children or parent.num_computed_tokens + num_new < parent.num_tokens
+                or parent.sampling.max_tokens == 0):  # nothing to sample: they end with the parent
             return
         plan.scheduled[-1].is_fork_parent = True
         for child in parent.pending_children:
