@@ -11,7 +11,9 @@ from kernels import reference
 from kernels.cpu.cache_ops import copy_blocks, swap_blocks, write_kv_cache
 from kernels.cpu.common import BITS_DTYPES, kernel_array
 from kernels.cpu.decode import paged_decode_attention
+from kernels.cpu.norm import add_rms_norm_
 from kernels.cpu.prefill import paged_prefill_attention
+from kernels.cpu.rotary import rope_split_
 
 
 _thread_state = threading.local()
@@ -96,3 +98,24 @@ class NumbaCPUBackend:
             return reference.swap_blocks(dst, src, block_mapping)
         sync_threads()
         swap_blocks(kernel_array(dst), kernel_array(src), kernel_array(block_mapping))
+
+    # The model's elementwise chains (``services/executor/model.py``), fused; None where these
+    # tensors are not the kernels' (the model then runs the torch form).
+
+    def add_rms_norm(self, residual, delta, weight, eps):
+        """``residual += delta`` in place, returns ``RMSNorm(residual)`` (``kernels/cpu/norm.py``)."""
+        if not (_fusable(residual, delta, weight) and residual.is_contiguous() and delta.is_contiguous()):
+            return None
+        return add_rms_norm_(residual, delta, weight, eps)
+
+    def rope_split(self, qkv, cos, sin, num_heads, num_kv_heads):
+        """Rotated q and k and v from a fused projection's output (``kernels/cpu/rotary.py``)."""
+        if not (_fusable(qkv, cos, sin) and qkv.is_contiguous()):
+            return None
+        return rope_split_(qkv, cos, sin, num_heads, num_kv_heads)
+
+
+def _fusable(*tensors) -> bool:
+    """CPU tensors of one dtype the fused elementwise kernels take (float32, bfloat16)."""
+    dtype = tensors[0].dtype
+    return dtype in (torch.float32, torch.bfloat16) and all(t.is_cpu and t.dtype == dtype for t in tensors)

@@ -67,16 +67,28 @@ class ModelConfig:
 
 
 class RMSNorm(nn.Module):
+    """``forward(delta, residual)``: ``residual += delta`` in place (the residual stream; ``delta``
+    may have no rows), then ``(RMSNorm(residual), residual)``: a decoder layer's "sublayer output
+    plus residual, then norm". In one kernel where the attention backend has one for these tensors
+    (``add_rms_norm``: the numba backend on CPU), else in torch, as Hugging Face's."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
+    def forward(self, delta: torch.Tensor, residual: torch.Tensor, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = getattr(backend, "add_rms_norm", None)
+        out = fused(residual, delta, self.weight, self.eps) if fused else None
+        if out is not None:
+            return out, residual
+        if delta.shape[0]:
+            residual.add_(delta)
+        dtype = residual.dtype
+        x = residual.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * x.to(dtype), residual
+
 
 
 class RotaryEmbedding(nn.Module):
@@ -95,9 +107,23 @@ class RotaryEmbedding(nn.Module):
         them): looked up once per forward pass, used by every layer."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, D] (queries and keys together), cos and sin: [T, 1, D]; a new tensor
-        return x * cos + _rotate_half(x) * sin
+    def forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                num_kv_heads: int, backend=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``qkv``: a fused projection's output ``[T, (H + 2 Hkv) * D]``; cos and sin ``[T, 1, D]``.
+        Returns new contiguous rotated queries ``[T, H, D]``, rotated keys and values
+        ``[T, Hkv, D]``: in one kernel where the attention backend has one for these tensors
+        (``rope_split``: the numba backend on CPU, bit for bit the same), else as below."""
+        fused = getattr(backend, "rope_split", None)
+        out = fused(qkv, cos, sin, num_heads, num_kv_heads) if fused else None
+        if out is not None:
+            return out
+        num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
+        qk_size = (num_heads + num_kv_heads) * head_dim
+        # queries and keys are adjacent: rotated together, into a new [T, H + Hkv, D]
+        x = qkv[:, :qk_size].view(num_tokens, num_heads + num_kv_heads, head_dim)
+        qk = x * cos + _rotate_half(x) * sin
+        v = qkv[:, qk_size:].reshape(num_tokens, num_kv_heads, head_dim)
+        return qk[:, :num_heads].contiguous(), qk[:, num_heads:].contiguous(), v
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -123,12 +149,8 @@ class Attention(nn.Module):
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], rotary, kv_cache, meta: AttentionMetadata,
                 backend):
         # x: [T, hidden]; rope: cos and sin [T, 1, D] (``RotaryEmbedding.at``)
-        num_tokens, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
-        # queries and keys are adjacent: rotated together, into a new [T, H + Hkv, D]
-        qk = rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, self.head_dim), *rope)
-        q, k = qk[:, : self.num_heads].contiguous(), qk[:, self.num_heads:].contiguous()
-        v = qkv[:, self.q_size + self.kv_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        num_tokens = x.shape[0]
+        q, k, v = rotary(self.qkv_proj(x), *rope, self.num_heads, self.num_kv_heads, backend)
         key_cache, value_cache = kv_cache
         backend.write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
         out = paged_attention(backend, q, key_cache, value_cache, meta, self.scale)
@@ -203,10 +225,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, rotary, kv_cache, meta, backend):
-        # residual + sublayer, summed into the sublayer's fresh output (same sums as x + sublayer)
-        x = self.self_attn(self.input_layernorm(x), rope, rotary, kv_cache, meta, backend).add_(x)
-        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+    def forward(self, delta, residual, rope, rotary, kv_cache, meta, backend):
+        """``delta``: the previous layer's MLP output (no rows before the first layer), added to
+        the residual stream by this layer's first norm; returns (this MLP's output, the stream)."""
+        x, residual = self.input_layernorm(delta, residual, backend)
+        x, residual = self.post_attention_layernorm(
+            self.self_attn(x, rope, rotary, kv_cache, meta, backend), residual, backend)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -247,11 +272,12 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend,
     ) -> torch.Tensor:  # [T, hidden]
-        x = self.model.embed_tokens(input_ids)
-        rope = self.rotary.at(positions, x.dtype)
+        residual = self.model.embed_tokens(input_ids)  # the residual stream, summed in place
+        rope = self.rotary.at(positions, residual.dtype)
+        delta = residual[:0]
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, rope, self.rotary, kv_cache, meta, backend)
-        return self.model.norm(x)
+            delta, residual = layer(delta, residual, rope, self.rotary, kv_cache, meta, backend)
+        return self.model.norm(delta, residual, backend)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab] fp32

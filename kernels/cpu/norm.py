@@ -1,0 +1,67 @@
+"""Numba CPU residual add + RMS norm in one pass: what a decoder layer does twice, fused.
+
+``add_rms_norm(out, residual, delta, weight, eps)``: ``residual += delta`` in place (the residual
+stream), then ``out = weight * rms_norm(residual)``, rounded at the same points as Hugging Face's
+``LlamaRMSNorm`` (and ``services/executor/model.py``'s torch form): the sum in the stream's dtype,
+the norm in float32, the normalized row rounded to the dtype, then times the weight in the dtype.
+The sum of squares runs in another order than torch's (it vectorizes), so the variance, and with
+it an output element, may differ by an ulp; everything else rounds as torch does.
+
+Arrays: float32, or bfloat16 as its raw bits (``uint16``, ``kernels/cpu/common.py``), all of one
+format, ``[T, hidden]`` C-contiguous (``delta`` may be ``[0, hidden]``: no add). At a decode batch
+this replaces eight torch calls per norm (about 50 us at 64 tokens) by one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from kernels.cpu.common import _FASTMATH, narrow_like, widen
+
+
+@njit(fastmath=_FASTMATH, cache=True, nogil=True)  # not inlined by numba: it keeps its fastmath
+def _sum_of_squares(row):
+    total = np.float32(0.0)
+    for j in range(row.shape[0]):
+        x = widen(row[j])
+        total += x * x
+    return total
+
+
+@njit(cache=True, nogil=True)
+def _add_rms_norm_kernel(out, residual, delta, weight, eps):
+    # serial: a parallel region cost more than the work, 64 to 544 rows (measured 1.3-9x)
+    num_tokens, hidden = residual.shape
+    add = delta.shape[0] > 0
+    for i in range(num_tokens):
+        row = residual[i]
+        if add:
+            for j in range(hidden):
+                row[j] = narrow_like(row, widen(row[j]) + widen(delta[i, j]))
+        variance = _sum_of_squares(row) / np.float32(hidden)
+        inv = np.float32(1.0) / np.sqrt(variance + eps)
+        dst = out[i]
+        for j in range(hidden):
+            normed = narrow_like(row, widen(row[j]) * inv)  # to the stream's dtype, as .to(dtype)
+            dst[j] = narrow_like(dst, widen(weight[j]) * widen(normed))
+
+
+def add_rms_norm(out, residual, delta, weight, eps: float) -> None:
+    """``residual += delta`` (skipped when ``delta`` has no rows), ``out = RMSNorm(residual)``."""
+    if residual.shape[0]:
+        _add_rms_norm_kernel(out, residual, delta, weight, np.float32(eps))
+
+
+def add_rms_norm_(residual, delta, weight, eps: float):
+    """The torch form: ``residual += delta`` in place, returns a new ``RMSNorm(residual)`` tensor
+    (CPU, float32 or bfloat16, C-contiguous, one dtype; ``delta`` may have no rows)."""
+    import torch
+
+    from kernels.cpu.backend import sync_threads
+    from kernels.cpu.common import kernel_array
+
+    sync_threads()
+    out = torch.empty_like(residual)
+    add_rms_norm(kernel_array(out), kernel_array(residual), kernel_array(delta), kernel_array(weight), eps)
+    return out
