@@ -28,6 +28,8 @@ SETTINGS = [
     ("all cores, OMP_WAIT_POLICY=PASSIVE", {"PAGEDSERVE_NUM_THREADS": "0", "OMP_WAIT_POLICY": "PASSIVE"}),
     ("all cores, libgomp default (spin, then sleep)", {"PAGEDSERVE_NUM_THREADS": "0", "OMP_WAIT_POLICY": ""}),
     ("all cores, OMP_WAIT_POLICY=ACTIVE", {"PAGEDSERVE_NUM_THREADS": "0", "OMP_WAIT_POLICY": "ACTIVE"}),
+    ("all cores, GOMP_SPINCOUNT=10000 (short spin, then sleep)",
+     {"PAGEDSERVE_NUM_THREADS": "0", "OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "10000"}),
 ]
 NEIGHBOURS = {"alone": None, "light neighbour": (0.001, 0.009), "heavy neighbour": (0.002, 0.001)}
 

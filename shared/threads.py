@@ -17,14 +17,32 @@ The rule (``choose_threads``), from what a process reads at start-up in well und
   the core a thread of the other pool needs. ``PAGEDSERVE_NUM_THREADS`` or ``--num-threads``
   overrides the count, an ``OMP_WAIT_POLICY`` already set overrides the policy.
 
-Measured with ``python -m loadtest.threads`` (SmolLM2 decode, batch 32, context 256, median step,
-2 rounds interleaved; a 2-core AMD EPYC Zen 5 VM shared with other jobs, load average 2-5, so
-only the large ratios are to be trusted):
+Measured with ``flock /tmp/bench.lock python -m loadtest.threads --steps 8`` (SmolLM2 decode in
+bf16, the ``--dtype auto`` of this CPU, batch 32, context 256; median of 8 steps, then of 2
+interleaved rounds; a 2-core AMD EPYC Zen 5 VM with avx512_bf16, shared with other helpers'
+tests and benchmarks, so only the large ratios are to be trusted). Wall ms per step (ratio to the
+best setting of the same neighbour):
 
-MEASUREMENTS
+    run 1, load average 3.4 -> 3.0          alone          light neighbour   heavy neighbour
+    1 thread                                66.9 (x1.56)   68.5 (x1.56)      128.5 (x1.62)
+    2 threads, PASSIVE                      60.2 (x1.41)   66.9 (x1.53)       79.1 (x1.00)
+    2 threads, libgomp default              42.9 (x1.00)   44.8 (x1.02)     1283.4 (x16.22)
+    2 threads, ACTIVE                       44.5 (x1.04)   43.8 (x1.00)       80.3 (x1.02)
 
-The earlier choice (PASSIVE, all cores; measured on a 2-core AMD EPYC with AVX2 only, where a
-spinning pool made a step 5 to 12 times longer next to a busy process) stands for two cores.
+    run 2 (after the fused norm/rotary kernels), load average 3.5 -> 3.3
+    1 thread                                96.3 (x1.00)   87.0 (x1.00)      119.9 (x1.31)
+    2 threads, PASSIVE                     105.9 (x1.10)   96.0 (x1.10)       91.4 (x1.00)
+    2 threads, libgomp default             436.2 (x4.53)  467.6 (x5.38)      242.4 (x2.65)
+    2 threads, ACTIVE                      418.3 (x4.34)  780.3 (x8.97)      321.7 (x3.52)
+    2 threads, GOMP_SPINCOUNT=10000        230.3 (x2.39)  178.6 (x2.05)      229.3 (x2.51)
+
+Spinning (libgomp's default, ACTIVE, or a short spin count) was up to 1.5x faster in one run and
+2 to 16 times slower in the other, depending on what else ran on the two cores; PASSIVE was never
+worse than 1.53x the best and was the best with a heavy neighbour in both runs, and an idle
+ACTIVE pool would also keep a core busy between requests. So PASSIVE stays, on every machine. On
+two cores both threads compute: one thread alone lost to two by 1.31x to 1.62x next to a heavy
+neighbour and won by at most 1.10x without one. No machine with 8 or more cores was available: the reserved core
+(``RESERVE_FROM_CORES``) is a design choice that is not measured yet.
 """
 
 from __future__ import annotations
