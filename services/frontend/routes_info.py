@@ -74,6 +74,9 @@ async def health(request: web.Request) -> web.Response:
         "num_cached_blocks": stats.num_cached_blocks,
         "num_swapped": stats.num_swapped,
         "max_num_running": stats.max_num_running,
+        # this moment: tokens the running sequences hold, and the slots of every block table
+        "num_slots_used": stats.num_slots_used,
+        "num_slots_allocated": stats.num_slots_allocated,
         # mean over all steps so far of slots holding tokens / slots allocated
         "kv_slot_utilization": (
             stats.sum_slots_used / stats.sum_slots_allocated if stats.sum_slots_allocated else None
