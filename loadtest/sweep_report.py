@@ -111,7 +111,8 @@ def latency_bound(summaries: list[RateSummary], reference_policy: str, factor: f
     """``factor`` times the reference policy's normalized latency at its lowest swept rate."""
     rows = [s for s in summaries if s.policy == reference_policy and math.isfinite(s.normalized_latency_s_per_token)]
     if not rows:
-        raise ValueError(f"no finished run of {reference_policy} to set the latency bound from: give --latency-bound")
+        raise SystemExit(f"no run of {reference_policy} finished every request, so there is no latency bound to "
+                         f"derive: give --latency-bound")
     return factor * min(rows, key=lambda s: s.rate_req_s).normalized_latency_s_per_token
 
 
