@@ -1,7 +1,7 @@
 """Rate sweep, the PagedAttention paper's Fig. 12 on our engine: normalized latency against request
 rate, per KV policy, under Poisson arrivals.
 
-    python -m loadtest.sweep [--rates 0.25,0.5,1,1.5,2,2.5,3,4,5,6] [--duration-s 45] [--scale-lengths 0.25]
+    python -m loadtest.sweep [--rates 0.5,1,1.5,2,3] [--duration-s 15] [--scale-lengths 0.25]
         [--policies paged,contiguous,paged-no-prefix-caching] [--dataset sharegpt] [--out sweep-out]
 
 For each policy in turn, one fresh ``pagedserve serve`` (SmolLM2 unless ``--model``) with the same
@@ -54,12 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", default="paged,contiguous,paged-no-prefix-caching",
                     help=f"comma-separated, run in this order; the first is the reference (of {', '.join(POLICIES)})")
-    ap.add_argument("--rates", default="0.25,0.5,1,1.5,2,2.5,3,4,5,6", help="requests per second, comma-separated")
+    ap.add_argument("--rates", default="0.5,1,1.5,2,3", help="requests/s, comma-separated (default 0.5,1,1.5,2,3)")
     load = ap.add_mutually_exclusive_group()
-    load.add_argument("--duration-s", type=float, default=45.0,
-                      help="seconds of arrivals per rate: rate x duration requests, at least --min-requests (default 45)")
+    load.add_argument("--duration-s", type=float, default=15.0,
+                      help="seconds of arrivals per rate: rate x duration requests, at least --min-requests (default 15)")
     load.add_argument("--num-requests", type=int, default=None, help="requests per rate instead of --duration-s")
-    ap.add_argument("--min-requests", type=int, default=12)
+    ap.add_argument("--min-requests", type=int, default=8, help="fewest requests per rate (default 8)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dataset", choices=sorted(DATASETS), default="sharegpt")
     ap.add_argument("--scale-lengths", type=float, default=0.25, metavar="F",
@@ -78,8 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeline-rate", type=float, default=None,
                     help="rate of timeline.png (default: the highest rate every policy ran)")
     ap.add_argument("--sample-interval-s", type=float, default=0.5, help="/health sampling period (default 0.5)")
-    ap.add_argument("--rate-timeout-s", type=float, default=1800.0,
-                    help="give up on a rate's unfinished requests after this long (they count as failed)")
+    ap.add_argument("--rate-timeout-s", type=float, default=300.0,
+                    help="give up on a rate's unfinished requests after this long (they count as failed; default 300)")
     ap.add_argument("--model", default=None, help="--model for the servers (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--server-flags", default="", help="more flags for every pagedserve serve")
     ap.add_argument("--out", default="sweep-out", help="directory for the CSV and PNG files (default sweep-out)")

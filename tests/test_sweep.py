@@ -183,7 +183,7 @@ def _assert_png(path: str) -> None:
 @pytest.mark.slow
 def test_sweep_end_to_end_on_the_tiny_model(tiny_model_dir, tmp_path):
     out = tmp_path / "sweep"
-    policies, rates = ["paged", "contiguous-max"], [4.0, 8.0]
+    policies, rates = ["paged", "contiguous", "paged-no-prefix-caching", "contiguous-max"], [4.0, 8.0]
     proc = subprocess.run(
         [sys.executable, "-m", "loadtest.sweep", "--model", str(tiny_model_dir), "--max-model-len", "256",
          "--scale-lengths", "0.25", "--dataset", "alpaca", "--num-kv-blocks", "16", "--policies", ",".join(policies),
@@ -204,7 +204,7 @@ def test_sweep_end_to_end_on_the_tiny_model(tiny_model_dir, tmp_path):
                for r in timeline)
     for name in ("latency_vs_rate.png", "timeline.png"):
         _assert_png(out / name)
-    assert "paged / contiguous-max:" in proc.stdout
+    assert "paged / contiguous:" in proc.stdout and "paged / contiguous-max:" in proc.stdout  # the ratios
     assert "[paged 4 req/s, rate 1/2] 6/6 done" in proc.stdout  # the progress lines
 
     os.remove(out / "timeline.png")
