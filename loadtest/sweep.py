@@ -1,7 +1,7 @@
 """Rate sweep, the PagedAttention paper's Fig. 12 on our engine: normalized latency against request
 rate, per KV policy, under Poisson arrivals.
 
-    python -m loadtest.sweep [--rates 0.5,1,1.5,2,3] [--duration-s 15] [--scale-lengths 0.25]
+    python -m loadtest.sweep [--rates 0.5,1,1.5,2,3,4] [--duration-s 15] [--scale-lengths 0.25]
         [--policies paged,contiguous,paged-no-prefix-caching] [--dataset sharegpt] [--out sweep-out]
 
 For each policy in turn, one fresh ``pagedserve serve`` (SmolLM2 unless ``--model``) with the same
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", default="paged,contiguous,paged-no-prefix-caching",
                     help=f"comma-separated, run in this order; the first is the reference (of {', '.join(POLICIES)})")
-    ap.add_argument("--rates", default="0.5,1,1.5,2,3", help="requests/s, comma-separated (default 0.5,1,1.5,2,3)")
+    ap.add_argument("--rates", default="0.5,1,1.5,2,3,4", help="requests/s, comma-separated (default 0.5,1,1.5,2,3,4)")
     load = ap.add_mutually_exclusive_group()
     load.add_argument("--duration-s", type=float, default=15.0,
                       help="seconds of arrivals per rate: rate x duration requests, at least --min-requests (default 15)")
