@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from shared.messages import (
-    MESSAGE_TYPES, AbortRequest, AddRequest, DecodeError, EngineStats, ExecutorReady, FrontendHello, Hello,
-    HelloAck, NewSequence, RequestOutput, SamplingParams, Shutdown, Step, StepResult, decode, encode,
+    MESSAGE_TYPES, AbortRequest, AddRequest, DecodeError, EngineStats, ExecutorHealth, ExecutorReady, FrontendHello,
+    Heartbeat, Hello, NewSequence, ProcessLost, RequestOutput, SamplingParams, Shutdown, Step, StepResult, decode,
+    encode,
 )
 
 SAMPLING = SamplingParams(n=2, temperature=0.7, top_k=5, seed=2**62, stop_token_ids=[3, 4], logprobs=2,
@@ -19,6 +20,8 @@ SAMPLING = SamplingParams(n=2, temperature=0.7, top_k=5, seed=2**62, stop_token_
 
 EXAMPLES = [
     AddRequest("r1", np.array([5, 6, 7], np.int32), SAMPLING, [2], 1234.5),
+    AddRequest("r1.r1.c0", np.array([5, 6], np.int32), SamplingParams(), [2], 1.5,
+               resumed_token_ids=np.array([9, 10, 11], np.int32)),
     AbortRequest("r1"),
     RequestOutput("r1", 1, [8, 9], "length", num_prompt_tokens=3, num_cached_tokens=2, num_preemptions=1,
                   logprobs=[-0.5, -1.0], top_token_ids=[[8, 1], [9, 1]], top_logprobs=[[-0.5, -2.0], [-1.0, -3.0]],
@@ -36,11 +39,14 @@ EXAMPLES = [
     StepResult(7, np.array([3], np.int64), np.array([11], np.int64), logprobs=np.array([-0.25], np.float32),
                top_token_ids=np.array([[11, 4]], np.int64), top_logprobs=np.array([[-0.25, -2.5]], np.float32)),
     StepResult(8, np.zeros(0, np.int64), np.zeros(0, np.int64), error="boom"),
-    ExecutorReady(0, 1, 100, 16, 2048, num_cpu_blocks=8),
+    ExecutorReady(0, 1, 100, 16, 2048, num_cpu_blocks=8, model="tiny", incarnation=2**62 + 5, pid=77, epoch=99),
     Hello(99),
-    HelloAck(0, 99),
+    Heartbeat(1, 2**62 + 5, 77),
     Shutdown("bye"),
+    ProcessLost("executor", 0, 77, "no heartbeat for 10.2 s"),
     EngineStats(1, 2, 100, 10, 30, 40, True, num_steps=5, sum_slots_used=9, num_swap_outs=1, num_recomputes=2),
+    EngineStats(0, 0, 100, 0, 0, 0, False, epoch=2**40, pid=12, num_frontends_lost=1,
+                executors=[ExecutorHealth(0, 77, "ok", 0.25, 1), ExecutorHealth(1, 0, "starting", -1.0, 0)]),
 ]
 
 

@@ -1,11 +1,20 @@
 """The executor process: loads the model and the KV pool, then runs every ``Step`` it is sent.
 
-Sockets (connected here): ``step`` SUB (scheduler -> all ranks), ``result`` PUSH (-> scheduler).
+Sockets (connected here): ``step`` SUB (scheduler -> all ranks), ``result`` PUSH (-> scheduler),
+and a second PUSH to ``result`` for the heartbeat thread (``heartbeat``), which beats from start-up.
 Rank 0 samples and replies with a ``StepResult``; other ranks (tensor parallelism, later) only run.
+
+Handshake: once loaded, the rank says ``ExecutorReady`` unasked (epoch 0: a scheduler that knew an
+earlier process of this rank learns it was replaced), then answers the first ``Hello`` of every
+scheduler epoch with ``ExecutorReady`` again. A new epoch is a new scheduler, which knows none of
+the sequences this process held: they are dropped. ``incarnation`` (random per process) tells the
+scheduler which process of the rank is talking.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import signal
 import time
 import traceback
@@ -14,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from shared.endpoints import Endpoints
 from shared.logging import configure_logging
-from shared.messages import DecodeError, ExecutorReady, Hello, HelloAck, Shutdown, Step, StepResult, decode, encode
+from shared.messages import DecodeError, ExecutorReady, Hello, Shutdown, Step, StepResult, decode, encode
 from shared.model_source import resolve_model
 from shared.threads import configure_cpu_threads
 
@@ -59,6 +68,8 @@ class ExecutorProcess:
         self.config = config
         self.log = configure_logging("executor").bind(rank=config.rank)
         self.stopping = False
+        self.incarnation = secrets.randbits(62) + 1  # nonzero; new for every executor process
+        self.epoch = 0  # of the scheduler this process answered last
         self._request_ids: dict[int, str] = {}  # seq_id -> request_id, for logs
 
     def _load(self):
@@ -66,6 +77,7 @@ class ExecutorProcess:
         from .weights import load_hf_config, load_state_dict
 
         source = resolve_model(self.config.model)
+        self._model_name = source.name
         t0 = time.monotonic()
         self.log.info("loading model", model=source.name, path=source.directory, dtype=self.config.dtype)
         runner = build_runner(load_hf_config(source), load_state_dict(source), self.config.runner_options())
@@ -76,6 +88,8 @@ class ExecutorProcess:
 
     def run(self) -> None:
         import zmq
+
+        from .heartbeat import HeartbeatThread
 
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
@@ -89,10 +103,10 @@ class ExecutorProcess:
         results = ctx.socket(zmq.PUSH)
         results.setsockopt(zmq.LINGER, 0)
         results.connect(cfg.endpoints.result)
+        heartbeat = HeartbeatThread(ctx, cfg.endpoints.result, cfg.rank, self.incarnation).start()
         try:
             runner = self._load()
-            results.send(encode(ExecutorReady(cfg.rank, cfg.world_size, runner.num_blocks, runner.block_size,
-                                              runner.max_model_len, runner.num_cpu_blocks)))
+            results.send(encode(self._ready(runner)))
             while not self.stopping:
                 if not steps.poll(200):
                     continue
@@ -105,14 +119,30 @@ class ExecutorProcess:
                     result = self._execute(runner, msg)
                     if cfg.rank == 0:
                         results.send(encode(result))
-                elif isinstance(msg, Hello):
-                    results.send(encode(HelloAck(cfg.rank, msg.nonce)))
+                elif isinstance(msg, Hello) and msg.epoch != self.epoch:
+                    results.send(encode(self._answer_new_scheduler(runner, msg.epoch)))
                 elif isinstance(msg, Shutdown):
                     self.log.info("shutdown requested", reason=msg.reason)
                     break
         finally:
             self.log.info("executor stopping")
+            heartbeat.stop()
             ctx.destroy(linger=0)
+
+    def _ready(self, runner) -> ExecutorReady:
+        cfg = self.config
+        return ExecutorReady(cfg.rank, cfg.world_size, runner.num_blocks, runner.block_size, runner.max_model_len,
+                             runner.num_cpu_blocks, model=self._model_name, incarnation=self.incarnation,
+                             pid=os.getpid(), epoch=self.epoch)
+
+    def _answer_new_scheduler(self, runner, epoch: int) -> ExecutorReady:
+        """A scheduler we have not answered: forget every sequence (it knows none), say ready."""
+        if self._request_ids or self.epoch:
+            self.log.info("new scheduler: dropping every sequence", epoch=epoch, num_sequences=len(self._request_ids))
+        runner.forget_sequences()
+        self._request_ids.clear()
+        self.epoch = epoch
+        return self._ready(runner)
 
     def _execute(self, runner, step: Step) -> StepResult:
         for seq_id in step.finished_seq_ids:

@@ -49,7 +49,7 @@ def create_app(
     ``Authorization: Bearer <api_key>``."""
     app = web.Application(client_max_size=max_body_bytes, middlewares=[error_middleware, auth_middleware])
     pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-    metrics = FrontendMetrics(lambda: client.latest_stats)
+    metrics = FrontendMetrics(lambda: client.latest_stats, client.process_restarts)
     app[STATE] = FrontendState(
         model, client, pool, metrics, TokenFormatter(model.tokenizer), max_queue_len=max_queue_len,
         api_key=api_key or None, shutdown_grace_s=shutdown_grace_s,

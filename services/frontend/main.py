@@ -33,7 +33,7 @@ class FrontendServer:
     def __init__(self, config: FrontendConfig, model: ServedModel, shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> None:
         self.config = config
         self.model = model
-        self.client = EngineClient(config.endpoints)
+        self.client = EngineClient(config.endpoints, heartbeat_timeout_s=config.heartbeat_timeout)
         self.app = create_app(
             model, self.client, max_body_bytes=config.max_body_bytes, shutdown_grace_s=shutdown_grace_s,
             max_queue_len=config.max_queue_len, api_key=config.api_key,
@@ -99,6 +99,9 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: b
     group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on every route but /health "
                             "(default: env PAGEDSERVE_API_KEY, else no key)")
+    group.add_argument("--heartbeat-timeout", type=float, default=None,
+                       help="seconds without a word from the scheduler before it counts as lost: /health and "
+                            "new requests answer 503 until it is back (default 10)")
     if endpoint_flags:
         group.add_argument("--request-endpoint", default=os.environ.get("PAGEDSERVE_REQUEST_ENDPOINT"),
                            help="the scheduler's ZMQ endpoint for frontends: requests go there, their outputs "
@@ -123,6 +126,7 @@ def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | N
         endpoints=endpoints,
         max_queue_len=getattr(args, "max_queue_len", None),
         api_key=getattr(args, "api_key", None) or None,
+        **({"heartbeat_timeout": args.heartbeat_timeout} if getattr(args, "heartbeat_timeout", None) else {}),
     )
 
 

@@ -3,13 +3,15 @@
 Frontends connect DEALER sockets, each under an identity of its own, to ``endpoints.request``.
 Every message a frontend sends (``FrontendHello``, ``AddRequest``, ``AbortRequest``) makes it
 known. A request's outputs go to the frontend that sent the request, until the output marked
-``request_finished``; ``EngineStats`` go to every known frontend. The socket is ROUTER_MANDATORY,
-so sending to a frontend that has gone away fails: that frontend is forgotten, and the requests it
-still had wait in ``take_orphans`` for the scheduler to abort.
+``request_finished``; ``EngineStats`` go to every known frontend. A frontend is forgotten when it
+has gone away (the socket is ROUTER_MANDATORY, so sending to it fails) or has sent nothing for
+``silence_timeout_s`` (frontends say hello every second: one that is silent is hung); the requests
+it still had wait in ``take_orphans`` for the scheduler to abort, and ``num_lost`` counts it.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import zmq
@@ -18,13 +20,15 @@ from shared.messages import AddRequest, DecodeError, EngineStats, RequestOutput,
 
 
 class FrontendLink:
-    def __init__(self, context: zmq.Context, endpoint: str, log: Any) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, log: Any, silence_timeout_s: float = 10.0) -> None:
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.bind(endpoint)
         self.log = log
-        self.frontends: set[bytes] = set()
+        self.silence_timeout_s = silence_timeout_s
+        self.frontends: dict[bytes, float] = {}  # identity -> time.monotonic() of its last message
+        self.num_lost = 0  # frontends that went away or fell silent
         self._owners: dict[str, bytes] = {}  # request id -> identity of the frontend that sent it
         self._orphans: list[str] = []
 
@@ -38,8 +42,8 @@ class FrontendLink:
             return None
         identity, frame = frames[0], frames[-1]
         if identity not in self.frontends:
-            self.frontends.add(identity)
             self.log.info("frontend connected", frontend=identity.decode(errors="replace"))
+        self.frontends[identity] = time.monotonic()
         try:
             message = decode(frame)
         except DecodeError as exc:
@@ -64,6 +68,12 @@ class FrontendLink:
         for identity in list(self.frontends):
             self._send(identity, frame)
 
+    def forget_silent(self, now: float) -> None:
+        """Forget the frontends silent for longer than ``silence_timeout_s`` (``now``: monotonic)."""
+        for identity, last in list(self.frontends.items()):
+            if now - last > self.silence_timeout_s:
+                self._forget(identity, f"silent for {now - last:.1f} s")
+
     def take_orphans(self) -> list[str]:
         """Requests whose frontend has gone away since the last call."""
         orphans, self._orphans = self._orphans, []
@@ -80,10 +90,16 @@ class FrontendLink:
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-        self.frontends.discard(identity)
+        self._forget(identity, "gone")
+        return True
+
+    def _forget(self, identity: bytes, why: str) -> None:
+        """Forget a frontend; its requests become orphans."""
+        self.frontends.pop(identity, None)
+        self.num_lost += 1
         gone = [rid for rid, owner in self._owners.items() if owner == identity]
         for request_id in gone:
             del self._owners[request_id]
         self._orphans += gone
-        self.log.info("frontend gone", frontend=identity.decode(errors="replace"), num_requests=len(gone))
-        return True
+        self.log.warning("frontend lost", frontend=identity.decode(errors="replace"), why=why,
+                         num_requests=len(gone))

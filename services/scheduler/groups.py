@@ -88,6 +88,8 @@ class SequenceGroup:
                 prompt_token_ids=prompt, sampling=seq_sampling,
                 eos_token_ids=frozenset(request.eos_token_ids), arrival_time=request.arrival_time,
             ))
+        resumed = [int(t) for t in request.resumed_token_ids]  # sent before a scheduler restart
+        self.seqs[0].output_token_ids, self.seqs[0].num_output_sent = resumed, len(resumed)
 
     def _executor_sampling(self, sampling: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """The sampling the executors get for every sequence of the group."""
