@@ -65,7 +65,7 @@ class _Child:
         )
         self._pump = threading.Thread(target=self._forward_stderr, args=(self.proc, self.tail), daemon=True)
         self._pump.start()
-        log.info("process started", process=self.name, rank=self.rank, pid=self.proc.pid)
+        log.info("process started", service=self.name, rank=self.rank, child_pid=self.proc.pid)
 
     @staticmethod
     def _forward_stderr(proc: subprocess.Popen, tail: collections.deque[str]) -> None:
@@ -148,7 +148,7 @@ def _supervise(groups: dict[str, list[_Child]], reports: zmq.Socket, budget: Res
                 return f"the {name} process {why}"
             if not budget.allow(name, time.monotonic()):
                 return f"{budget.refusal(name)}; last: {why}"
-            log.warning("process restarted", process=name, rank=dead.rank, cause=why,
+            log.warning("process restarted", service=name, rank=dead.rank, cause=why,
                         num_restarts=budget.num_restarts[name])
             _stop_all([c for c in children if c.running])  # a group restarts whole
             for child in children:
@@ -173,7 +173,8 @@ def _kill_reported(groups: dict[str, list[_Child]], reports: zmq.Socket, log) ->
             continue
         for child in groups[msg.process]:
             if child.rank == msg.rank and child.running and child.proc.pid == msg.pid:
-                log.warning("killing a lost process", process=msg.process, rank=msg.rank, pid=msg.pid, cause=msg.cause)
+                log.warning("killing a lost process", service=msg.process, rank=msg.rank, child_pid=msg.pid,
+                            cause=msg.cause)
                 child.lost_cause = msg.cause
                 child.proc.kill()
                 child.proc.wait()

@@ -32,5 +32,6 @@ class RestartBudget:
 
     def refusal(self, process: str) -> str:
         """Why ``allow`` said no, with the flags to change."""
-        return (f"the {process} process failed {self.max_restarts + 1} times within {self.window_s:g} s "
+        num = self.max_restarts + 1
+        return (f"the {process} process failed {num} time{'s' if num > 1 else ''} within {self.window_s:g} s "
                 f"(--max-restarts {self.max_restarts}, --restart-window-s {self.window_s:g})")

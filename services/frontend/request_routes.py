@@ -77,8 +77,13 @@ class RequestRoutes:
             return []
         request_id, choice = owner
         route = self._routes[request_id]
+        if output.request_finished:  # nothing more comes from this part: never abort it
+            route.parts.discard(output.request_id)
+            self._parts.pop(output.request_id)
         if choice is not None:
             output = dataclasses.replace(output, request_id=request_id, choice_idx=choice, request_finished=False)
+        elif output.request_id != request_id:
+            output = dataclasses.replace(output, request_id=request_id)
         reason = output.finish_reason
         if reason is not None and reason not in ("stop", "length"):
             return self._end(request_id, output)  # an error or abort ends every choice

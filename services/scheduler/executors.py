@@ -73,7 +73,7 @@ class ExecutorLink:
             elif isinstance(msg, ExecutorReady):
                 loss = self.group.on_ready(msg, self.epoch, now)
                 if loss is None and msg.epoch == self.epoch and self.group.accepted(msg.rank, msg.incarnation):
-                    self.log.info("executor ready", rank=msg.rank, pid=msg.pid, num_blocks=msg.num_blocks,
+                    self.log.info("executor ready", rank=msg.rank, executor_pid=msg.pid, num_blocks=msg.num_blocks,
                                   model=msg.model)
             if loss is not None:
                 return results, loss

@@ -164,11 +164,11 @@ class SchedulerProcess:
         group = self.executors.group
         replaced = group.lose(loss)
         self.log.error("executor lost; waiting for a new one", rank=loss.rank, cause=loss.cause,
-                       processes=[pid for _, pid in replaced], num_restarts=group.ranks[loss.rank].num_restarts)
+                       executor_pids=[pid for _, pid in replaced], num_restarts=group.ranks[loss.rank].num_restarts)
         self.executors.report_lost(replaced, loss.cause)
         self.in_flight = None
         if self.scheduler is not None:
-            self.scheduler.reset_executor_state(f"rank {loss.rank}: {loss.cause}")
+            self.scheduler.reset_executor_state(loss.cause)
             self._send_outputs()
 
     def _start_when_ready(self) -> None:
