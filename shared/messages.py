@@ -190,6 +190,9 @@ class Step:
     swap_out: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
     # [num_pairs, 2] int64 (cpu block, device block): copy in, applied after swap_out.
     swap_in: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+    # The epoch of the scheduler that sent it; an executor runs only its own scheduler's steps (a
+    # dead scheduler's last step may still wait in its socket when a new one says hello).
+    epoch: int = 0
 
 
 @dataclass

@@ -34,7 +34,7 @@ EXAMPLES = [
         block_tables=np.array([[5, 1], [2, 0]], np.int32), sample_mask=np.array([True, False]),
         new_seqs=[NewSequence(4, "r2", SAMPLING, np.array([5, 6, 7, 8], np.int32), 3)], finished_seq_ids=[1],
         block_copies=np.array([[1, 2]], np.int64), swap_out=np.array([[3, 0]], np.int64),
-        swap_in=np.array([[0, 3]], np.int64),
+        swap_in=np.array([[0, 3]], np.int64), epoch=99,
     ),
     StepResult(7, np.array([3], np.int64), np.array([11], np.int64), logprobs=np.array([-0.25], np.float32),
                top_token_ids=np.array([[11, 4]], np.int64), top_logprobs=np.array([[-0.25, -2.5]], np.float32)),

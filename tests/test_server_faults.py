@@ -334,3 +334,33 @@ def test_too_many_restarts_stop_the_server_with_a_clear_message(tmp_path, model_
             "--restart-window-s 600); last: was killed by SIGKILL") in log
     assert not [pid for pid in _started_pids(tmp_path) if _alive(pid)]
     assert not [p for p in os.listdir(tmp_path) if p.startswith("pagedserve-")]
+
+
+def test_a_silent_scheduler_makes_health_and_new_requests_answer_503(tmp_path, model_dir):
+    """A stopped scheduler: /health and new requests say 503 (with Retry-After) within the heartbeat
+    timeout; the stream in flight waits, and finishes once the scheduler runs again."""
+    proc, url = _serve(tmp_path, model_dir, "--heartbeat-timeout", "2")
+    try:
+        reference = _reference(url, PROMPTS[:1])
+        streams = Streams(url, PROMPTS[:1])
+        streams.midway()
+        scheduler = _child(proc, "scheduler")
+        os.kill(scheduler, signal.SIGSTOP)
+        try:
+            status, body = _wait_for(lambda: (h := _health(url))[0] == 503 and h, "/health stayed 200")
+            assert "the scheduler has not answered" in body["reason"]
+            assert body["processes"]["scheduler"]["status"] == "lost"
+            request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(
+                {"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode(), headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=30)
+            assert refused.value.code == 503 and refused.value.headers["Retry-After"]
+            assert json.loads(refused.value.read())["error"]["code"] == "engine_unavailable"
+        finally:
+            os.kill(scheduler, signal.SIGCONT)
+        streams.join()
+        assert streams.errors == [None] and streams.texts == reference
+        _wait_for(lambda: _health(url)[0] == 200, "/health did not come back")
+        assert _restarts(url)["scheduler"] == 0  # the same process: nothing was restarted
+    finally:
+        _stop(proc)

@@ -7,8 +7,9 @@ Rank 0 samples and replies with a ``StepResult``; other ranks (tensor parallelis
 Handshake: once loaded, the rank says ``ExecutorReady`` unasked (epoch 0: a scheduler that knew an
 earlier process of this rank learns it was replaced), then answers the first ``Hello`` of every
 scheduler epoch with ``ExecutorReady`` again. A new epoch is a new scheduler, which knows none of
-the sequences this process held: they are dropped. ``incarnation`` (random per process) tells the
-scheduler which process of the rank is talking.
+the sequences this process held: they are dropped, and so is any step of another epoch (a dead
+scheduler's). ``incarnation`` (random per process) tells the scheduler which process of the rank
+is talking.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class ExecutorProcess:
                 except DecodeError as exc:
                     self.log.warning("dropped a bad frame", error=str(exc))
                     continue
-                if isinstance(msg, Step):
+                if isinstance(msg, Step) and msg.epoch == self.epoch:
                     result = self._execute(runner, msg)
                     if cfg.rank == 0:
                         results.send(encode(result))

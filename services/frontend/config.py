@@ -52,7 +52,8 @@ class FrontendConfig:
             raise ValueError("--api-key must not be empty or start or end with spaces")
         if isinstance(self.heartbeat_timeout, bool) or not isinstance(self.heartbeat_timeout, (int, float)) \
                 or not self.heartbeat_timeout > 0:
-            raise ValueError(f"--heartbeat-timeout must be a positive number of seconds, got {self.heartbeat_timeout!r}")
+            raise ValueError(f"--heartbeat-timeout must be a positive number of seconds, "
+                             f"got {self.heartbeat_timeout!r}")
         value = self.endpoints.request
         if not value:
             raise ValueError("--request-endpoint is required (or set PAGEDSERVE_REQUEST_ENDPOINT)")

@@ -225,7 +225,8 @@ class EngineClient:
             self.num_scheduler_restarts += 1
             self._executor_restarts_before = self.num_executor_restarts
             self._resubmit = True
-            log.warning("the scheduler restarted", epoch=stats.epoch, scheduler_pid=stats.pid, num_requests=len(self.routes),
+            log.warning("the scheduler restarted", epoch=stats.epoch, scheduler_pid=stats.pid,
+                        num_requests=len(self.routes),
                         num_restarts=self.num_scheduler_restarts)
         self.scheduler_epoch = stats.epoch
         self.latest_stats = stats

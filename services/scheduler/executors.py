@@ -42,6 +42,7 @@ class ExecutorLink:
         self._last_hello = float("-inf")
 
     def send_step(self, step: Step, now: float) -> None:
+        step.epoch = self.epoch
         self.steps.send(encode(step))
         self.group.step_sent(now)
 

@@ -101,5 +101,5 @@ class FrontendLink:
         for request_id in gone:
             del self._owners[request_id]
         self._orphans += gone
-        self.log.warning("frontend lost", frontend=identity.decode(errors="replace"), why=why,
+        self.log.warning("frontend gone", frontend=identity.decode(errors="replace"), why=why,
                          num_requests=len(gone))

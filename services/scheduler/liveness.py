@@ -128,8 +128,9 @@ class ExecutorGroup:
         """The loss to declare now: an accepted rank silent too long, or the step in flight overdue."""
         for state in self.ranks:
             if state.incarnation and now - state.last_beat > self.heartbeat_timeout_s:
-                return Loss(state.rank, f"no heartbeat from rank {state.rank} (pid {state.pid}) for "
-                                        f"{now - state.last_beat:.1f} s (--heartbeat-timeout {self.heartbeat_timeout_s:g})")
+                silence_s = now - state.last_beat
+                return Loss(state.rank, f"no heartbeat from rank {state.rank} (pid {state.pid}) for {silence_s:.1f} s "
+                                        f"(--heartbeat-timeout {self.heartbeat_timeout_s:g})")
         if self._step_sent_at is not None and now - self._step_sent_at > self.step_timeout_s:
             return Loss(0, f"a step is overdue: no result {now - self._step_sent_at:.1f} s after it went out "
                            f"(--step-timeout {self.step_timeout_s:g})")
