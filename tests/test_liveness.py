@@ -99,3 +99,12 @@ def test_restart_budget_counts_within_its_window():
     assert not RestartBudget(max_restarts=0).allow("frontend", 0.0)
     with pytest.raises(ValueError, match="--restart-window-s"):
         RestartBudget(window_s=0)
+
+
+def test_a_stall_of_the_scheduler_is_not_the_ranks_silence():
+    group = _group()
+    group.on_ready(_ready(), EPOCH, 0.0)
+    group.step_sent(1.0)
+    group.excuse(20.0)  # the scheduler was stopped for 20 s; nothing was read meanwhile
+    assert group.check(21.5) is None
+    assert "no heartbeat" in group.check(23.5).cause

@@ -68,11 +68,18 @@ class FrontendLink:
         for identity in list(self.frontends):
             self._send(identity, frame)
 
+    def excuse(self, stall_s: float) -> None:
+        """The scheduler was stalled for ``stall_s``: that was not the frontends' silence."""
+        for identity in self.frontends:
+            self.frontends[identity] += stall_s
+
     def forget_silent(self, now: float) -> None:
         """Forget the frontends silent for longer than ``silence_timeout_s`` (``now``: monotonic)."""
         for identity, last in list(self.frontends.items()):
             if now - last > self.silence_timeout_s:
-                self._forget(identity, f"silent for {now - last:.1f} s")
+                aborted = self._forget(identity, f"silent for {now - last:.1f} s")
+                for request_id in aborted:  # if it still lives, its requests must not wait forever
+                    self._send(identity, encode(error_output_for_lost_frontend(request_id, now - last)))
 
     def take_orphans(self) -> list[str]:
         """Requests whose frontend has gone away since the last call."""
@@ -90,11 +97,12 @@ class FrontendLink:
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-        self._forget(identity, "gone")
+        if identity in self.frontends:
+            self._forget(identity, "gone")
         return True
 
-    def _forget(self, identity: bytes, why: str) -> None:
-        """Forget a frontend; its requests become orphans."""
+    def _forget(self, identity: bytes, why: str) -> list[str]:
+        """Forget a frontend; its requests become orphans (returned too)."""
         self.frontends.pop(identity, None)
         self.num_lost += 1
         gone = [rid for rid, owner in self._owners.items() if owner == identity]
@@ -103,3 +111,10 @@ class FrontendLink:
         self._orphans += gone
         self.log.warning("frontend gone", frontend=identity.decode(errors="replace"), why=why,
                          num_requests=len(gone))
+        return gone
+
+
+def error_output_for_lost_frontend(request_id: str, silence_s: float) -> RequestOutput:
+    return RequestOutput(request_id, 0, [], "abort", request_finished=True,
+                         error=f"the scheduler heard nothing from this frontend for {silence_s:.1f} s and "
+                               f"aborted the request (--heartbeat-timeout)")

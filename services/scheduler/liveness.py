@@ -8,6 +8,7 @@ when its process
 - stopped beating: no ``Heartbeat`` for ``heartbeat_timeout_s`` (dead, or stopped);
 - or a step is overdue: no result ``step_timeout_s`` after it went out (the process may still
   beat while its step is stuck).
+A stall of the scheduler's own (``excuse``) does not count as the ranks' silence.
 Losing one rank loses the group: tensor-parallel ranks block in collectives when one is gone, so
 every rank must be restarted and answer again, and a lost process is never accepted again. The
 first group's pool shape is the one every later group must have (``ShapeMismatch`` otherwise).
@@ -117,6 +118,15 @@ class ExecutorGroup:
         elif shape != self.shape:
             raise ShapeMismatch(f"the restarted executors' KV pool {shape} differs from the first one's "
                                 f"{self.shape}; the scheduler cannot resume its sequences on it")
+
+    def excuse(self, stall_s: float) -> None:
+        """The scheduler itself was stalled for ``stall_s`` (stopped, or starved of CPU): what it
+        did not read meanwhile is not the ranks' silence, so every clock moves on by as much."""
+        for state in self.ranks:
+            if state.last_beat is not None:
+                state.last_beat += stall_s
+        if self._step_sent_at is not None:
+            self._step_sent_at += stall_s
 
     def step_sent(self, now: float) -> None:
         self._step_sent_at = now

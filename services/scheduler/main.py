@@ -41,6 +41,7 @@ from .scheduler import Scheduler, SchedulerConfig
 
 STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 100
+STALL_S = 1.0  # a loop turn this much longer than its poll: the scheduler itself was stalled
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class SchedulerProcess:
         self.in_flight: Step | None = None
         self._held: list = []  # requests and aborts that came before the scheduler existed
         self._last_stats = float("-inf")
+        self._last_turn = time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -116,6 +118,7 @@ class SchedulerProcess:
         if not stepped:
             self.poller.poll(self._poll_timeout_ms())
         now = time.monotonic()
+        self._excuse_own_stall(now)
         self._drain_requests()
         results, loss = self.executors.receive(now)
         for result in results:
@@ -130,6 +133,17 @@ class SchedulerProcess:
             self.log.info("request aborted: its frontend is gone", request_id=request_id)
             self._handle(AbortRequest(request_id))
         self._send_stats(now)
+
+    def _excuse_own_stall(self, now: float) -> None:
+        """A turn of this loop takes milliseconds; a long gap is a stall of ours (a SIGSTOP, a
+        starved CPU), not the silence of our peers: their clocks move on by as much. Messages that
+        waited meanwhile may still be on their way through ZeroMQ's I/O thread."""
+        stall_s = now - self._last_turn - IDLE_POLL_MS / 1000
+        self._last_turn = now
+        if stall_s > STALL_S:
+            self.log.warning("the scheduler was stalled; peers' silence excused", seconds=round(stall_s, 1))
+            self.executors.group.excuse(stall_s)
+            self.frontends.excuse(stall_s)
 
     def _maybe_step(self) -> bool:
         """Send the next step if the executors are ready and none is in flight; True if one went."""
