@@ -150,12 +150,18 @@ def test_engine_client_hands_its_requests_to_a_restarted_scheduler(tmp_path):
             identity, _ = await receive(second, FrontendHello)
             second.send_multipart([identity, encode(_stats(2, ready=False))])
             await asyncio.sleep(0.3)
-            early = [decode(second.recv_multipart()[1]) for _ in range(20) if second.poll(0)]
             assert client.num_scheduler_restarts == 1
-            assert not [m for m in early if isinstance(m, AddRequest)]  # not handed over before it is ready
+            client.add_request(_add("s", n=1, max_tokens=8))  # sent to the new scheduler: not handed again
+            await asyncio.sleep(0.3)
+            early = [decode(second.recv_multipart()[1]) for _ in range(20) if second.poll(0)]
+            assert [m.request_id for m in early if isinstance(m, AddRequest)] == ["s"]  # "r" waits for ready
             second.send_multipart([identity, encode(_stats(2))])
             _, [again] = await receive(second, AddRequest)
             assert again.request_id == "r.r1.c0" and again.resumed_token_ids.tolist() == [7, 8]
+            await asyncio.sleep(0.3)
+            assert not [m for m in (decode(second.recv_multipart()[1]) for _ in range(20) if second.poll(0))
+                        if isinstance(m, AddRequest)]
+            client.abort("s")
             second.send_multipart([identity, encode(RequestOutput("r.r1.c0", 0, [9], "length", request_finished=True))])
             last = await asyncio.wait_for(queue.get(), 10)
             assert (last.request_id, last.new_token_ids, last.finish_reason) == ("r", [9], "length")

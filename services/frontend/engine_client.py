@@ -70,7 +70,7 @@ class EngineClient:
         self.latest_stats_time: float | None = None  # time.monotonic() when it arrived
         self._num_dropped_frames = 0
         self.scheduler_epoch: int | None = None
-        self._resubmit = False  # a new scheduler: hand it every request once it is ready
+        self._resubmit: set[str] | None = None  # a new scheduler: the requests to hand it once it is ready
         self.num_scheduler_restarts = 0
         self._executor_restarts_before = 0  # reported by the schedulers before this one
 
@@ -224,16 +224,17 @@ class EngineClient:
         if self.scheduler_epoch is not None and stats.epoch != self.scheduler_epoch:
             self.num_scheduler_restarts += 1
             self._executor_restarts_before = self.num_executor_restarts
-            self._resubmit = True
+            # Requests sent from now on reach the new scheduler; those before may have been lost.
+            self._resubmit = (self._resubmit or set()) | self.routes.request_ids()
             log.warning("the scheduler restarted", epoch=stats.epoch, scheduler_pid=stats.pid,
                         num_requests=len(self.routes),
                         num_restarts=self.num_scheduler_restarts)
         self.scheduler_epoch = stats.epoch
         self.latest_stats = stats
         self.latest_stats_time = time.monotonic()
-        if self._resubmit and stats.ready:
-            self._resubmit = False
-            messages = self.routes.resubmissions()
+        if self._resubmit is not None and stats.ready:
+            messages = self.routes.resubmissions(self._resubmit)
+            self._resubmit = None
             for message in messages:
                 self._send(encode(message))
             log.info("requests handed to the new scheduler", num_requests=len(self.routes),

@@ -116,11 +116,17 @@ class RequestRoutes:
                                                          request_finished=True))
         return parts
 
-    def resubmissions(self) -> list[AbortRequest | AddRequest]:
-        """Hand every request to a new scheduler: the messages to send, in order. Each old part is
-        aborted first (it may have reached the new scheduler from the socket's queue)."""
+    def request_ids(self) -> set[str]:
+        return set(self._routes)
+
+    def resubmissions(self, request_ids: set[str] | None = None) -> list[AbortRequest | AddRequest]:
+        """Hand the requests (``request_ids`` that still run, default all) to a new scheduler: the
+        messages to send, in order. Each old part is aborted first (it may have reached the new
+        scheduler from the socket's queue)."""
         messages: list[AbortRequest | AddRequest] = []
         for request_id, route in list(self._routes.items()):
+            if request_ids is not None and request_id not in request_ids:
+                continue
             for part in route.parts:
                 self._parts.pop(part, None)
                 messages.append(AbortRequest(part))
