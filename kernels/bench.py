@@ -1,16 +1,23 @@
-"""Decode micro-benchmark of the paged kernels: ``python -m kernels.bench [--quick]``.
+"""Decode micro-benchmark of the paged kernels: ``python -m kernels.bench [--quick] [--ptxas]``.
 
-SmolLM2 decode shapes (9 query heads, 3 KV heads, head_dim 64, block size 16, float32). Every
+SmolLM2 decode shapes (9 query heads, 3 KV heads, head_dim 64, block size 16), for float32 and
+bfloat16 caches (``--dtypes``; queries and outputs in the cache's dtype, as the model runs). Every
 sequence of a batch has the same context length, so the contiguous baseline (torch SDPA over a
-``[batch, kv_heads, context, head_dim]`` cache, no mask, grouped-query) does no padding work: it is
-the best case a paged kernel competes against. Block tables are random permutations of the pool
-(a fragmented cache). For each shape it prints the median time of the Numba CPU paged kernel, of
-SDPA over the contiguous cache and of the PyTorch paged reference (``kernels/reference.py``), with
-ratios; the last line is ``paged/contiguous: X.XX`` for batch 32, context 1,024. With a CUDA device
-(``torch.cuda.is_available()``) the Numba CUDA kernels are measured the same way, before it.
+``[batch, kv_heads, context, head_dim]`` cache of the same dtype, no mask, grouped-query) does no
+padding work: it is the best case a paged kernel competes against. Block tables are random
+permutations of the pool (a fragmented cache). For each shape it prints the median time of the
+Numba CPU paged kernel, of SDPA over the contiguous cache and of the PyTorch paged reference
+(``kernels/reference.py``), with ratios; the last lines are ``paged/contiguous (DTYPE): X.XX`` for
+batch 32, context 1,024, one per dtype. With a CUDA device (``torch.cuda.is_available()``) the
+Numba CUDA kernels are measured the same way, before them (float32; 16-bit caches fall back to
+the reference there).
 
 Both sides run with the same thread count: ``--threads`` (default ``torch.get_num_threads()``) is
 given to ``torch.set_num_threads`` and ``numba.set_num_threads``.
+
+``--ptxas`` prints, instead, the resources of every Numba CUDA kernel as ``ptxas`` assembles it
+for sm_80 and sm_90 (``kernels/cuda/resources.py``): registers, spills, shared memory and the
+occupancy they allow at the launch configuration used. It needs NVVM and ``ptxas``, not a GPU.
 """
 
 from __future__ import annotations
@@ -53,32 +60,38 @@ def _medians_ms(fns, sync=lambda: None, budget_s: float = 0.5, min_rounds: int =
     return [statistics.median(ts) * 1e3 for ts in times]
 
 
-def _make_case(batch: int, context: int, device: str, generator: torch.Generator):
+def _make_case(batch: int, context: int, device: str, generator: torch.Generator,
+               dtype: torch.dtype = torch.float32):
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
-    key_cache = torch.randn(shape, generator=generator).to(device)
-    value_cache = torch.randn(shape, generator=generator).to(device)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+
+    key_cache = randn(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    value_cache = randn(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
     block_tables = torch.randperm(num_blocks, generator=generator).view(batch, blocks_per_seq)
     block_tables = block_tables.to(torch.int32).to(device)
     context_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=generator).to(device)
+    query = randn(batch, NUM_HEADS, HEAD_DIM)
     # the contiguous baseline: the same keys/values, already gathered and padded
-    contiguous_k = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, generator=generator).to(device)
-    contiguous_v = torch.randn(batch, NUM_KV_HEADS, context, HEAD_DIM, generator=generator).to(device)
+    contiguous_k = randn(batch, NUM_KV_HEADS, context, HEAD_DIM)
+    contiguous_v = randn(batch, NUM_KV_HEADS, context, HEAD_DIM)
     return key_cache, value_cache, block_tables, context_lens, query, contiguous_k, contiguous_v
 
 
-def _run(label: str, backend, device: str, shapes, budget_s: float) -> float | None:
+def _run(label: str, backend, device: str, shapes, budget_s: float,
+         dtype: torch.dtype = torch.float32) -> float | None:
     scale = HEAD_DIM ** -0.5
     generator = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    print(f"\n[{label}] median ms per decode call (one layer)", flush=True)
+    print(f"\n[{label}, {str(dtype).removeprefix('torch.')} caches] median ms per decode call "
+          "(one layer)", flush=True)
     print(f"{'batch':>5} {'context':>7} | {'paged':>8} {'contig':>8} {'reference':>9} | "
           f"{'paged/contig':>12} {'paged/ref':>9}", flush=True)
     key_ratio = None
     for batch, context in shapes:
-        kc, vc, bt, lens, q, ck, cv = _make_case(batch, context, device, generator)
+        kc, vc, bt, lens, q, ck, cv = _make_case(batch, context, device, generator, dtype)
         out = torch.empty_like(q)
         q4 = q.unsqueeze(2)
         ref_out = torch.empty_like(q)
@@ -90,7 +103,7 @@ def _run(label: str, backend, device: str, shapes, budget_s: float) -> float | N
         (t_ref,) = _medians_ms(
             [lambda: reference.paged_decode_attention(ref_out, q, kc, vc, bt, lens, scale)], sync,
             budget_s / 4, min_rounds=3)
-        err = (out - ref_out).abs().max().item()
+        err = (out.float() - ref_out.float()).abs().max().item()
         print(f"{batch:>5} {context:>7} | {t_paged:>8.3f} {t_contig:>8.3f} {t_ref:>9.3f} | "
               f"{t_paged / t_contig:>12.2f} {t_paged / t_ref:>9.2f}   (max |err| {err:.1e})",
               flush=True)
@@ -100,33 +113,11 @@ def _run(label: str, backend, device: str, shapes, budget_s: float) -> float | N
     return key_ratio
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4 shapes instead of 20")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch and numba threads (default: torch.get_num_threads())")
-    parser.add_argument("--budget", type=float, default=0.5,
-                        help="seconds of timing per shape (at least 5 rounds)")
-    parser.add_argument("--no-cuda", action="store_true", help="skip the CUDA kernels")
-    args = parser.parse_args(argv)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-    batches, contexts = (QUICK_BATCHES, QUICK_CONTEXTS) if args.quick else (BATCHES, CONTEXTS)
-    shapes = [(b, c) for b in batches for c in contexts if (b, c) != KEY_SHAPE] + [KEY_SHAPE]
 
+def _cpu_backend(threads: int):
     import numba
-
-    threads = args.threads or torch.get_num_threads()
-    threads = min(threads, numba.config.NUMBA_NUM_THREADS)
-    torch.set_num_threads(threads)
-    numba.set_num_threads(threads)
-    print(f"shapes: {NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, "
-          f"block size {BLOCK_SIZE}, float32; {len(shapes)} (batch, context) pairs", flush=True)
-
-    if torch.cuda.is_available() and not args.no_cuda:
-        from kernels.cuda import NumbaCUDABackend
-
-        print(f"CUDA: {torch.cuda.get_device_name()}; compiling the Numba CUDA kernels...", flush=True)
-        _run("numba CUDA vs torch CUDA", NumbaCUDABackend(), "cuda", shapes, args.budget)
 
     print("compiling the Numba CPU kernels (cached after the first run)...", flush=True)
     t0 = time.perf_counter()
@@ -138,8 +129,54 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)  # the backend follows torch's count; keep ours
     print(f"  ready in {time.perf_counter() - t0:.1f} s; threads: torch {torch.get_num_threads()}, "
           f"numba {numba.get_num_threads()} (threading layer {numba.threading_layer()})", flush=True)
-    key_ratio = _run("numba CPU vs torch CPU", backend, "cpu", shapes, args.budget)
-    print(f"paged/contiguous: {key_ratio:.2f}", flush=True)
+    return backend
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4 shapes instead of 20")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch and numba threads (default: torch.get_num_threads())")
+    parser.add_argument("--budget", type=float, default=0.5,
+                        help="seconds of timing per shape (at least 5 rounds)")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="cache dtypes, comma-separated (float32, bfloat16, float16)")
+    parser.add_argument("--no-cuda", action="store_true", help="skip the CUDA kernels")
+    parser.add_argument("--ptxas", action="store_true",
+                        help="print the CUDA kernels' registers, spills, shared memory, occupancy")
+    args = parser.parse_args(argv)
+    if args.ptxas:
+        from kernels.cuda.resources import main as ptxas_main
+
+        return ptxas_main()
+    dtypes = [d.strip() for d in args.dtypes.split(",")]
+    if not dtypes or any(d not in _DTYPES for d in dtypes):
+        parser.error(f"--dtypes must name some of {', '.join(_DTYPES)}; got {args.dtypes!r}")
+
+    batches, contexts = (QUICK_BATCHES, QUICK_CONTEXTS) if args.quick else (BATCHES, CONTEXTS)
+    shapes = [(b, c) for b in batches for c in contexts if (b, c) != KEY_SHAPE] + [KEY_SHAPE]
+
+    import numba
+
+    threads = args.threads or torch.get_num_threads()
+    threads = min(threads, numba.config.NUMBA_NUM_THREADS)
+    torch.set_num_threads(threads)
+    numba.set_num_threads(threads)
+    print(f"shapes: {NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, "
+          f"block size {BLOCK_SIZE}, caches {', '.join(dtypes)}; {len(shapes)} (batch, context) "
+          "pairs", flush=True)
+
+    if torch.cuda.is_available() and not args.no_cuda:
+        from kernels.cuda import NumbaCUDABackend
+
+        print(f"CUDA: {torch.cuda.get_device_name()}; compiling the Numba CUDA kernels...", flush=True)
+        _run("numba CUDA vs torch CUDA", NumbaCUDABackend(), "cuda", shapes, args.budget)
+
+    backend = _cpu_backend(threads)
+    key_ratios = {d: _run("numba CPU vs torch CPU", backend, "cpu", shapes, args.budget, _DTYPES[d])
+                  for d in dtypes}
+    for d, ratio in key_ratios.items():
+        print(f"paged/contiguous ({d}): {ratio:.2f}", flush=True)
     return 0
 
 

@@ -2,6 +2,7 @@
 
     python -m loadtest.throughput [--num-requests 64] [--static-batch 16] [--seed 0]
     python -m loadtest.throughput --peer-url http://127.0.0.1:8100 --skip-hf [--server-flags "--dtype float32"]
+    python -m loadtest.throughput --tensor-parallel-size 2 --skip-hf
 
 Starts ``pagedserve serve`` on SmolLM2 (or uses ``--url``), sends every request at once (token-id
 prompts of varied length, varied ``max_tokens``, ``ignore_eos`` so lengths are exact), and measures
@@ -11,6 +12,9 @@ model name is read from its ``/v1/models``), one server at a time. Unless ``--sk
 ``generate`` then runs with static batches (left-padded, each batch decoding until its longest
 request is done) on the same requests, in the same thread settings. Prints all with the ratios to
 the first, and the CPU's model and the instruction-set flags that decide the fast paths.
+``--tensor-parallel-size N`` serves with ``-tp N``, the ``--threads`` shared among the N ranks; when
+SmolLM2's 9 heads do not split N ways (``-tp 2``), it serves a random model of SmolLM2's sizes
+with narrower heads instead (``shaped_model``: same matmuls and KV bytes per token), and says so.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -248,6 +253,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--server-flags", default="", help="extra flags for pagedserve serve")
+    ap.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                    help="executor ranks of the pagedserve started here (its -tp); --threads are shared among them")
     ap.add_argument("--url", default=None, help="measure a pagedserve already running there instead of starting one")
     ap.add_argument("--peer-url", default=None,
                     help="also send the same requests to this OpenAI-compatible server (e.g. vLLM-CPU)")
@@ -277,22 +284,42 @@ def main() -> None:
     print_table(rows)
 
 
+def _model_flags(world_size: int, directory: str) -> list[str]:
+    """SmolLM2 (the default), or a random model of its sizes whose heads split ``world_size`` ways
+    (saved in ``directory``)."""
+    from loadtest.shaped_model import smollm2_shaped_for
+
+    path = smollm2_shaped_for(world_size, directory)
+    if path is None:
+        return []
+    say(f"SmolLM2's 9 heads do not split {world_size} ways: serving {os.path.basename(path)}, random weights "
+        f"of SmolLM2's sizes (same matmuls and KV bytes per token)")
+    return ["--model", path, "--served-model-name", "SmolLM2-135M-Instruct"]
+
+
 def measure_pagedserve(args, reqs: list[Request]) -> dict[str, float]:
     """Run the workload on pagedserve (started here unless ``--url``) and summarize it."""
     proc = None
     url = args.url
-    if url is None:
-        say("starting pagedserve ...")
-        flags = ["--max-num-seqs", str(max(64, args.num_requests)), "--num-threads", str(args.threads),
-                 *args.server_flags.split()]
-        proc, url = start_server(flags)
+    model_dir = tempfile.TemporaryDirectory(prefix="pagedserve-throughput-")
     try:
+        if url is None:
+            say("starting pagedserve ...")
+            threads_per_rank = max(1, args.threads // args.tensor_parallel_size)
+            flags = ["--max-num-seqs", str(max(64, args.num_requests)), "--num-threads", str(threads_per_rank),
+                     "-tp", str(args.tensor_parallel_size), *_model_flags(args.tensor_parallel_size, model_dir.name),
+                     *args.server_flags.split()]
+            proc, url = start_server(flags)
         ours, elapsed = asyncio.run(run_server(url, "SmolLM2-135M-Instruct", reqs))
         health = _get_json(f"{url}/health")
+        group = health.get("group", {})
+        say(f"pagedserve group: {group.get('world_size', 1)} rank(s), all-reduce {group.get('all_reduce', 'single')}, "
+            f"KV blocks per rank {group.get('num_kv_blocks_per_rank')}")
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
+        model_dir.cleanup()
     summary = summarize(ours, elapsed)
     summary["KV slot utilization"] = health.get("kv_slot_utilization", float("nan"))
     return summary

@@ -61,6 +61,32 @@ def _add_executor_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
 
 
+def _add_group_arguments(p: argparse.ArgumentParser, *, serve: bool) -> None:
+    """The tensor-parallel group's flags: serve's (-tp, --node-rank) or one executor rank's."""
+    g = p.add_argument_group("tensor parallelism")
+    if serve:
+        g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                       help="executor ranks, each holding 1/N of every layer's heads (default 1)")
+        g.add_argument("--node-rank", type=int, default=0,
+                       help="this host's index among --nnodes hosts; node 0 runs the scheduler and frontend")
+    else:
+        g.add_argument("--rank", type=int, default=0, help="this executor's rank in the group")
+        g.add_argument("--world-size", type=int, default=1, help="ranks in the group (-tp of serve)")
+        g.add_argument("--group-id", default=None,
+                       help="shared-memory all-reduce: the group's name, the same on every rank (serve sets it)")
+        g.add_argument("--group-store", default=None,
+                       help="shared-memory all-reduce: a file path every rank sees, for the start-up "
+                            "handshake (serve sets it)")
+    g.add_argument("--all-reduce", default=None, choices=["auto", "shm", "torch"],
+                   help="how ranks sum tensors: shm (same host: shared memory, CUDA IPC on GPUs) or torch "
+                        "(torch.distributed, gloo/NCCL); auto: shm on one host, torch across hosts")
+    g.add_argument("--dist-init-addr", default=None,
+                   help="HOST:PORT where rank 0 meets the others for torch.distributed (needed across hosts)")
+    g.add_argument("--nnodes", dest="num_nodes", type=int, default=None, help="hosts the ranks span (default 1)")
+    g.add_argument("--group-timeout", dest="group_timeout_s", type=float, default=None,
+                   help="seconds a rank waits for a late peer before stopping the group (default 60)")
+
+
 def _add_endpoint_arguments(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
     for name in names:
         p.add_argument(f"--{name}-endpoint", default=None,
@@ -90,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start frontend, scheduler and executor, and supervise them")
     _add_executor_arguments(serve)
+    _add_group_arguments(serve, serve=True)
     _add_engine_arguments(serve)
     _add_liveness_arguments(serve, supervisor=True)
     g = serve.add_argument_group("HTTP")
@@ -100,7 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most requests waiting for their first token; more get a 503 (default: no limit)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (or set "
-                        "PAGEDSERVE_API_KEY, which keeps the key off the command lines)")
+                        "PAGEDSERVE_API_KEY or PAGEDSERVE_API_KEY_FILE, which keep the key off the command "
+                        "lines; the frontend gets it in its environment)")
+    from services.frontend.http_limits import add_http_limit_arguments
+
+    add_http_limit_arguments(g)
 
     sched = sub.add_parser("scheduler", help="the scheduler process alone")
     _add_engine_arguments(sched)
@@ -114,8 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("executor", help="one executor process alone")
     _add_executor_arguments(ex)
     ex.add_argument("--max-model-len", type=int, default=None)
-    ex.add_argument("--rank", type=int, default=0)
-    ex.add_argument("--world-size", type=int, default=1)
+    _add_group_arguments(ex, serve=False)
     _add_endpoint_arguments(ex, ("step", "result"))
 
     sim = sub.add_parser("simulate", help="replay requests through the block manager under both KV policies")
@@ -127,10 +157,19 @@ def build_parser() -> argparse.ArgumentParser:
     from services.frontend.main import add_frontend_arguments
 
     add_frontend_arguments(fe)
+
+    from services.health import add_health_arguments
+
+    add_health_arguments(sub.add_parser("health", help="exit 0 if a service is alive (for container healthchecks)"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["health"]:  # a healthcheck runs it every few seconds: skip the services' imports
+        from services.health import main as health_main
+
+        return health_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
@@ -155,12 +194,13 @@ def main(argv: list[str] | None = None) -> int:
             from services.executor.main import ExecutorConfig, run_executor
 
             step, result = _endpoint_pair(args)
-            run_executor(ExecutorConfig(
+            return run_executor(ExecutorConfig(
                 endpoints=Endpoints(request="", step=step, result=result),
                 rank=args.rank, world_size=args.world_size,
                 **_kwargs(args, ["model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory",
                                  "swap_space", "max_model_len", "attention_backend", "num_threads",
-                                 "seed"]),
+                                 "seed", "all_reduce", "num_nodes", "dist_init_addr", "group_id",
+                                 "group_store", "group_timeout_s"]),
             ))
         elif args.command == "frontend":
             from services.frontend.main import frontend_config_from_args, run_frontend

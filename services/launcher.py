@@ -1,24 +1,29 @@
-"""``pagedserve serve``: start the scheduler, the executor and the frontend, and supervise them.
+"""``pagedserve serve``: start the scheduler, the executor ranks and the frontend, and supervise them.
 
-Each service is its own process (``python -m services.cli <service> ...``) wired by ``ipc://``
-sockets in a private directory. A process that dies is started again, its cause logged (how it
-ended and its last error line) and counted; the executor ranks restart together (tensor-parallel
-ranks block in collectives when one is gone). A hung executor is found by the scheduler (missed
-heartbeats, an overdue step), which reports it on the supervisor socket (``ProcessLost``): the
-launcher kills it, then restarts it as if it had died. More than ``--max-restarts`` restarts of one
-process within ``--restart-window-s`` (``restarts.RestartBudget``), or a configuration error (exit
-code 2), stops everything, and ``serve`` exits non-zero naming the process and why. SIGTERM or
-Ctrl-C stops all of them and removes the socket directory.
+Each service is its own process (``python -m services.cli <service> ...``, a ``children.Child``)
+wired by ``ipc://`` sockets in a private directory. With ``-tp N`` there are N executor ranks
+(``group_layout`` says which run on this host and with which flags).
+
+A process that dies is started again, its cause logged (how it ended and its last error line) and
+counted. The executor ranks restart together, as a new group: tensor-parallel ranks cannot go on
+without one of theirs, so when any rank ends the others are stopped, the old group's shared-memory
+segments and handle store are removed, and every rank starts again under a fresh group id (and a
+fresh local rendezvous port when serve chose the first). A hung executor is found by the scheduler
+(missed heartbeats, an overdue step), which reports it on the supervisor socket (``ProcessLost``):
+the launcher kills it, then restarts it as if it had died. More than ``--max-restarts`` restarts
+of one process (the ranks count as one) within ``--restart-window-s`` (``restarts.RestartBudget``),
+or a configuration error (exit code 2), stops everything, and ``serve`` exits non-zero naming the
+process and why; of several ranks that ended, the one that failed first is named, not those that
+stopped because it did. On a host without the scheduler (``--node-rank`` > 0), ranks that end
+cleanly were stopped by the scheduler: ``serve`` stops and exits 0. SIGTERM or Ctrl-C stops them
+all, removes the socket directory and any shared-memory segment of the group.
 """
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -26,76 +31,32 @@ import urllib.request
 
 import zmq
 
+from services.children import Child, stop_all
+from services.frontend.http_limits import HTTP_LIMIT_DESTS
+from services.group_layout import GroupLayout, check_model_split, layout_from_args
 from services.restarts import RestartBudget
 from shared.endpoints import Endpoints, make_private_socket_dir
 from shared.logging import configure_logging
 from shared.messages import DecodeError, ProcessLost, decode
 
-STOP_TIMEOUT_S = 5.0
-CONFIG_ERROR_EXIT_CODE = 2  # pagedserve's exit code for a bad flag or model: restarting will not help
-_PR_SET_PDEATHSIG = 1
-
-
-def _child_setup() -> None:
-    """Own session (Ctrl-C reaches only the launcher) and die with the launcher if it is killed."""
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-class _Child:
-    """One supervised process; ``start`` (re)starts it with the same command line."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], rank: int = 0) -> None:
-        self.name = name
-        self.rank = rank
-        self.argv = argv
-        self.env = env
-        self.lost_cause: str | None = None  # why the launcher killed it, when it did
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, log) -> None:
-        self.tail: collections.deque[str] = collections.deque(maxlen=20)
-        self.lost_cause = None
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", self.name, *self.argv], env=self.env, stdin=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, preexec_fn=_child_setup, text=True, errors="replace",
-        )
-        self._pump = threading.Thread(target=self._forward_stderr, args=(self.proc, self.tail), daemon=True)
-        self._pump.start()
-        log.info("process started", service=self.name, rank=self.rank, child_pid=self.proc.pid)
-
-    @staticmethod
-    def _forward_stderr(proc: subprocess.Popen, tail: collections.deque[str]) -> None:
-        for line in proc.stderr:
-            tail.append(line.rstrip("\n"))
-            sys.stderr.write(line)
-            sys.stderr.flush()
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def why(self) -> str:
-        rc = self.proc.returncode
-        cause = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
-        if self.lost_cause:
-            cause = f"{self.lost_cause}; it was killed"
-        self._pump.join(timeout=1.0)
-        errors = [line for line in self.tail if "error" in line.lower()]
-        last = errors[-1] if errors else (self.tail[-1] if self.tail else "")
-        return f"{cause}; last output: {last.strip()[:500]}" if last else cause
+_SECRET_ENV = ("PAGEDSERVE_API_KEY", "PAGEDSERVE_API_KEY_FILE")  # only the frontend gets these
+CONFIG_ERROR_EXIT_CODE = 2  # the command line's code for a bad flag or model: restarting will not help
 
 
 def serve(args) -> int:
     """Run the services until a signal or a failure that restarts cannot mend; returns the exit code."""
-    log = configure_logging("launcher")
     sock_dir = make_private_socket_dir()
-    endpoints = Endpoints.in_directory(sock_dir)
+    try:  # bad group flags, or heads that do not split: a one-line error before anything starts
+        layout = layout_from_args(args, sock_dir)
+        if layout.world_size > 1:
+            check_model_split(args.model, layout.world_size)
+    except BaseException:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        raise
+    log = configure_logging("launcher")
+    _log_group(layout, log)
     supervisor_endpoint = f"ipc://{os.path.join(sock_dir, 'supervisor.sock')}"
-    env = {**os.environ, **endpoints.to_env(), "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, **Endpoints.in_directory(sock_dir).to_env(), "PYTHONUNBUFFERED": "1",
            "PAGEDSERVE_SUPERVISOR_ENDPOINT": supervisor_endpoint}
     env.setdefault("PAGEDSERVE_LOG_FORMAT", "console" if sys.stderr.isatty() else "json")
     stop = threading.Event()
@@ -107,97 +68,153 @@ def serve(args) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    budget = RestartBudget(_given(args, "max_restarts", 5), _given(args, "restart_window_s", 600.0))
     context = zmq.Context()
     reports = context.socket(zmq.PULL)
     reports.setsockopt(zmq.LINGER, 0)
     reports.bind(supervisor_endpoint)
-    groups = {"scheduler": [_Child("scheduler", scheduler_argv(args), env)],
-              "executor": [_Child("executor", executor_argv(args), env)],
-              "frontend": [_Child("frontend", frontend_argv(args), env)]}
-    failure = None
+    supervisor = _Supervisor(args, layout, sock_dir, env, reports, log)
+    code, failure = 0, None
     try:
-        for child in _all(groups):
-            child.start(log)
-        failure = _supervise(groups, reports, budget, stop, log, f"http://{args.host}:{args.port}", args)
+        supervisor.start_all()
+        code, failure = supervisor.run(stop)
     finally:
         if received:
             log.info("stopping", signal=received[0])
-        _stop_all(list(_all(groups)))
+        stop_all(list(supervisor.children()))
         context.destroy(linger=0)
         shutil.rmtree(sock_dir, ignore_errors=True)
+        _remove_group_segments(supervisor.layout, log)
     if failure is not None:
         log.error("stopped", why=failure)
         print(f"pagedserve: {failure}; stopped the others", file=sys.stderr)
-        return 1
-    return 0
+    return code
 
 
-def _supervise(groups: dict[str, list[_Child]], reports: zmq.Socket, budget: RestartBudget, stop: threading.Event,
-               log, url: str, args) -> str | None:
-    """Restart what dies until ``stop``; returns why it gave up (None: stopped by a signal)."""
-    announced = False
-    while not stop.is_set():
-        _kill_reported(groups, reports, log)
-        for name, children in groups.items():
-            dead = next((c for c in children if not c.running), None)
-            if dead is None:
-                continue
-            why = dead.why()
-            if dead.proc.returncode == CONFIG_ERROR_EXIT_CODE and not dead.lost_cause:
-                return f"the {name} process {why}"
-            if not budget.allow(name, time.monotonic()):
-                return f"{budget.refusal(name)}; last: {why}"
-            log.warning("process restarted", service=name, rank=dead.rank, cause=why,
-                        num_restarts=budget.num_restarts[name])
-            _stop_all([c for c in children if c.running])  # a group restarts whole
-            for child in children:
-                child.start(log)
-        if not announced and _healthy(url):
-            announced = True
-            log.info("pagedserve ready", url=url, model=args.model or "SmolLM2-135M-Instruct")
-        stop.wait(0.2)
-    return None
+class _Supervisor:
+    """This host's processes by group (``scheduler``, ``executor``: the local ranks, ``frontend``),
+    and what to do when one ends."""
 
+    def __init__(self, args, layout: GroupLayout, sock_dir: str, env: dict[str, str], reports: zmq.Socket,
+                 log) -> None:
+        self.args, self.layout, self.sock_dir, self.reports, self.log = args, layout, sock_dir, reports, log
+        self.budget = RestartBudget(_given(args, "max_restarts", 5), _given(args, "restart_window_s", 600.0))
+        self.groups = _build_groups(args, layout, env)
 
-def _kill_reported(groups: dict[str, list[_Child]], reports: zmq.Socket, log) -> None:
-    """Kill the processes the scheduler reported lost (hung), if they still run; the loop restarts them."""
-    while True:
-        try:
-            msg = decode(reports.recv(zmq.NOBLOCK))
-        except zmq.Again:
+    def children(self):
+        return (child for children in self.groups.values() for child in children)
+
+    def start_all(self) -> None:
+        for child in self.children():
+            child.start(self.log)
+
+    def run(self, stop: threading.Event) -> tuple[int, str | None]:
+        """Restart what ends until ``stop``; returns (exit code, why it gave up or None)."""
+        url = f"http://{self.args.host}:{self.args.port}"
+        announced = not self.layout.runs_scheduler
+        while not stop.is_set():
+            self._kill_reported()
+            for name, children in self.groups.items():
+                ended = first_ended(children)
+                if ended is not None and (verdict := self._restart(name, children, ended)) is not None:
+                    return verdict
+            if not announced and _healthy(url):
+                announced = True
+                self.log.info("pagedserve ready", url=url, model=self.args.model or "SmolLM2-135M-Instruct")
+            stop.wait(0.2)
+        return 0, None
+
+    def _restart(self, name: str, children: list[Child], ended: Child) -> tuple[int, str | None] | None:
+        """Restart ``ended``'s group whole; or, when that cannot help, (exit code, why)."""
+        why = ended.why()
+        code = ended.proc.returncode
+        if code == 0 and not ended.lost_cause and not self.layout.runs_scheduler:
+            self.log.info("the scheduler stopped the group", rank=ended.name)  # its Shutdown reached this host
+            return 0, None
+        if code == CONFIG_ERROR_EXIT_CODE and not ended.lost_cause:
+            return CONFIG_ERROR_EXIT_CODE, f"the {ended.name} process {why}"
+        last = why if len(children) == 1 else f"{ended.name} {why}"
+        if not self.budget.allow(name, time.monotonic()):
+            return 1, f"{self.budget.refusal(name)}; last: {last}"
+        self.log.warning("process restarted", service=name, rank=ended.rank, cause=last,
+                         num_restarts=self.budget.num_restarts[name])
+        stop_all([c for c in children if c.running])  # a group restarts whole
+        if name == "executor":
+            self._renew_group(children)
+        for child in children:
+            child.start(self.log)
+        return None
+
+    def _renew_group(self, ranks: list[Child]) -> None:
+        """The stopped ranks' leftovers go (segments of killed ranks, the handle store); the new
+        ranks meet as a new group, so nothing of the old one can be mistaken for theirs."""
+        if self.layout.world_size == 1:
             return
-        except DecodeError:
-            continue
-        if not isinstance(msg, ProcessLost) or msg.process not in groups:
-            continue
-        for child in groups[msg.process]:
-            if child.rank == msg.rank and child.running and child.proc.pid == msg.pid:
-                log.warning("killing a lost process", service=msg.process, rank=msg.rank, child_pid=msg.pid,
-                            cause=msg.cause)
-                child.lost_cause = msg.cause
-                child.proc.kill()
-                child.proc.wait()
-
-
-def _all(groups: dict[str, list[_Child]]):
-    return (child for children in groups.values() for child in children)
-
-
-def _stop_all(children: list[_Child]) -> None:
-    for child in children:
-        if child.running:
-            child.proc.send_signal(signal.SIGTERM)
-            child.proc.send_signal(signal.SIGCONT)  # a stopped process must run to end
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for child in children:
-        if child.proc is None:
-            continue
+        _remove_group_segments(self.layout, self.log)
         try:
-            child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.proc.kill()
-            child.proc.wait()
+            os.unlink(self.layout.store_path)
+        except FileNotFoundError:
+            pass
+        self.layout = layout_from_args(self.args, self.sock_dir)
+        _log_group(self.layout, self.log)
+        for child in ranks:
+            child.argv = executor_argv(self.args) + self.layout.executor_argv(child.rank, self.args.num_threads)
+
+    def _kill_reported(self) -> None:
+        """Kill the processes the scheduler reported lost (hung), if they still run; ``run`` then
+        restarts them."""
+        while True:
+            try:
+                msg = decode(self.reports.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            except DecodeError:
+                continue
+            if not isinstance(msg, ProcessLost) or msg.process not in self.groups:
+                continue
+            for child in self.groups[msg.process]:
+                if child.rank == msg.rank and child.running and child.proc.pid == msg.pid:
+                    self.log.warning("killing a lost process", service=child.name, rank=msg.rank, child_pid=msg.pid,
+                                     cause=msg.cause)
+                    child.kill(msg.cause)
+
+
+def _build_groups(args, layout: GroupLayout, env: dict[str, str]) -> dict[str, list[Child]]:
+    """This host's processes, not yet started. Only the frontend sees the API key (in its
+    environment); the engine processes get none of the secrets."""
+    engine_env = {k: v for k, v in env.items() if k not in _SECRET_ENV}
+    ranks = [Child("executor" if layout.world_size == 1 else f"executor rank {rank}",
+                   executor_argv(args) + layout.executor_argv(rank, args.num_threads), engine_env,
+                   command="executor", rank=rank)
+             for rank in layout.local_ranks]
+    if not layout.runs_scheduler:
+        return {"executor": ranks}
+    return {"scheduler": [Child("scheduler", scheduler_argv(args) + layout.scheduler_argv(), engine_env)],
+            "executor": ranks,
+            "frontend": [Child("frontend", frontend_argv(args), frontend_env(args, env))]}
+
+
+def first_ended(children: list[Child]) -> Child | None:
+    """A process that has ended, preferring one that did not stop because another failed first."""
+    ended = [c for c in children if not c.running]
+    return next((c for c in ended if not c.followed), ended[0] if ended else None)
+
+
+def _log_group(layout: GroupLayout, log) -> None:
+    if layout.world_size > 1:
+        log.info("executor group", world_size=layout.world_size, all_reduce=layout.all_reduce,
+                 num_nodes=layout.num_nodes, node_rank=layout.node_rank, ranks=list(layout.local_ranks),
+                 group_id=layout.group_id, dist_init_addr=layout.dist_init_addr)
+
+
+def _remove_group_segments(layout: GroupLayout, log) -> None:
+    """The ranks unlink their segments themselves; this catches a group killed while connecting."""
+    if layout.world_size == 1:
+        return
+    from services.executor.parallel.segment import cleanup_group
+
+    removed = cleanup_group(layout.group_id)
+    if removed:
+        log.info("removed the group's shared-memory segments", names=removed)
 
 
 def _healthy(url: str) -> bool:
@@ -234,5 +251,10 @@ def executor_argv(args) -> list[str]:
 
 
 def frontend_argv(args) -> list[str]:
-    return _flags(args, ["model", "served_model_name", "host", "port", "max_model_len", "max_queue_len", "api_key",
-                         "heartbeat_timeout"])
+    return _flags(args, ["model", "served_model_name", "host", "port", "max_model_len", "max_queue_len",
+                         "heartbeat_timeout", *HTTP_LIMIT_DESTS])
+
+
+def frontend_env(args, env: dict[str, str]) -> dict[str, str]:
+    """The API key goes to the frontend in its environment: an argv is readable by every user."""
+    return {**env, "PAGEDSERVE_API_KEY": args.api_key} if args.api_key else env

@@ -103,7 +103,7 @@ class RequestOutput:
 
     ``new_token_ids`` are the tokens generated since the previous delta. ``finish_reason`` is
     ``None`` while running, else ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (then
-    ``error`` says why). ``request_finished`` is set on the request's last output, after every
+    ``error`` says why and ``error_kind`` whose fault it is). ``request_finished`` is set on the request's last output, after every
     choice has sent its own last one (best_of's held samples, all of beam search's hypotheses,
     however few): nothing more comes for this request.
     """
@@ -123,6 +123,9 @@ class RequestOutput:
     top_token_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
     request_finished: bool = False
+    # With finish_reason "error": whose fault it is. "request": it can never run as asked (the
+    # frontend answers 400); "engine": the engine failed while running it (500).
+    error_kind: str | None = None
 
 
 @dataclass
@@ -232,16 +235,25 @@ class ExecutorReady:
     incarnation: int = 0
     pid: int = 0  # for logs, /health and the supervisor
     epoch: int = 0  # the scheduler epoch this answers (0: sent unasked, after loading)
+    # Tensor parallelism: the group's all-reduce ("single", "shm", "cuda_ipc" or "torch") and the
+    # bytes of this rank's device KV pool (only its KV heads).
+    all_reduce: str = "single"
+    kv_cache_bytes: int = 0
 
 
 @dataclass
 class Hello:
     """scheduler -> executors: "answer with ExecutorReady". Repeated (a SUB socket joins late)
     while some rank has not answered this ``epoch``, which is random per scheduler process: an
-    executor that sees a new epoch drops every sequence it knew (a new scheduler knows none)."""
+    executor that sees a new epoch drops every sequence it knew (a new scheduler knows none).
+
+    ``retired_incarnations``: the processes of the executor group this scheduler lost last. Such a
+    process, if it still runs, exits (``EXIT_RETIRED``) so that whoever supervises it (``serve`` on
+    its host, a container's restart policy) starts a new one: a lost group rejoins only whole."""
 
     TAG: ClassVar[int] = 21
     epoch: int
+    retired_incarnations: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -317,6 +329,12 @@ class EngineStats:
     pid: int = 0
     executors: list[ExecutorHealth] = field(default_factory=list)
     num_frontends_lost: int = 0
+    # The executor group (from the ranks' ExecutorReady): tensor-parallel size, all-reduce kind,
+    # and per rank (indexed by rank) its device KV blocks and their bytes.
+    world_size: int = 1
+    all_reduce: str = "single"
+    num_kv_blocks_per_rank: list[int] = field(default_factory=list)
+    kv_cache_bytes_per_rank: list[int] = field(default_factory=list)
 
 
 MESSAGE_TYPES: dict[int, type] = {

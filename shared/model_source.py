@@ -54,10 +54,16 @@ def resolve_model(model: str | None) -> ModelSource:
 
 
 def load_tokenizer(source: ModelSource) -> Any:
-    """The model's Hugging Face tokenizer (slow: seconds)."""
+    """The model's Hugging Face tokenizer, never its own code (slow: seconds); a ``ValueError`` in
+    one line when it cannot load."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source.directory, **source.pretrained_kwargs())
+    try:
+        return AutoTokenizer.from_pretrained(source.directory, trust_remote_code=False, **source.pretrained_kwargs())
+    except Exception as exc:  # transformers raises anything (OSError, ValueError, KeyError...)
+        text = " ".join(str(exc).split())[:300]
+        raise ValueError(f"--model {source.gguf_file or source.directory}: cannot load the tokenizer: "
+                         f"{type(exc).__name__}: {text}") from None
 
 
 def eos_token_ids(tokenizer: Any, source: ModelSource | None) -> list[int]:

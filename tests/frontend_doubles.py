@@ -18,10 +18,10 @@ import zmq
 
 from services.frontend.config import FrontendConfig
 from services.frontend.main import FrontendServer
-from services.frontend.served_model import ServedModel, eos_token_ids, load_tokenizer
+from services.frontend.served_model import ServedModel
 from shared.endpoints import Endpoints
 from shared.messages import AbortRequest, AddRequest, EngineStats, RequestOutput, decode, encode
-from shared.model_source import resolve_model
+from shared.model_source import eos_token_ids, load_tokenizer, resolve_model
 
 # What the fake model "generates": multi-byte characters split across byte-level tokens on purpose.
 REPLY_TEXT = (
@@ -246,6 +246,7 @@ class FakeScheduler:
             finish_reason=finish_reason,
             num_prompt_tokens=0 if active.sent_first else len(active.request.prompt_token_ids),
             error="simulated engine failure" if finish_reason == "error" else None,
+            error_kind="engine" if finish_reason == "error" else None,
         )
         num_top = active.request.sampling.logprobs
         if num_top is not None and with_logprobs:

@@ -268,7 +268,7 @@ def test_unexpected_exception_is_a_500_without_traceback():
 
 
 def test_engine_error_non_streamed(client, model):
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.InternalServerError) as info:  # the engine's fault: a 500, not a 400
         client.completions.create(model=model.name, prompt=f"please {ERROR_MARKER}")
     assert "simulated engine failure" in info.value.message
 
@@ -279,14 +279,14 @@ def test_engine_error_streamed(frontend, client, model):
     events = sse_events(raw)
     assert status == 200 and events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
-    assert error["message"] == "simulated engine failure" and error["type"] == "invalid_request_error"
+    assert error["message"] == "simulated engine failure" and error["type"] == "server_error"
     with pytest.raises(openai.APIError, match="simulated engine failure"):
         list(client.chat.completions.create(model=model.name, messages=body["messages"], stream=True))
 
 
 def test_malformed_scheduler_frames_are_dropped(client, fake, model):
     fake.send_raw(b"\x93garbage")
-    with pytest.raises(openai.BadRequestError, match="malformed"):  # fails the request instead of hanging
+    with pytest.raises(openai.InternalServerError, match="malformed"):  # fails the request instead of hanging
         client.completions.create(model=model.name, prompt=MALFORMED_MARKER)
     assert client.completions.create(model=model.name, prompt="ok", max_tokens=2).usage.completion_tokens == 2
 

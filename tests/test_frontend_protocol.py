@@ -305,15 +305,26 @@ def test_flags(monkeypatch):
         frontend_config_from_args(bare.parse_args([]))
 
 
-def test_serve_forwards_the_frontend_limits(monkeypatch):
+def test_serve_forwards_the_frontend_limits(monkeypatch, tmp_path):
     from services.cli import build_parser
-    from services.launcher import frontend_argv
+    from services.launcher import frontend_argv, frontend_env
 
-    args = build_parser().parse_args(["serve", "--max-queue-len", "5", "--api-key", "k2"])
+    args = build_parser().parse_args(["serve", "--max-queue-len", "5", "--api-key", "k2",
+                                      "--http-write-timeout-s", "7"])
     argv = frontend_argv(args)
-    assert argv[argv.index("--max-queue-len") + 1] == "5" and argv[argv.index("--api-key") + 1] == "k2"
-    assert "--api-key" not in frontend_argv(build_parser().parse_args(["serve"]))
-    monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-env")  # the frontend child reads it from its environment
+    assert argv[argv.index("--max-queue-len") + 1] == "5" and argv[argv.index("--http-write-timeout-s") + 1] == "7.0"
+    # The key reaches the frontend in its environment, never on an argv (which /proc shows to everyone).
+    assert not any("k2" in arg for arg in argv) and frontend_env(args, {})["PAGEDSERVE_API_KEY"] == "k2"
+    assert "PAGEDSERVE_API_KEY" not in frontend_env(build_parser().parse_args(["serve"]), {})
     parser = argparse.ArgumentParser()
     add_frontend_arguments(parser)
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    monkeypatch.setenv("PAGEDSERVE_API_KEY_FILE", str(key_file))  # a compose secret
+    assert frontend_config_from_args(parser.parse_args([]), ENDPOINTS).api_key == "from-file"
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-env")  # the frontend child reads it from its environment
     assert frontend_config_from_args(parser.parse_args([]), ENDPOINTS).api_key == "from-env"
+    monkeypatch.delenv("PAGEDSERVE_API_KEY")
+    monkeypatch.setenv("PAGEDSERVE_API_KEY_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="PAGEDSERVE_API_KEY_FILE: cannot read"):
+        frontend_config_from_args(parser.parse_args([]), ENDPOINTS)

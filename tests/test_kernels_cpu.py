@@ -165,7 +165,9 @@ def test_swap_blocks_exact():
 
 def test_backend_views_dtypes_and_one_specialization():
     """The dispatch's calls: ``out`` slices of a bigger tensor, int64 indices, non-contiguous
-    queries, a bf16 cache (reference fallback); the float32 kernels keep one specialization."""
+    queries, a float32 and a bf16 cache (both through the kernels: the bf16 output is compared
+    with the reference computed in float32 from the same bf16 values, within one bf16 rounding);
+    the kernels keep one specialization per cache format."""
     backend = cpu.NumbaCPUBackend()
     lens = [5, 64, 130]
     q_lens = [3, 2]
@@ -203,12 +205,13 @@ def test_backend_views_dtypes_and_one_specialization():
         backend.decode(out[:nd], qq[:nd], kc, vc, tables64[:nd], context_lens[:nd], 0.125)
         backend.prefill(out[nd:nd + 5], qq[nd:nd + 5], kc, vc, tables64[nd:], qsl,
                         context_lens[nd:], 0.125)
-        expected = torch.zeros_like(out)
-        reference.paged_decode_attention(expected[:nd], qq[:nd], kc, vc, tables[:nd],
-                                         context_lens[:nd], 0.125)
-        reference.paged_prefill_attention(expected[nd:nd + 5], qq[nd:nd + 5], kc, vc, tables[nd:],
-                                          qsl, context_lens[nd:], 0.125)
-        torch.testing.assert_close(out[:nd + 5], expected[:nd + 5], atol=ATOL, rtol=RTOL)
+        expected = torch.zeros(out.shape)  # float32, from the same (bf16-valued) inputs
+        reference.paged_decode_attention(expected[:nd], qq[:nd].float(), kc.float(), vc.float(),
+                                         tables[:nd], context_lens[:nd], 0.125)
+        reference.paged_prefill_attention(expected[nd:nd + 5], qq[nd:nd + 5].float(), kc.float(),
+                                          vc.float(), tables[nd:], qsl, context_lens[nd:], 0.125)
+        rtol = RTOL if cache_dtype == torch.float32 else 2.0 ** -8  # one bf16 rounding
+        torch.testing.assert_close(out[:nd + 5].float(), expected[:nd + 5], atol=ATOL, rtol=rtol)
         assert out[nd + 5:].isnan().all()  # nothing written past the view
 
     # a non-contiguous ``out`` view (every other head) goes through a temporary and back
@@ -223,6 +226,21 @@ def test_backend_views_dtypes_and_one_specialization():
 
     # numba follows torch's thread count
     assert numba.get_num_threads() == min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    for kernel in (cpu.decode._decode_kernel, cpu.prefill._prefill_kernel,
-                   cpu.cache_ops._write_kv_kernel):
-        assert len(kernel.signatures) == 1, kernel.signatures
+    # one specialization per combination of formats: every array C-contiguous, indices int32/int64
+    # as the wrappers make them, whatever the views and index dtypes the dispatch passed
+    seen = {}
+    for kernel in (cpu.decode._decode_kernel, cpu.decode._decode_partitioned_kernel,
+                   cpu.prefill._prefill_kernel, cpu.cache_ops._write_kv_kernel):
+        formats = set()
+        for sig in kernel.signatures:
+            arrays = [a for a in sig if isinstance(a, numba.types.Array)]
+            assert all(a.layout == "C" for a in arrays), sig
+            assert all(a.dtype in (numba.float32, numba.uint16, numba.int16, numba.int32,
+                                   numba.int64) for a in arrays), sig
+            formats.add(tuple(a.dtype for a in arrays))
+        assert len(formats) == len(kernel.signatures), kernel.signatures
+        seen[kernel] = {dtype for f in formats for dtype in f}
+    # the bf16 cache went through the kernels (decode: partitioned or not, by the thread count)
+    decode_kernels = (cpu.decode._decode_kernel, cpu.decode._decode_partitioned_kernel)
+    assert numba.uint16 in seen[decode_kernels[0]] | seen[decode_kernels[1]]
+    assert numba.uint16 in seen[cpu.prefill._prefill_kernel]

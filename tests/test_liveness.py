@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.restarts import RestartBudget
-from services.scheduler.liveness import ExecutorGroup, ShapeMismatch
+from services.scheduler.liveness import ExecutorGroup, Loss, ShapeMismatch
 from shared.messages import ExecutorReady, Heartbeat
 
 EPOCH = 77
@@ -67,16 +67,31 @@ def test_a_new_process_of_an_accepted_rank_is_a_loss_and_the_old_one_is_never_ta
 def test_losing_one_rank_replaces_the_whole_group():
     group = _group(world_size=2)
     group.on_ready(_ready(rank=0, incarnation=1, world_size=2), EPOCH, 0.0)
-    assert not group.ready
-    group.on_ready(_ready(rank=1, incarnation=2, world_size=2), EPOCH, 0.0)
-    assert group.ready
+    assert not group.ready and group.stats == {"world_size": 2}
+    group.on_ready(_ready(rank=1, incarnation=2, world_size=2, num_blocks=90), EPOCH, 0.0)
+    assert group.ready and group.shape.num_blocks == 90  # the smallest rank's pool
+    assert group.stats["world_size"] == 2 and group.stats["num_kv_blocks_per_rank"] == [100, 90]
+    assert group.last_retired == []
     loss = group.check(10.0)
     assert group.lose(loss) == [(0, 1001), (1, 1002)]
+    assert group.last_retired == [1, 2]  # Hello names both processes: one still running exits
     group.on_ready(_ready(rank=0, incarnation=3, world_size=2), EPOCH, 11.0)
     assert not group.ready  # rank 1 must come back too
-    group.on_ready(_ready(rank=1, incarnation=4, world_size=2), EPOCH, 11.0)
+    group.on_ready(_ready(rank=1, incarnation=4, world_size=2, num_blocks=90), EPOCH, 11.0)
     assert group.ready
     assert group.on_ready(_ready(rank=5, incarnation=9), EPOCH, 12.0) is None  # no such rank
+    for incarnation in range(5, 12, 2):  # four more groups lost: Hello names the last four groups'
+        group.lose(Loss(0, "test"))
+        group.on_ready(_ready(rank=0, incarnation=incarnation, world_size=2), EPOCH, 13.0)
+        group.on_ready(_ready(rank=1, incarnation=incarnation + 1, world_size=2, num_blocks=90), EPOCH, 13.0)
+    assert group.last_retired == list(range(3, 11))
+
+
+def test_a_rank_of_another_group_size_stops_the_scheduler():
+    group = _group(world_size=2)
+    group.on_ready(_ready(rank=0, incarnation=1, world_size=2), EPOCH, 0.0)
+    with pytest.raises(ValueError, match="executor rank 1 reports --world-size 3; the scheduler has --world-size 2"):
+        group.on_ready(_ready(rank=1, incarnation=2, world_size=3), EPOCH, 0.0)
 
 
 def test_a_restarted_group_must_have_the_first_pool_shape():

@@ -26,6 +26,7 @@ EXAMPLES = [
     RequestOutput("r1", 1, [8, 9], "length", num_prompt_tokens=3, num_cached_tokens=2, num_preemptions=1,
                   logprobs=[-0.5, -1.0], top_token_ids=[[8, 1], [9, 1]], top_logprobs=[[-0.5, -2.0], [-1.0, -3.0]],
                   request_finished=True),
+    RequestOutput("r2", 0, [], "error", error="the executor failed: boom", request_finished=True, error_kind="engine"),
     FrontendHello(pid=4321),
     Step(
         step_id=7, num_decodes=1, seq_ids=np.array([3, 4], np.int64), input_token_ids=np.array([9, 5, 6], np.int64),
@@ -40,11 +41,15 @@ EXAMPLES = [
                top_token_ids=np.array([[11, 4]], np.int64), top_logprobs=np.array([[-0.25, -2.5]], np.float32)),
     StepResult(8, np.zeros(0, np.int64), np.zeros(0, np.int64), error="boom"),
     ExecutorReady(0, 1, 100, 16, 2048, num_cpu_blocks=8, model="tiny", incarnation=2**62 + 5, pid=77, epoch=99),
+    ExecutorReady(1, 3, 300, 16, 2048, num_cpu_blocks=8, all_reduce="shm", kv_cache_bytes=3 * 2**20),
     Hello(99),
+    Hello(100, retired_incarnations=[2**62 + 5, 7]),
     Heartbeat(1, 2**62 + 5, 77),
     Shutdown("bye"),
     ProcessLost("executor", 0, 77, "no heartbeat for 10.2 s"),
-    EngineStats(1, 2, 100, 10, 30, 40, True, num_steps=5, sum_slots_used=9, num_swap_outs=1, num_recomputes=2),
+    EngineStats(1, 2, 100, 10, 30, 40, True, num_steps=5, sum_slots_used=9, num_swap_outs=1, num_recomputes=2,
+                world_size=2, all_reduce="torch", num_kv_blocks_per_rank=[100, 120],
+                kv_cache_bytes_per_rank=[2**20, 2**20 + 5]),
     EngineStats(0, 0, 100, 0, 0, 0, False, epoch=2**40, pid=12, num_frontends_lost=1,
                 executors=[ExecutorHealth(0, 77, "ok", 0.25, 1), ExecutorHealth(1, 0, "starting", -1.0, 0)]),
 ]
@@ -72,6 +77,14 @@ def test_every_message_type_has_an_example():
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_round_trip(message):
     _assert_same(decode(encode(message)), message)
+
+
+def test_group_fields_default_to_one_rank():
+    ready = decode(encode(ExecutorReady(0, 1, 10, 16, 64)))
+    stats = decode(encode(EngineStats(0, 0, 10, 0, 0, 0, True)))
+    assert (ready.all_reduce, ready.kv_cache_bytes) == ("single", 0)
+    assert (stats.world_size, stats.all_reduce, stats.num_kv_blocks_per_rank, stats.kv_cache_bytes_per_rank) == (
+        1, "single", [], [])
 
 
 def test_request_output_defaults_to_not_finished():

@@ -210,6 +210,31 @@ def test_dead_executor_stops_everything_without_restarts(tmp_path, tiny_model_di
             proc.wait()
 
 
+def test_api_key_stays_off_every_argv(tmp_path, tiny_model_dir):
+    """``serve --api-key`` hands the key to the frontend in its environment: no child's argv (which
+    /proc shows to every user) holds it, and only the frontend's environment does."""
+    key = "sk-argv-check-5d1e"
+    proc, url = _start(tmp_path, "--model", str(tiny_model_dir), "--kv-cache-memory", "16MiB", "--api-key", key)
+    try:
+        children = _children(proc.pid)
+        assert sorted(children.values()) == ["executor", "frontend", "scheduler"]
+        for pid, name in children.items():
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert key.encode() not in f.read(), name
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            assert (f"PAGEDSERVE_API_KEY={key}".encode() in environ) == (name == "frontend"), name
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(f"{url}/v1/models", timeout=30)
+        assert info.value.code == 401
+        request = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            assert resp.status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
+
+
 def test_preempted_requests_complete_and_say_so(tmp_path, tiny_model_dir):
     import concurrent.futures
 
@@ -236,14 +261,15 @@ def tiny_model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory)
 
 
-def save_tiny_model(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's tokenizer, saved as a model directory; returns its path."""
+def save_tiny_model(tmp_path_factory, **config):
+    """A tiny random Llama with SmolLM2's tokenizer, saved as a model directory; returns its path.
+    ``config`` overrides ``tiny_llama``'s configuration (heads, sizes)."""
     from tests.frontend_doubles import cached_tokenizer
     from tests.harness import tiny_llama
 
     tokenizer = cached_tokenizer()
     model_dir = tmp_path_factory.mktemp("tiny-model")
-    tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=256).save_pretrained(model_dir)
+    tiny_llama(**{"vocab_size": len(tokenizer), "max_position_embeddings": 256, **config}).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     return model_dir
 

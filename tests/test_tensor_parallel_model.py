@@ -6,7 +6,8 @@ block copies) and preemptions by swap. Each rank process replays them on its sha
 KV pool (only its KV heads); rank 0's logits must equal the unsharded replay's within float32
 tolerance, with the same greedy tokens the engine sampled.
 
-Phase 1: the executor does not run ranks yet, so ``replay`` drives the model as the runner does.
+``replay`` drives the model as the runner does, without processes or sockets; the served path
+(``serve -tp N``) is tested in ``test_server_tensor_parallel.py``.
 """
 
 import os

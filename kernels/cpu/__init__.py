@@ -4,7 +4,8 @@ The entry points take numpy arrays, in the reference's argument order, and write
 argument in place. ``NumbaCPUBackend`` adapts them to the torch tensors of the attention dispatch
 (``services/executor/attention.py``), zero-copy through ``Tensor.numpy()``.
 
-- ``common``: the prefetch intrinsic and the fastmath flags the attention kernels share.
+- ``common``: the 16-bit storage formats (bfloat16 / float16 as raw bits, widened to float32 in
+  registers), the prefetch intrinsic and the fastmath flags the kernels share.
 - ``decode``: ``paged_decode_attention``, one task per (sequence, KV head), partitioned for small
   batches (``auto_partitions``, ``MIN_PARTITION_SIZE``).
 - ``prefill``: ``paged_prefill_attention``, one task per (sequence, KV head, tile of query rows).
@@ -12,8 +13,9 @@ argument in place. ``NumbaCPUBackend`` adapts them to the torch tensors of the a
 - ``backend``: ``NumbaCPUBackend`` and ``sync_threads`` (numba follows torch's thread count).
 
 Compilation: ``cache=True`` (the cache lives in ``kernels/cpu/__pycache__``, or
-``NUMBA_CACHE_DIR``). The wrappers pass C-contiguous float32 / int32 / int64 arrays and a Python
-float, so each kernel has a single specialization for float32 caches.
+``NUMBA_CACHE_DIR``). The wrappers pass C-contiguous arrays (caches, queries and outputs in
+float32 or 16-bit bits, indices int32 / int64) and a Python float, so each kernel has one
+specialization per combination of formats: one for a float32 model, one for a bf16 model.
 """
 
 from __future__ import annotations

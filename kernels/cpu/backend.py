@@ -9,6 +9,7 @@ import torch
 
 from kernels import reference
 from kernels.cpu.cache_ops import copy_blocks, swap_blocks, write_kv_cache
+from kernels.cpu.common import BITS_DTYPES, kernel_array
 from kernels.cpu.decode import paged_decode_attention
 from kernels.cpu.prefill import paged_prefill_attention
 
@@ -31,59 +32,67 @@ def sync_threads() -> int:
     return state["numba"]
 
 
-def _np(t):
-    return t.detach().numpy() if t.requires_grad else t.numpy()  # zero-copy either way
+def _pools_ok(*caches) -> bool:
+    """Pools the kernels take: contiguous CPU tensors of one format (float32, bfloat16, float16)."""
+    dtype = caches[0].dtype
+    return dtype in BITS_DTYPES and all(
+        c.is_cpu and c.dtype == dtype and c.is_contiguous() for c in caches)
+
+
+def _io_ok(cache, *tensors) -> bool:
+    """Queries, outputs, new keys/values: CPU tensors in float32 or the cache's format."""
+    return all(t.is_cpu and t.dtype in (torch.float32, cache.dtype) for t in tensors)
 
 
 class NumbaCPUBackend:
     """Numba CPU kernels behind the dispatch's backend interface (torch CPU tensors, in place).
 
-    float32 KV caches take the Numba kernels; other dtypes (float16, bfloat16: numpy has no
-    bfloat16) and non-contiguous caches fall back to the PyTorch reference.
+    Caches in float32, bfloat16 or float16 take the Numba kernels (16-bit ones as their raw bits,
+    widened to float32 inside; ``kernels/cpu/common.py``), with queries, outputs and new K/V in
+    float32 or the cache's dtype. Anything else (other dtypes, non-contiguous pools, pools of two
+    dtypes) falls back to the PyTorch reference.
     """
 
     name = "numba"
 
-    @staticmethod
-    def _fast(*tensors) -> bool:
-        return all(t.is_cpu and t.dtype == torch.float32 for t in tensors)
-
     def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
-        if not (self._fast(key_cache, value_cache, key, value)
-                and key_cache.is_contiguous() and value_cache.is_contiguous()):
+        if not (_pools_ok(key_cache, value_cache) and _io_ok(key_cache, key, value)):
             return reference.write_kv_cache(key_cache, value_cache, key, value, slot_mapping)
         sync_threads()
-        write_kv_cache(_np(key_cache), _np(value_cache), _np(key), _np(value), _np(slot_mapping))
+        write_kv_cache(kernel_array(key_cache), kernel_array(value_cache), kernel_array(key),
+                       kernel_array(value), kernel_array(slot_mapping))
 
     def decode(self, out, query, key_cache, value_cache, block_tables, context_lens, scale) -> None:
-        if not (self._fast(out, query, key_cache, value_cache)
-                and key_cache.is_contiguous() and value_cache.is_contiguous()):
+        if not (_pools_ok(key_cache, value_cache) and _io_ok(key_cache, out, query)):
             return reference.paged_decode_attention(
                 out, query, key_cache, value_cache, block_tables, context_lens, scale)
         threads = sync_threads()
-        paged_decode_attention(_np(out), _np(query), _np(key_cache), _np(value_cache),
-                               _np(block_tables), _np(context_lens), scale, num_threads=threads)
+        paged_decode_attention(
+            kernel_array(out), kernel_array(query), kernel_array(key_cache),
+            kernel_array(value_cache), kernel_array(block_tables), kernel_array(context_lens),
+            scale, num_threads=threads)
 
     def prefill(self, out, query, key_cache, value_cache, block_tables, query_start_loc,
                 context_lens, scale) -> None:
-        if not (self._fast(out, query, key_cache, value_cache)
-                and key_cache.is_contiguous() and value_cache.is_contiguous()):
+        if not (_pools_ok(key_cache, value_cache) and _io_ok(key_cache, out, query)):
             return reference.paged_prefill_attention(
                 out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
                 scale)
         sync_threads()
-        paged_prefill_attention(_np(out), _np(query), _np(key_cache), _np(value_cache),
-                                _np(block_tables), _np(query_start_loc), _np(context_lens), scale)
+        paged_prefill_attention(
+            kernel_array(out), kernel_array(query), kernel_array(key_cache),
+            kernel_array(value_cache), kernel_array(block_tables), kernel_array(query_start_loc),
+            kernel_array(context_lens), scale)
 
     def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
-        caches = (*key_caches, *value_caches)
-        if not (self._fast(*caches) and all(c.is_contiguous() for c in caches)):
+        if not _pools_ok(*key_caches, *value_caches):
             return reference.copy_blocks(key_caches, value_caches, block_mapping)
         sync_threads()
-        copy_blocks([_np(k) for k in key_caches], [_np(v) for v in value_caches], _np(block_mapping))
+        copy_blocks([kernel_array(k) for k in key_caches], [kernel_array(v) for v in value_caches],
+                    kernel_array(block_mapping))
 
     def swap_blocks(self, dst, src, block_mapping) -> None:
-        if not (self._fast(dst, src) and dst.is_contiguous() and src.is_contiguous()):
+        if not _pools_ok(dst, src):
             return reference.swap_blocks(dst, src, block_mapping)
         sync_threads()
-        swap_blocks(_np(dst), _np(src), _np(block_mapping))
+        swap_blocks(kernel_array(dst), kernel_array(src), kernel_array(block_mapping))

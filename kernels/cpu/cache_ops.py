@@ -1,16 +1,24 @@
 """Numba CPU kernels that move K/V without attending: the write of new tokens into their slots,
-and whole-block copies (copy-on-write inside a pool, swaps between pools)."""
+and whole-block copies (copy-on-write inside a pool, swaps between pools).
+
+Formats (``kernels/cpu/common.py``): a write stores float32 keys/values into a 16-bit cache
+rounded to nearest even (as torch's ``.to``) and 16-bit ones of the cache's format bit for bit;
+copies and swaps move raw bits, whatever the format.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
+from kernels.cpu.common import as_bits, as_input, narrow_like
+
 
 @njit(parallel=True, cache=True, nogil=True)
 def _write_kv_kernel(key_cache, value_cache, key, value, slot_mapping):
-    # key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
-    # key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64
+    # key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim] float32 / bf16 bits
+    # (uint16) / fp16 bits (int16); key, value: [num_tokens, num_kv_heads, head_dim] float32 or the
+    # cache's format; slot_mapping: [num_tokens] int64
     num_tokens, num_kv_heads, head_dim = key.shape
     block_size = key_cache.shape[2]
     for i in prange(num_tokens):
@@ -21,20 +29,17 @@ def _write_kv_kernel(key_cache, value_cache, key, value, slot_mapping):
         off = slot - blk * block_size
         for h in range(num_kv_heads):
             for d in range(head_dim):
-                key_cache[blk, h, off, d] = key[i, h, d]
-                value_cache[blk, h, off, d] = value[i, h, d]
+                key_cache[blk, h, off, d] = narrow_like(key_cache, key[i, h, d])
+                value_cache[blk, h, off, d] = narrow_like(value_cache, value[i, h, d])
 
 
 def write_kv_cache(key_cache, value_cache, key, value, slot_mapping) -> None:
     """Scatter the new tokens' K/V into their slots; negative slots are padding and are skipped."""
     if key.shape[0] == 0:
         return
-    _write_kv_kernel(
-        key_cache, value_cache,
-        np.ascontiguousarray(key, dtype=key_cache.dtype),
-        np.ascontiguousarray(value, dtype=value_cache.dtype),
-        np.ascontiguousarray(slot_mapping, dtype=np.int64),
-    )
+    key_cache, value_cache = as_bits(key_cache), as_bits(value_cache)
+    _write_kv_kernel(key_cache, value_cache, as_input(key, key_cache), as_input(value, value_cache),
+                     np.ascontiguousarray(slot_mapping, dtype=np.int64))
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -70,7 +75,7 @@ def copy_blocks(key_caches, value_caches, block_mapping) -> None:
         if overlap:
             cache[mapping[:, 1]] = cache[mapping[:, 0]]
         else:
-            rows = _as_rows(cache)
+            rows = _as_rows(as_bits(cache))
             _copy_rows_kernel(rows, rows, mapping)
 
 
@@ -79,7 +84,8 @@ def swap_blocks(dst, src, block_mapping) -> None:
     mapping = np.ascontiguousarray(block_mapping, dtype=np.int64).reshape(-1, 2)
     if mapping.shape[0] == 0:
         return
+    dst, src = as_bits(dst), as_bits(src)
     if dst.dtype != src.dtype:
-        dst[mapping[:, 1]] = src[mapping[:, 0]]
-        return
+        raise TypeError(f"swap_blocks: both pools must have one format, got {dst.dtype} and "
+                        f"{src.dtype}")
     _copy_rows_kernel(_as_rows(dst), _as_rows(src), mapping)

@@ -1,4 +1,24 @@
-"""What the Numba CPU kernels share: the prefetch intrinsic and the fastmath flags.
+"""What the Numba CPU kernels share: the 16-bit storage formats, the prefetch intrinsic and the
+fastmath flags.
+
+Storage formats. Caches, queries, outputs and new keys/values may be float32, bfloat16 or
+float16; the kernels load 16-bit values, widen them to float32 in registers and accumulate in
+float32. numpy has no bfloat16 and numba has no float16 on CPU, so the 16-bit formats travel as
+their raw bits in integer arrays whose dtype names the format (``BITS_DTYPES``):
+
+- ``uint16``: bfloat16 bits. Widening is ``bits << 16`` reinterpreted as float32 (exact);
+  narrowing rounds to nearest even exactly like torch's ``Tensor.to(torch.bfloat16)`` (a NaN
+  becomes ``0xFFFF``, as torch 2.13's CPU conversion makes it).
+- ``int16``: float16 bits. Widening and narrowing are LLVM's ``fpext`` / ``fptrunc`` (F16C's
+  ``vcvtph2ps`` / ``vcvtps2ph`` on x86, round to nearest even, as torch).
+- ``float32``: itself.
+
+``widen(x)`` gives a float32; ``narrow_like(array, x)`` gives ``x`` in ``array``'s format (a plain
+copy when the formats are equal, so moving 16-bit values never changes a bit);
+``widen_rows(src, scratch)`` widens a ``[rows, D]`` block once into float32 scratch (or returns a
+float32 block itself, without copying).
+
+Flags and cache:
 
 - ``fastmath`` is limited to ``reassoc``/``contract`` (plus ``nsz``/``arcp``) so that the dot
   products over ``head_dim`` vectorize; no ``nnan``/``ninf`` (the running max starts at ``-inf``)
@@ -11,10 +31,144 @@
 
 from __future__ import annotations
 
+import numpy as np
+import torch
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
+
+# torch dtype -> the numpy dtype the kernels see it as (16-bit formats as raw bits)
+BITS_DTYPES = {torch.float32: np.float32, torch.bfloat16: np.uint16, torch.float16: np.int16}
+_VIEW_AS = {torch.bfloat16: torch.uint16, torch.float16: torch.int16}
+_FORMATS = (types.float32, types.uint16, types.int16)
+_NP_FORMATS = (np.dtype(np.float32), np.dtype(np.uint16), np.dtype(np.int16))
+
+_I16, _I32, _F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
+
+
+def kernel_array(tensor: torch.Tensor) -> np.ndarray:
+    """A zero-copy numpy view of a CPU tensor in the kernels' format (16-bit types as bits)."""
+    t = tensor.detach()
+    view_as = _VIEW_AS.get(t.dtype)
+    return (t.view(view_as) if view_as is not None else t).numpy()
+
+
+def as_bits(array: np.ndarray) -> np.ndarray:
+    """A numpy array in a format the kernels take: numpy float16 viewed as its bits (``int16``);
+    float32 and bits arrays unchanged. Anything else raises TypeError."""
+    if array.dtype == np.float16:
+        return array.view(np.int16)
+    if array.dtype not in _NP_FORMATS:
+        raise TypeError("the kernels take float32, float16, or bfloat16/float16 bits "
+                        f"(uint16/int16) arrays; got {array.dtype}")
+    return array
+
+
+def as_input(array: np.ndarray, cache: np.ndarray) -> np.ndarray:
+    """A C-contiguous query/key/value in the cache's format or float32 (float64 is converted to
+    float32, numpy float16 viewed as bits; the kernels compile once per format pair)."""
+    if array.dtype == np.float64:
+        array = array.astype(np.float32)
+    array = as_bits(array)
+    if array.dtype != cache.dtype and array.dtype != np.float32:
+        raise TypeError(f"inputs must be float32 or the cache's format {cache.dtype}, "
+                        f"got {array.dtype}")
+    return np.ascontiguousarray(array)
+
+
+def output_target(out: np.ndarray, cache: np.ndarray) -> np.ndarray:
+    """The array a kernel writes for ``out``: ``out`` itself when it is C-contiguous in float32 or
+    the cache's format, else a temporary that the caller copies back with ``out[...] = target``
+    (bit for bit in the cache's format, by value from float32 into other float types)."""
+    if out.flags.c_contiguous and out.dtype in (np.float32, cache.dtype):
+        return out
+    if out.dtype == cache.dtype:
+        return np.empty(out.shape, out.dtype)
+    if out.dtype.kind != "f":
+        raise TypeError(f"out must be float32 or the cache's format {cache.dtype}, got {out.dtype}")
+    return np.empty(out.shape, np.float32)
+
+
+def _to_f32(builder, ty, value):
+    if ty == types.uint16:  # bfloat16: the high half of a float32
+        return builder.bitcast(builder.shl(builder.zext(value, _I32), ir.Constant(_I32, 16)), _F32)
+    if ty == types.int16:
+        return builder.fpext(builder.bitcast(value, ir.HalfType()), _F32)
+    return value
+
+
+def _from_f32(builder, ty, value):
+    if ty == types.uint16:  # round to nearest even, NaN -> 0xFFFF: torch's CPU conversion
+        bits = builder.bitcast(value, _I32)
+        lsb = builder.and_(builder.lshr(bits, ir.Constant(_I32, 16)), ir.Constant(_I32, 1))
+        biased = builder.add(bits, builder.add(lsb, ir.Constant(_I32, 0x7FFF)))
+        rounded = builder.lshr(biased, ir.Constant(_I32, 16))
+        is_nan = builder.fcmp_unordered("uno", value, value)
+        return builder.trunc(builder.select(is_nan, ir.Constant(_I32, 0xFFFF), rounded), _I16)
+    if ty == types.int16:
+        return builder.bitcast(builder.fptrunc(value, ir.HalfType()), _I16)
+    return value
+
+
+@intrinsic
+def widen(typingctx, x):
+    """``x`` (float32, or bfloat16/float16 bits) as a float32."""
+    if x not in _FORMATS:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _to_f32(builder, signature.args[0], args[0])
+
+    return types.float32(x), codegen
+
+
+@intrinsic
+def narrow_like(typingctx, array, x):
+    """``x`` (any storage format) converted to the storage format of ``array``'s elements."""
+    if not isinstance(array, types.Array) or array.dtype not in _FORMATS or x not in _FORMATS:
+        return None
+    target = array.dtype
+
+    def codegen(context, builder, signature, args):
+        source = signature.args[1]
+        if source == target:
+            return args[1]
+        return _from_f32(builder, target, _to_f32(builder, source, args[1]))
+
+    return target(array, x), codegen
+
+
+def widen_rows(src, scratch):
+    """``src`` ([rows, D], any format) as float32: ``src`` itself when it is float32, else
+    ``scratch[:rows]`` filled with the widened values (numba only)."""
+    raise NotImplementedError("widen_rows runs inside numba kernels only")
+
+
+@overload(widen_rows)
+def _widen_rows(src, scratch):
+    if src.dtype == types.float32:
+        return lambda src, scratch: src
+
+    def impl(src, scratch):
+        rows, dim = src.shape
+        for i in range(rows):
+            for j in range(dim):
+                scratch[i, j] = widen(src[i, j])
+        return scratch[:rows]
+
+    return impl
+
+
+def line_elems(array):
+    """Elements of ``array`` per 64-byte cache line, a compile-time constant (numba only)."""
+    raise NotImplementedError("line_elems runs inside numba kernels only")
+
+
+@overload(line_elems)
+def _line_elems(array):
+    elems = 64 * 8 // array.dtype.bitwidth
+    return lambda array: elems
 
 
 @intrinsic

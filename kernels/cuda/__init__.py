@@ -20,6 +20,8 @@ in numba, which ``cuda.compile_ptx`` cannot compile without a current device, so
 - ``launch``: the host-side entry points (``paged_decode_attention``, ...), on device arrays.
 - ``backend``: ``NumbaCUDABackend``, on torch CUDA tensors.
 - ``ptx``: ``ptx_signatures`` for ahead-of-time compilation in the tests.
+- ``resources``: registers, spills, shared memory and occupancy of each kernel, from ``ptxas``
+  (``python -m kernels.bench --ptxas``).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from __future__ import annotations
 from kernels.cuda.backend import NumbaCUDABackend
 from kernels.cuda.cache_ops import copy_blocks_kernel, write_kv_kernel
 from kernels.cuda.config import (
-    FULL_MASK, MAX_HEAD_DIM, MAX_PARTITION, NEG_INF, NUM_WARPS, PARTIALS, SHFL_XOR, SIMULATOR,
-    THREADS, USE_SHUFFLE, WARP,
+    ATTENTION_MAX_REGISTERS, FULL_MASK, MAX_HEAD_DIM, MAX_PARTITION, NEG_INF, NUM_WARPS, PARTIALS,
+    SHFL_XOR, SIMULATOR, THREADS, USE_SHUFFLE, WARP,
 )
 from kernels.cuda.decode import decode_kernel
 from kernels.cuda.launch import (
@@ -40,7 +42,7 @@ from kernels.cuda.prefill import prefill_kernel
 from kernels.cuda.ptx import ptx_signatures
 
 __all__ = [
-    "FULL_MASK", "MAX_HEAD_DIM", "MAX_PARTITION", "NEG_INF", "NUM_WARPS", "NumbaCUDABackend",
+    "ATTENTION_MAX_REGISTERS", "FULL_MASK", "MAX_HEAD_DIM", "MAX_PARTITION", "NEG_INF", "NUM_WARPS", "NumbaCUDABackend",
     "PARTIALS", "SHFL_XOR", "SIMULATOR", "THREADS", "USE_SHUFFLE", "WARP", "choose_partition_size",
     "copy_blocks", "copy_blocks_kernel", "decode_kernel", "merge_kernel", "paged_decode_attention",
     "paged_prefill_attention", "prefill_kernel", "ptx_signatures", "swap_blocks", "write_kv_cache",

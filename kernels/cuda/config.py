@@ -29,3 +29,13 @@ PARTIALS = 1 if USE_SHUFFLE else THREADS * WARP
 FULL_MASK = np.int32(-1)  # all 32 lanes
 SHFL_XOR = 3  # shfl_sync_intrinsic mode: lane ^ offset
 NEG_INF = np.float32(-np.inf)
+# registers per thread the attention kernels are held to (numba passes it to the CUDA linker as
+# CU_JIT_MAX_REGISTERS; ``ptxas --maxrregcount`` in the resource check): 64 registers x THREADS
+# (128) leave 8 blocks, 32 of 64 warps, resident per SM on sm_80/sm_90, i.e. 50% occupancy. The
+# kernels need ~55 (``python -m kernels.bench --ptxas``), so the cap costs no spills.
+ATTENTION_MAX_REGISTERS = 64
+
+
+def jit_options(max_registers: int | None = None) -> dict:
+    """``cuda.jit`` keyword arguments; the simulator's ``cuda.jit`` takes no ``max_registers``."""
+    return {} if SIMULATOR or max_registers is None else {"max_registers": max_registers}

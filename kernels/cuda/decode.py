@@ -8,6 +8,10 @@ split ``head_dim``), block-wide max, ``exp``, block-wide sum, then the weighted 
 split ``head_dim`` and the partition's tokens). With one partition the kernel writes the
 normalized output; with several (long contexts, or a forced ``partition_size``) it writes each
 partition's normalized output, max logit and exp-sum, and ``merge_kernel`` combines them.
+
+Registers: token walks carry (table index, offset in block) forward instead of dividing each
+position by the block size (a 64-bit division costs a dozen registers), and the kernel is held to
+``ATTENTION_MAX_REGISTERS``, which keeps half the SM's warps resident (``kernels/cuda/resources.py``).
 """
 
 from __future__ import annotations
@@ -18,13 +22,13 @@ import numpy as np
 from numba import cuda, float32
 
 from kernels.cuda.config import (
-    FULL_MASK, MAX_HEAD_DIM, MAX_PARTITION, NEG_INF, NUM_WARPS, PARTIALS, SHFL_XOR, THREADS,
-    USE_SHUFFLE, WARP,
+    ATTENTION_MAX_REGISTERS, FULL_MASK, MAX_HEAD_DIM, MAX_PARTITION, NEG_INF, NUM_WARPS, PARTIALS,
+    SHFL_XOR, THREADS, USE_SHUFFLE, WARP, jit_options,
 )
 
 
 # grid: (num_seqs, num_heads, num_partitions); block: (THREADS,)
-@cuda.jit(fastmath=False)
+@cuda.jit(fastmath=False, **jit_options(ATTENTION_MAX_REGISTERS))
 def decode_kernel(part_out, part_max, part_sum, query, key_cache, value_cache, block_tables,
                   context_lens, scale, partition_size):
     # part_out: [num_seqs, num_heads, num_partitions, head_dim] float32 (normalized per partition;
@@ -64,18 +68,27 @@ def decode_kernel(part_out, part_max, part_sum, query, key_cache, value_cache, b
 
     # 1. logits[i] = scale * q . k[start + i]
     if USE_SHUFFLE:
-        for tok in range(start + warp, end, NUM_WARPS):  # one warp per token, lanes split head_dim
-            blk = block_tables[s, tok // block_size]
-            off = tok - (tok // block_size) * block_size
+        tok = start + warp  # one warp per token, lanes split head_dim
+        bi = tok // block_size  # the token's block in the table, and its offset there
+        off = tok - bi * block_size
+        while tok < end:
+            blk = block_tables[s, bi]
             acc = float32(0.0)
-            for d in range(lane, head_dim, WARP):
+            d = lane
+            while d < head_dim:
                 acc += q_sh[d] * key_cache[blk, kvh, off, d]
+                d += WARP
             step = np.int32(WARP // 2)
             while step > 0:
                 acc += cuda.shfl_sync_intrinsic(FULL_MASK, SHFL_XOR, acc, step, 0x1F)[0]
                 step //= 2
             if lane == 0:
                 logits[tok - start] = acc * scale
+            tok += NUM_WARPS
+            off += NUM_WARPS
+            while off >= block_size:
+                off -= block_size
+                bi += 1
     else:
         for base in range(start, end, THREADS):  # rounds of THREADS tokens, block-uniform
             for j in range(warp, THREADS, NUM_WARPS):
@@ -84,8 +97,10 @@ def decode_kernel(part_out, part_max, part_sum, query, key_cache, value_cache, b
                 if tok < end:
                     blk = block_tables[s, tok // block_size]
                     off = tok - (tok // block_size) * block_size
-                    for d in range(lane, head_dim, WARP):
+                    d = lane
+                    while d < head_dim:
                         acc += q_sh[d] * key_cache[blk, kvh, off, d]
+                        d += WARP
                 partials[j * WARP + lane] = acc
             cuda.syncthreads()
             tok = base + tid
@@ -171,10 +186,16 @@ def decode_kernel(part_out, part_max, part_sum, query, key_cache, value_cache, b
         d = tid - g * head_dim
         acc = float32(0.0)
         if g < groups:
-            for i in range(g, n, groups):
-                tok = start + i
-                blk = block_tables[s, tok // block_size]
-                acc += logits[i] * value_cache[blk, kvh, tok - (tok // block_size) * block_size, d]
+            i = g
+            bi = (start + g) // block_size
+            off = start + g - bi * block_size
+            while i < n:
+                acc += logits[i] * value_cache[block_tables[s, bi], kvh, off, d]
+                i += groups
+                off += groups
+                while off >= block_size:
+                    off -= block_size
+                    bi += 1
         red[tid] = acc  # groups * head_dim <= THREADS
         cuda.syncthreads()
         if tid < head_dim:
@@ -183,13 +204,19 @@ def decode_kernel(part_out, part_max, part_sum, query, key_cache, value_cache, b
                 acc += red[k * head_dim + tid]
             part_out[s, h, p, tid] = acc * inv
     else:
-        for d in range(tid, head_dim, THREADS):
+        d = tid
+        while d < head_dim:
             acc = float32(0.0)
+            bi = start // block_size
+            off = start - bi * block_size
             for i in range(n):
-                tok = start + i
-                blk = block_tables[s, tok // block_size]
-                acc += logits[i] * value_cache[blk, kvh, tok - (tok // block_size) * block_size, d]
+                acc += logits[i] * value_cache[block_tables[s, bi], kvh, off, d]
+                off += 1
+                if off == block_size:
+                    off = 0
+                    bi += 1
             part_out[s, h, p, d] = acc * inv
+            d += THREADS
     if tid == 0:
         part_max[s, h, p] = m
         part_sum[s, h, p] = total

@@ -13,13 +13,13 @@ import numpy as np
 from numba import cuda, float32
 
 from kernels.cuda.config import (
-    FULL_MASK, MAX_HEAD_DIM, MAX_PARTITION, NEG_INF, NUM_WARPS, PARTIALS, SHFL_XOR, THREADS,
-    USE_SHUFFLE, WARP,
+    ATTENTION_MAX_REGISTERS, FULL_MASK, MAX_HEAD_DIM, MAX_PARTITION, NEG_INF, NUM_WARPS, PARTIALS,
+    SHFL_XOR, THREADS, USE_SHUFFLE, WARP, jit_options,
 )
 
 
 # grid: (num_tokens, num_heads, num_partitions); block: (THREADS,)
-@cuda.jit(fastmath=False)
+@cuda.jit(fastmath=False, **jit_options(ATTENTION_MAX_REGISTERS))
 def prefill_kernel(part_out, part_max, part_sum, row_lens, query, key_cache, value_cache,
                    block_tables, query_start_loc, context_lens, scale, partition_size):
     # part_out: [num_tokens, num_heads, num_partitions, head_dim] float32 (as in decode_kernel)
@@ -72,18 +72,27 @@ def prefill_kernel(part_out, part_max, part_sum, row_lens, query, key_cache, val
 
     # 1. logits (as in decode_kernel)
     if USE_SHUFFLE:
-        for tok in range(start + warp, end, NUM_WARPS):
-            blk = block_tables[s, tok // block_size]
-            off = tok - (tok // block_size) * block_size
+        tok = start + warp
+        bi = tok // block_size
+        off = tok - bi * block_size
+        while tok < end:
+            blk = block_tables[s, bi]
             acc = float32(0.0)
-            for d in range(lane, head_dim, WARP):
+            d = lane
+            while d < head_dim:
                 acc += q_sh[d] * key_cache[blk, kvh, off, d]
+                d += WARP
             step = np.int32(WARP // 2)
             while step > 0:
                 acc += cuda.shfl_sync_intrinsic(FULL_MASK, SHFL_XOR, acc, step, 0x1F)[0]
                 step //= 2
             if lane == 0:
                 logits[tok - start] = acc * scale
+            tok += NUM_WARPS
+            off += NUM_WARPS
+            while off >= block_size:
+                off -= block_size
+                bi += 1
     else:
         for base in range(start, end, THREADS):
             for j in range(warp, THREADS, NUM_WARPS):
@@ -92,8 +101,10 @@ def prefill_kernel(part_out, part_max, part_sum, row_lens, query, key_cache, val
                 if tok < end:
                     blk = block_tables[s, tok // block_size]
                     off = tok - (tok // block_size) * block_size
-                    for d in range(lane, head_dim, WARP):
+                    d = lane
+                    while d < head_dim:
                         acc += q_sh[d] * key_cache[blk, kvh, off, d]
+                        d += WARP
                 partials[j * WARP + lane] = acc
             cuda.syncthreads()
             tok = base + tid
@@ -179,10 +190,16 @@ def prefill_kernel(part_out, part_max, part_sum, row_lens, query, key_cache, val
         d = tid - g * head_dim
         acc = float32(0.0)
         if g < groups:
-            for i in range(g, n, groups):
-                tok = start + i
-                blk = block_tables[s, tok // block_size]
-                acc += logits[i] * value_cache[blk, kvh, tok - (tok // block_size) * block_size, d]
+            i = g
+            bi = (start + g) // block_size
+            off = start + g - bi * block_size
+            while i < n:
+                acc += logits[i] * value_cache[block_tables[s, bi], kvh, off, d]
+                i += groups
+                off += groups
+                while off >= block_size:
+                    off -= block_size
+                    bi += 1
         red[tid] = acc
         cuda.syncthreads()
         if tid < head_dim:
@@ -191,13 +208,19 @@ def prefill_kernel(part_out, part_max, part_sum, row_lens, query, key_cache, val
                 acc += red[k * head_dim + tid]
             part_out[r, h, p, tid] = acc * inv
     else:
-        for d in range(tid, head_dim, THREADS):
+        d = tid
+        while d < head_dim:
             acc = float32(0.0)
+            bi = start // block_size
+            off = start - bi * block_size
             for i in range(n):
-                tok = start + i
-                blk = block_tables[s, tok // block_size]
-                acc += logits[i] * value_cache[blk, kvh, tok - (tok // block_size) * block_size, d]
+                acc += logits[i] * value_cache[block_tables[s, bi], kvh, off, d]
+                off += 1
+                if off == block_size:
+                    off = 0
+                    bi += 1
             part_out[r, h, p, d] = acc * inv
+            d += THREADS
     if tid == 0:
         part_max[r, h, p] = m
         part_sum[r, h, p] = total

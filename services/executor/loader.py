@@ -1,16 +1,20 @@
-"""Build a ``ModelRunner``: our model from a config and weights, the KV pools sized from the flags,
-the attention backend. The executor process and the offline engine (``services.offline``) both
-start here, so that one model loads the same way in both."""
+"""Build a ``ModelRunner``: our model from a config and weights (the whole model, or one rank's
+shard), the KV pools sized from the flags, the attention backend. The executor process and the
+offline engine (``services.offline``) both start here, so that one model loads the same way in both."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .attention import select_backend
 from .model import ModelConfig
-from .runner import ModelRunner, allocate_kv_cache, kv_block_bytes
+from .model_check import MemoryPlan, plan_memory
+from .parallel.base import Communicator
+from .parallel.sharding import ShardPlan
+from .runner import ModelRunner, allocate_kv_cache
 from .weights import build_model, resolve_dtype
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
@@ -58,23 +62,54 @@ class RunnerOptions:
             raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
 
 
-def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: RunnerOptions) -> ModelRunner:
+def plan_runner(hf_config, options: RunnerOptions, where: str = "the model",
+                shard: ShardPlan | None = None) -> MemoryPlan:
+    """Settle the pool sizes and ``max_model_len`` for ``options``, and refuse (``ModelCheckError``,
+    one line) a pool of no block or a total this machine cannot hold: before anything is loaded.
+    With ``shard`` (one rank of a tensor-parallel group), for that rank's KV heads and weights."""
+    dtype = _dtype(options)
+    plan = plan_memory(
+        hf_config, f"{where} in {dtype}", dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+        block_size=options.block_size, num_kv_blocks=options.num_kv_blocks,
+        kv_cache_memory_bytes=parse_bytes(options.kv_cache_memory), kv_cache_memory=options.kv_cache_memory,
+        swap_space_gib=options.swap_space if options.num_cpu_blocks is None else 0.0,
+        max_model_len=options.max_model_len,
+        num_local_kv_heads=shard.num_local_kv_heads if shard is not None else None,
+        world_size=shard.world_size if shard is not None else 1,
+    )
+    if options.num_cpu_blocks is not None:
+        plan = dataclasses.replace(plan, num_cpu_blocks=options.num_cpu_blocks)
+    return plan
+
+
+def shard_plan(hf_config, comm: Communicator | None) -> ShardPlan | None:
+    """Rank ``comm.rank``'s share of the model, or None without a group of more than one rank."""
+    if comm is None:
+        return None
+    return ShardPlan.for_model(ModelConfig.from_hf(hf_config), comm.rank, comm.world_size)
+
+
+def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: RunnerOptions,
+                 plan: MemoryPlan | None = None, comm: Communicator | None = None) -> ModelRunner:
     """Our model for ``hf_config`` (a transformers config) with ``state_dict``'s weights, over fresh
-    KV pools."""
+    KV pools sized by ``plan`` (``plan_runner``'s, computed here when not given).
+
+    With ``comm`` (a connected communicator of a group of more than one rank), the model is rank
+    ``comm.rank``'s shard and both KV pools hold only its KV heads: a block takes fewer bytes, so
+    ``kv_cache_memory`` and ``swap_space`` (per rank) hold more of them."""
+    shard = shard_plan(hf_config, comm)
+    plan = plan or plan_runner(hf_config, options, shard=shard)
     device = torch.device(options.device)
-    dtype = options.dtype if isinstance(options.dtype, torch.dtype) else resolve_dtype(options.dtype, device)
-    model_len = hf_config.max_position_embeddings
-    max_model_len = min(options.max_model_len or model_len, model_len)
-    model = build_model(hf_config, state_dict, dtype, device, max_model_len)
-    cfg = ModelConfig.from_hf(hf_config)
-    block_bytes = kv_block_bytes(cfg, options.block_size, dtype)
-    num_blocks = options.num_kv_blocks or parse_bytes(options.kv_cache_memory) // block_bytes
-    if num_blocks <= 0:
-        raise ValueError(f"--kv-cache-memory {options.kv_cache_memory} holds no block of {block_bytes} bytes")
-    num_cpu_blocks = options.num_cpu_blocks
-    if num_cpu_blocks is None:
-        num_cpu_blocks = int(options.swap_space * 2**30) // block_bytes
-    kv = allocate_kv_cache(cfg, num_blocks, options.block_size, dtype, device)
-    cpu_kv = allocate_kv_cache(cfg, num_cpu_blocks, options.block_size, dtype, torch.device("cpu"))
+    dtype = _dtype(options)
+    model = build_model(hf_config, state_dict, dtype, device, plan.max_model_len, shard, comm)
+    kv_cfg = model.kv_cache_config  # only this rank's KV heads
+    kv = allocate_kv_cache(kv_cfg, plan.num_blocks, options.block_size, dtype, device)
+    cpu_kv = allocate_kv_cache(kv_cfg, plan.num_cpu_blocks, options.block_size, dtype, torch.device("cpu"))
     return ModelRunner(model, kv, select_backend(options.attention_backend, device), device, seed=options.seed,
                        cpu_kv_caches=cpu_kv)
+
+
+def _dtype(options: RunnerOptions) -> torch.dtype:
+    if isinstance(options.dtype, torch.dtype):
+        return options.dtype
+    return resolve_dtype(options.dtype, torch.device(options.device)).dtype

@@ -1,19 +1,30 @@
-"""The executor process: loads the model and the KV pool, then runs every ``Step`` it is sent.
+"""The executor process: one rank of the executor group. Joins the group, loads its shard of the
+model and its KV pools, then runs every ``Step`` it is sent.
 
 Sockets (connected here): ``step`` SUB (scheduler -> all ranks), ``result`` PUSH (-> scheduler),
 and a second PUSH to ``result`` for the heartbeat thread (``heartbeat``), which beats from start-up.
-Rank 0 samples and replies with a ``StepResult``; other ranks (tensor parallelism, later) only run.
+Rank 0 samples and replies with a ``StepResult``; the other ranks run the same steps and do not
+reply. The main loop also touches the rank's heartbeat file (``shared.heartbeat``, for container
+healthchecks) before and after every step.
 
 Handshake: once loaded, the rank says ``ExecutorReady`` unasked (epoch 0: a scheduler that knew an
 earlier process of this rank learns it was replaced), then answers the first ``Hello`` of every
-scheduler epoch with ``ExecutorReady`` again. A new epoch is a new scheduler, which knows none of
-the sequences this process held: they are dropped, and so is any step of another epoch (a dead
-scheduler's). ``incarnation`` (random per process) tells the scheduler which process of the rank
-is talking.
-"""
+scheduler epoch with ``ExecutorReady`` again (its KV blocks and their bytes, model, pid). A new
+epoch is a new scheduler, which knows none of the sequences this process held: they are dropped,
+and so is any step of another epoch (a dead scheduler's). ``incarnation`` (random per process)
+tells the scheduler which process of the rank is talking.
 
+Failure in a group of more than one rank: a step that raises on one rank cannot be finished by the
+others (they wait in its collectives), so the rank aborts the group with the reason (its peers'
+collectives raise ``GroupError`` naming it) and exits with code 1; a rank whose communicator
+reports a failed peer exits with ``EXIT_PEER_FAILED``, and one that a scheduler's ``Hello`` names
+as retired (its group was lost) with ``EXIT_RETIRED``. The supervisor then restarts the whole
+group, and the scheduler starts every sequence over on it. With one rank a failed step only fails
+its requests. The communicator is closed on every way out.
+"""
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import signal
@@ -23,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shared.endpoints import Endpoints
+from shared.heartbeat import HeartbeatFile
 from shared.logging import configure_logging
 from shared.messages import DecodeError, ExecutorReady, Hello, Shutdown, Step, StepResult, decode, encode
 from shared.model_source import resolve_model
@@ -30,6 +42,14 @@ from shared.threads import configure_cpu_threads
 
 if TYPE_CHECKING:  # the loader imports torch, which must wait for the thread settings
     from .loader import RunnerOptions
+    from .parallel.group import GroupConfig
+
+EXIT_PEER_FAILED = 3  # this rank stopped because another rank of its group failed
+EXIT_RETIRED = 4  # the scheduler gave this process up (its group was lost): a new one must replace it
+
+
+class StepFailed(Exception):
+    """A step raised on this rank of a group of more than one: the group cannot go on."""
 
 
 @dataclass(frozen=True)
@@ -48,11 +68,24 @@ class ExecutorConfig:
     world_size: int = 1
     num_threads: int | None = None
     seed: int = 0
+    # The group (flags of the same names; parallel/group.py): how the ranks exchange tensors.
+    all_reduce: str = "auto"
+    num_nodes: int = 1
+    dist_init_addr: str | None = None
+    group_id: str | None = None  # shared memory: names the group's segments
+    group_store: str | None = None  # shared memory: the file the ranks swap their handles through
+    group_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         self.runner_options()  # validates the flags it shares with the offline engine
-        if self.world_size != 1:
-            raise ValueError("--world-size > 1 (tensor parallelism) is not implemented yet")
+        self.group_config()
+
+    def group_config(self) -> "GroupConfig":
+        from .parallel.group import GroupConfig
+
+        return GroupConfig(rank=self.rank, world_size=self.world_size, all_reduce=self.all_reduce,
+                           num_nodes=self.num_nodes, group_id=self.group_id, store_path=self.group_store,
+                           dist_init_addr=self.dist_init_addr, timeout_s=self.group_timeout_s)
 
     def runner_options(self) -> "RunnerOptions":
         from .loader import RunnerOptions
@@ -74,23 +107,63 @@ class ExecutorProcess:
         self._request_ids: dict[int, str] = {}  # seq_id -> request_id, for logs
 
     def _load(self):
-        from .loader import build_runner
-        from .weights import load_hf_config, load_state_dict
+        """Join the group (every rank must), then load this rank's shard; returns (comm, runner)."""
+        import torch
 
-        source = resolve_model(self.config.model)
+        from .loader import build_runner, plan_runner, shard_plan
+        from .parallel.group import open_group
+        from .weights import load_hf_config, load_state_dict, resolve_dtype
+
+        cfg = self.config
+        source = resolve_model(cfg.model)
         self._model_name = source.name
+        choice = resolve_dtype(cfg.dtype, torch.device(cfg.device))
+        self.log.info("dtype chosen", requested=cfg.dtype, dtype=str(choice.dtype), reason=choice.reason,
+                      **choice.cpu)
+        options = dataclasses.replace(cfg.runner_options(), dtype=choice.dtype)
         t0 = time.monotonic()
-        self.log.info("loading model", model=source.name, path=source.directory, dtype=self.config.dtype)
-        runner = build_runner(load_hf_config(source), load_state_dict(source), self.config.runner_options())
+        comm = open_group(cfg.group_config(), cfg.device)
+        self.log.info("loading model", model=source.name, path=source.directory, dtype=str(options.dtype),
+                      world_size=comm.world_size, all_reduce=comm.kind)
+        try:
+            hf_config = load_hf_config(source)
+            group = comm if comm.world_size > 1 else None
+            # Before the weights are read: a model or pool too big for this machine is refused in one line.
+            plan = plan_runner(hf_config, options, f"the executor ({source.name})", shard_plan(hf_config, group))
+            runner = build_runner(hf_config, load_state_dict(source), options, plan, group)
+        except BaseException as exc:
+            comm.abort(f"rank {cfg.rank} could not load the model: {exc!r}")
+            comm.close()
+            raise
         self.log.info("model loaded", seconds=round(time.monotonic() - t0, 1), num_blocks=runner.num_blocks,
-                      kv_cache_mib=round(runner.kv_cache_bytes / 2**20), attention_backend=runner.backend.name,
-                      max_model_len=runner.max_model_len, num_cpu_blocks=runner.num_cpu_blocks)
-        return runner
+                      kv_cache_mib=round(runner.kv_cache_bytes / 2**20, 1), attention_backend=runner.backend.name,
+                      max_model_len=runner.max_model_len, num_cpu_blocks=runner.num_cpu_blocks,
+                      world_size=comm.world_size, all_reduce=comm.kind,
+                      num_kv_heads=runner.model.plan.num_local_kv_heads, num_heads=runner.model.plan.num_local_heads)
+        return comm, runner
 
-    def run(self) -> None:
+    def _ready(self, runner, comm) -> ExecutorReady:
+        cfg = self.config
+        return ExecutorReady(cfg.rank, cfg.world_size, runner.num_blocks, runner.block_size, runner.max_model_len,
+                             runner.num_cpu_blocks, model=self._model_name, incarnation=self.incarnation,
+                             pid=os.getpid(), epoch=self.epoch, all_reduce=comm.kind,
+                             kv_cache_bytes=runner.kv_cache_bytes)
+
+    def _answer_new_scheduler(self, runner, comm, epoch: int) -> ExecutorReady:
+        """A scheduler we have not answered: forget every sequence (it knows none), say ready."""
+        if self._request_ids or self.epoch:
+            self.log.info("new scheduler: dropping every sequence", epoch=epoch, num_sequences=len(self._request_ids))
+        runner.forget_sequences()
+        self._request_ids.clear()
+        self.epoch = epoch
+        return self._ready(runner, comm)
+
+    def run(self) -> int:
+        """Serve steps until Shutdown or a signal; returns the exit code."""
         import zmq
 
         from .heartbeat import HeartbeatThread
+        from .parallel.base import GroupError
 
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
@@ -104,46 +177,55 @@ class ExecutorProcess:
         results = ctx.socket(zmq.PUSH)
         results.setsockopt(zmq.LINGER, 0)
         results.connect(cfg.endpoints.result)
-        heartbeat = HeartbeatThread(ctx, cfg.endpoints.result, cfg.rank, self.incarnation).start()
+        beats = HeartbeatThread(ctx, cfg.endpoints.result, cfg.rank, self.incarnation).start()
+        heartbeat_file = HeartbeatFile(f"executor-{cfg.rank}")  # removes a stale file; beats once loaded
+        comm = None
         try:
-            runner = self._load()
-            results.send(encode(self._ready(runner)))
-            while not self.stopping:
-                if not steps.poll(200):
-                    continue
-                try:
-                    msg = decode(steps.recv())
-                except DecodeError as exc:
-                    self.log.warning("dropped a bad frame", error=str(exc))
-                    continue
-                if isinstance(msg, Step) and msg.epoch == self.epoch:
-                    result = self._execute(runner, msg)
-                    if cfg.rank == 0:
-                        results.send(encode(result))
-                elif isinstance(msg, Hello) and msg.epoch != self.epoch:
-                    results.send(encode(self._answer_new_scheduler(runner, msg.epoch)))
-                elif isinstance(msg, Shutdown):
-                    self.log.info("shutdown requested", reason=msg.reason)
-                    break
+            comm, runner = self._load()
+            results.send(encode(self._ready(runner, comm)))
+            return self._serve(runner, comm, steps, results, heartbeat_file)
+        except StepFailed as exc:
+            comm.abort(str(exc))  # the peers' collectives now fail naming this rank
+            self.log.error("executor group stopped: this rank's step failed", error=str(exc))
+            return 1
+        except GroupError as exc:
+            self.log.error("executor group failed", error=str(exc), blamed_rank=exc.rank)
+            return 1 if exc.rank == cfg.rank else EXIT_PEER_FAILED
         finally:
+            if comm is not None:
+                comm.close()
             self.log.info("executor stopping")
-            heartbeat.stop()
+            beats.stop()
             ctx.destroy(linger=0)
 
-    def _ready(self, runner) -> ExecutorReady:
+    def _serve(self, runner, comm, steps, results, heartbeat_file: HeartbeatFile) -> int:
+        """Run steps and answer schedulers until Shutdown or a signal (0), or until the scheduler
+        says it gave this process up (``EXIT_RETIRED``)."""
         cfg = self.config
-        return ExecutorReady(cfg.rank, cfg.world_size, runner.num_blocks, runner.block_size, runner.max_model_len,
-                             runner.num_cpu_blocks, model=self._model_name, incarnation=self.incarnation,
-                             pid=os.getpid(), epoch=self.epoch)
-
-    def _answer_new_scheduler(self, runner, epoch: int) -> ExecutorReady:
-        """A scheduler we have not answered: forget every sequence (it knows none), say ready."""
-        if self._request_ids or self.epoch:
-            self.log.info("new scheduler: dropping every sequence", epoch=epoch, num_sequences=len(self._request_ids))
-        runner.forget_sequences()
-        self._request_ids.clear()
-        self.epoch = epoch
-        return self._ready(runner)
+        while not self.stopping:
+            heartbeat_file.beat()  # before and after every step: only one step longer than the max age fails
+            if not steps.poll(200):
+                continue
+            try:
+                msg = decode(steps.recv())
+            except DecodeError as exc:
+                self.log.warning("dropped a bad frame", error=str(exc))
+                continue
+            if isinstance(msg, Step) and msg.epoch == self.epoch:
+                result = self._execute(runner, msg)
+                heartbeat_file.beat()
+                if cfg.rank == 0:
+                    results.send(encode(result))
+            elif isinstance(msg, Hello) and self.incarnation in msg.retired_incarnations:
+                self.log.warning("the scheduler gave this process up (its group was lost); exiting to be replaced",
+                                 epoch=msg.epoch)
+                return EXIT_RETIRED
+            elif isinstance(msg, Hello) and msg.epoch != self.epoch:
+                results.send(encode(self._answer_new_scheduler(runner, comm, msg.epoch)))
+            elif isinstance(msg, Shutdown):
+                self.log.info("shutdown requested", reason=msg.reason)
+                break
+        return 0
 
     def _execute(self, runner, step: Step) -> StepResult:
         for seq_id in step.finished_seq_ids:
@@ -152,10 +234,16 @@ class ExecutorProcess:
         for new in step.new_seqs:
             self._request_ids[new.seq_id] = new.request_id
             self.log.info("sequence started", request_id=new.request_id, seq_id=new.seq_id)
+        from .parallel.base import GroupError
+
         try:
             return runner.execute(step)
-        except Exception as exc:  # a failed step fails its requests, not the process
+        except GroupError:
+            raise
+        except Exception as exc:  # with one rank, a failed step fails its requests, not the process
             self.log.error("step failed", step_id=step.step_id, error=repr(exc), traceback=traceback.format_exc())
+            if self.config.world_size > 1:
+                raise StepFailed(f"step {step.step_id} raised {exc!r}") from exc
             import numpy as np
 
             empty = np.zeros(0, np.int64)
@@ -166,5 +254,6 @@ class ExecutorProcess:
         self.stopping = True
 
 
-def run_executor(config: ExecutorConfig) -> None:
-    ExecutorProcess(config).run()
+def run_executor(config: ExecutorConfig) -> int:
+    """Run one executor rank; returns its exit code."""
+    return ExecutorProcess(config).run()

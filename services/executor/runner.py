@@ -3,6 +3,9 @@
 The runner never picks a block: slots, block tables and copies arrive in the step. It keeps what
 the executor knows of each live sequence (its sampling parameters, its token history) from the
 step's ``new_seqs`` until the step that lists it in ``finished_seq_ids``.
+
+In a tensor-parallel group every rank runs every step (the same collectives in the same order);
+only rank 0 gets the logits, samples and has tokens to return; the others return an empty result.
 """
 
 from __future__ import annotations
@@ -119,7 +122,9 @@ class ModelRunner:
         sampled_ids = step.seq_ids[step.sample_mask]
         if len(sampled_ids) == 0:
             return StepResult(step.step_id, sampled_ids, sampled_ids.copy())
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self.model.compute_logits(hidden[sample_rows])  # every rank gathers; rank 0 gets them
+        if logits is None:  # another rank of a group: rank 0 samples and replies
+            return StepResult(step.step_id, sampled_ids[:0], sampled_ids[:0].copy())
         out = self.sampler.sample(logits, sampled_ids.tolist())
         return StepResult(step.step_id, sampled_ids, out.token_ids.cpu().numpy().astype("int64"),
                           logprobs=out.logprobs, top_token_ids=out.top_token_ids, top_logprobs=out.top_logprobs)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import glob
 import os
+from typing import NamedTuple
 
 import torch
 
+from shared.cpu_features import choose_cpu_dtype, read_cpu_features
+from shared.model_check import load_hf_config as checked_hf_config
 from shared.model_source import ModelSource
 
 from .model import LlamaForCausalLM, ModelConfig
@@ -19,19 +22,29 @@ from .parallel.sharding import ShardPlan, shard_state_dict
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` is float32 on CPU (fastest and exact there) and bfloat16 on GPUs."""
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if name not in _DTYPES:
+class DtypeChoice(NamedTuple):
+    dtype: torch.dtype
+    reason: str
+    cpu: dict  # what was detected on a CPU device (``CpuFeatures.summary``), for the log
+
+
+def resolve_dtype(name: str, device: torch.device) -> DtypeChoice:
+    """``auto`` is bfloat16 on GPUs and on CPUs whose matmuls run bf16 natively (AMX or AVX-512
+    BF16, ``shared/cpu_features.py``), float32 on other CPUs; any other name is taken as is."""
+    if name not in ("auto", *_DTYPES):
         raise ValueError(f"--dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
-    return _DTYPES[name]
+    if name != "auto":
+        return DtypeChoice(_DTYPES[name], f"--dtype {name}", {})
+    if device.type != "cpu":
+        return DtypeChoice(torch.bfloat16, f"--dtype auto on {device.type}", {})
+    features = read_cpu_features()
+    chosen, reason = choose_cpu_dtype(features)
+    return DtypeChoice(_DTYPES[chosen], reason, features.summary())
 
 
 def load_hf_config(source: ModelSource):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(source.directory, **source.pretrained_kwargs())
+    """The model's transformers config, checked first (one-line errors; see ``shared.model_check``)."""
+    return checked_hf_config(source)
 
 
 def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
@@ -40,7 +53,7 @@ def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(
-            source.directory, gguf_file=source.gguf_file, dtype=torch.float32
+            source.directory, gguf_file=source.gguf_file, dtype=torch.float32, trust_remote_code=False
         )
         return dict(hf_model.state_dict())
     from safetensors.torch import load_file

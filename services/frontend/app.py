@@ -10,20 +10,20 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import structlog
 from aiohttp import web
 
 from services.frontend import routes_info, serving
-from services.frontend.config import DEFAULT_MAX_BODY_BYTES
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import APIError
+from services.frontend.http_limits import HTTP_LIMITS, HttpLimits, connection_middleware
 from services.frontend.logprobs import TokenFormatter
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.served_model import ServedModel
 from services.frontend.state import REQUEST_ID, STATE, FrontendState
+from services.frontend.tokenizer_pools import TokenizerPools
 
 log = structlog.get_logger()
 
@@ -34,10 +34,11 @@ def create_app(
     model: ServedModel,
     client: EngineClient,
     *,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: int | None = None,
     shutdown_grace_s: float = 5.0,
     max_queue_len: int | None = None,
     api_key: str | None = None,
+    http_limits: HttpLimits | None = None,
 ) -> web.Application:
     """The frontend's application. Starting it starts ``client`` (ZMQ reader); shutting it down
     gives running requests ``shutdown_grace_s`` to finish, then cancels (and so aborts) them;
@@ -46,12 +47,15 @@ def create_app(
 
     ``max_queue_len``: at most this many engine requests may wait for their first output; more
     get a 503 with ``Retry-After``. ``api_key``: every route but /health needs
-    ``Authorization: Bearer <api_key>``."""
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[error_middleware, auth_middleware])
-    pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+    ``Authorization: Bearer <api_key>``. ``max_body_bytes``: ``None`` sizes the body limit from
+    the model (``ServedModel.body_limit_bytes``). ``http_limits``: the body-read deadline is read
+    from it here; the connection deadlines are the server's (``connection_guard``)."""
+    app = web.Application(client_max_size=max_body_bytes or model.body_limit_bytes,
+                          middlewares=[connection_middleware, error_middleware, auth_middleware])
+    app[HTTP_LIMITS] = http_limits or HttpLimits()
     metrics = FrontendMetrics(lambda: client.latest_stats, client.process_restarts)
     app[STATE] = FrontendState(
-        model, client, pool, metrics, TokenFormatter(model.tokenizer), max_queue_len=max_queue_len,
+        model, client, TokenizerPools(), metrics, TokenFormatter(model.tokenizer), max_queue_len=max_queue_len,
         api_key=api_key or None, shutdown_grace_s=shutdown_grace_s,
     )
     app.router.add_post("/v1/completions", serving.create_completion)
@@ -86,7 +90,7 @@ async def _end_generations(app: web.Application) -> None:
 async def _stop_client(app: web.Application) -> None:
     state = app[STATE]
     await state.client.close()
-    state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+    state.tokenizer_pools.shutdown()
 
 
 # ---------------------------------------------------------------- middlewares
@@ -149,5 +153,7 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> APIError:
         message = f"Method {request.method} is not allowed for {request.path}; allowed: {allowed}"
         return APIError(405, message, code="method_not_allowed")
     if exc.status == 413:
-        return APIError(413, f"The request body is too large: {exc.text}", code="request_too_large")
+        state = request.app.get(STATE)
+        basis = f" (the limit follows max_model_len {state.model.max_model_len})" if state is not None else ""
+        return APIError(413, f"The request body is too large: {exc.text}{basis}", code="request_too_large")
     return APIError(exc.status, exc.text or exc.reason)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.frontend.http_limits import HttpLimits
 from shared.endpoints import Endpoints
 
 _ENDPOINT_SCHEMES = ("ipc://", "tcp://", "inproc://")
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,7 +18,9 @@ class FrontendConfig:
     embedded SmolLM2). ``served_model_name`` is what clients must put in ``"model"`` (default: the
     model's own name). ``max_model_len`` caps prompt + completion tokens (default: the model's
     ``max_position_embeddings``). Only ``endpoints.request`` is used.
-    ``max_body_bytes`` caps a request body (a larger one gets a 413). ``max_queue_len`` caps the
+    ``max_body_bytes`` caps a request body (a larger one gets a 413; ``None``: sized from
+    ``max_model_len``, see ``input_limits.body_limit_bytes``). ``http_limits``: the HTTP server's
+    timeouts and connection cap. ``max_queue_len`` caps the
     engine requests waiting for their first output (more get a 503 with ``Retry-After``; ``None``:
     no cap). ``api_key``: when set, every route but /health needs ``Authorization: Bearer <key>``.
     Keyword arguments only.
@@ -30,7 +32,8 @@ class FrontendConfig:
     port: int = 8000
     max_model_len: int | None = None
     endpoints: Endpoints
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: int | None = None
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
     max_queue_len: int | None = None
     api_key: str | None = field(default=None, repr=False)
     heartbeat_timeout: float = 10.0
@@ -44,7 +47,7 @@ class FrontendConfig:
             raise ValueError(f"--port must be an integer in [0, 65535] (0 picks a free port), got {self.port!r}")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"--max-model-len must be an integer of at least 2, got {self.max_model_len!r}")
-        if not _is_int(self.max_body_bytes) or self.max_body_bytes < 1024:
+        if self.max_body_bytes is not None and (not _is_int(self.max_body_bytes) or self.max_body_bytes < 1024):
             raise ValueError(f"max_body_bytes must be an integer of at least 1024, got {self.max_body_bytes!r}")
         if self.max_queue_len is not None and (not _is_int(self.max_queue_len) or self.max_queue_len < 1):
             raise ValueError(f"--max-queue-len must be a positive integer, got {self.max_queue_len!r}")

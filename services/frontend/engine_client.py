@@ -203,7 +203,7 @@ class EngineClient:
                       request_id=request_id)
             if request_id is not None:  # fail that request rather than leave it waiting forever
                 self._route(RequestOutput(request_id, 0, [], "error", error=f"engine output was malformed: {exc}",
-                                          request_finished=True))
+                                          request_finished=True, error_kind="engine"))
             return
         if isinstance(message, RequestOutput):
             self._route(message)

@@ -248,8 +248,9 @@ class Generation:
     def _check_failure(self, output: RequestOutput) -> None:
         if output.finish_reason == "error":
             self.finished = self._engine_done = True
-            log.warning("request failed in the engine", error=output.error)
-            raise EngineRequestError(400, output.error or "the engine failed to run this request")
+            log.warning("request failed in the engine", error=output.error, error_kind=output.error_kind)
+            status = 500 if output.error_kind == "engine" else 400
+            raise EngineRequestError(status, output.error or "the engine failed to run this request")
         if output.finish_reason not in ("stop", "length"):
             self.finished = self._engine_done = True
             log.warning("request ended by the engine", finish_reason=output.finish_reason)

@@ -4,7 +4,8 @@
 say ready, and every executor rank is ``ok`` (answering its heartbeats); else 503 with the reason.
 The body reports each process (this frontend; the scheduler: epoch, pid, seconds since its last
 stats, restarts this frontend saw; every executor rank: status, pid, seconds since its heartbeat,
-restarts) beside the engine's counters.
+restarts) and the executor group (tensor-parallel size, all-reduce kind, KV blocks and bytes per
+rank) beside the engine's counters.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def health_report(client: EngineClient) -> tuple[int, dict[str, Any]]:
         "max_num_running": stats.max_num_running,
         # mean over all steps so far of slots holding tokens / slots allocated
         "kv_slot_utilization": stats.sum_slots_used / stats.sum_slots_allocated if stats.sum_slots_allocated else None,
+        "group": _group(stats),
         "processes": {
             "frontend": _frontend(),
             "scheduler": {"status": "lost" if client.scheduler_lost else "ok", "pid": stats.pid,
@@ -58,6 +60,13 @@ def health_report(client: EngineClient) -> tuple[int, dict[str, Any]]:
         },
     })
     return (200 if reason is None else 503), body
+
+
+def _group(stats) -> dict[str, Any]:
+    """The executor group: tensor-parallel size, all-reduce kind, KV blocks and bytes per rank."""
+    return {"world_size": stats.world_size, "all_reduce": stats.all_reduce,
+            "num_kv_blocks_per_rank": stats.num_kv_blocks_per_rank,
+            "kv_cache_bytes_per_rank": stats.kv_cache_bytes_per_rank}
 
 
 _STARTED = time.monotonic()

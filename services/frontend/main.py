@@ -14,7 +14,9 @@ from aiohttp import web
 
 from services.frontend.app import create_app
 from services.frontend.config import FrontendConfig
+from services.frontend.connection_guard import ConnectionGuard, GuardedSite
 from services.frontend.engine_client import EngineClient
+from services.frontend.http_limits import add_http_limit_arguments, http_limits_from_args
 from services.frontend.served_model import ServedModel, load_served_model
 from shared.endpoints import Endpoints
 from shared.logging import configure_logging
@@ -36,23 +38,33 @@ class FrontendServer:
         self.client = EngineClient(config.endpoints, heartbeat_timeout_s=config.heartbeat_timeout)
         self.app = create_app(
             model, self.client, max_body_bytes=config.max_body_bytes, shutdown_grace_s=shutdown_grace_s,
-            max_queue_len=config.max_queue_len, api_key=config.api_key,
+            max_queue_len=config.max_queue_len, api_key=config.api_key, http_limits=config.http_limits,
         )
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=HANDLER_SHUTDOWN_TIMEOUT_S
         )
+        self.guard = ConnectionGuard(config.http_limits)
+        self._watchdog: asyncio.Task | None = None
         self.port: int | None = None
 
     async def start(self) -> None:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        site = GuardedSite(self._runner, self.config.host, self.config.port, self.guard, access_log=None)
         await site.start()
+        self._watchdog = asyncio.create_task(self.guard.watch(), name="connection-guard")
         self.port = self._runner.addresses[0][1]
-        log.info("frontend listening", host=self.config.host, port=self.port, model=self.model.name)
+        log.info("frontend listening", host=self.config.host, port=self.port, model=self.model.name,
+                 max_body_bytes=self.config.max_body_bytes or self.model.body_limit_bytes,
+                 max_connections=self.guard.max_connections)
 
     async def stop(self) -> None:
-        """Stop accepting, let requests finish (``SHUTDOWN_GRACE_S``), then close the ZMQ sockets."""
-        await self._runner.cleanup()
+        """Stop accepting, let requests finish (``SHUTDOWN_GRACE_S``), then close the ZMQ sockets.
+        The connection guard keeps watching meanwhile (a client that does not read cannot hold it)."""
+        try:
+            await self._runner.cleanup()
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
 
 
 async def serve_until_signal(config: FrontendConfig, model: ServedModel) -> None:
@@ -78,7 +90,7 @@ def run_frontend(config: FrontendConfig) -> None:
     log.info("starting frontend", model=config.model or "default", request_endpoint=config.endpoints.request)
     model = load_served_model(config)
     log.info("model ready", served_model_name=model.name, max_model_len=model.max_model_len,
-             eos_token_ids=model.eos_token_ids)
+             eos_token_ids=model.eos_token_ids, max_token_chars=model.max_token_chars)
     uvloop.run(serve_until_signal(config, model))
 
 
@@ -96,12 +108,13 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: b
                        help="most prompt + completion tokens per request (default: the model's context length)")
     group.add_argument("--max-queue-len", type=int, default=None,
                        help="most requests waiting for their first token; more get a 503 (default: no limit)")
-    group.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on every route but /health "
-                            "(default: env PAGEDSERVE_API_KEY, else no key)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health (default: env "
+                            "PAGEDSERVE_API_KEY, else the file named by PAGEDSERVE_API_KEY_FILE, else no key)")
     group.add_argument("--heartbeat-timeout", type=float, default=None,
                        help="seconds without a word from the scheduler before it counts as lost: /health and "
                             "new requests answer 503 until it is back (default 10)")
+    add_http_limit_arguments(group)
     if endpoint_flags:
         group.add_argument("--request-endpoint", default=os.environ.get("PAGEDSERVE_REQUEST_ENDPOINT"),
                            help="the scheduler's ZMQ endpoint for frontends: requests go there, their outputs "
@@ -125,9 +138,24 @@ def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | N
         max_model_len=args.max_model_len,
         endpoints=endpoints,
         max_queue_len=getattr(args, "max_queue_len", None),
-        api_key=getattr(args, "api_key", None) or None,
+        api_key=getattr(args, "api_key", None) or api_key_from_env(),
+        http_limits=http_limits_from_args(args),
         **({"heartbeat_timeout": args.heartbeat_timeout} if getattr(args, "heartbeat_timeout", None) else {}),
     )
+
+
+def api_key_from_env() -> str | None:
+    """``PAGEDSERVE_API_KEY``, else the contents of the file ``PAGEDSERVE_API_KEY_FILE`` names (a
+    compose secret; one trailing newline dropped), else None. Keys travel this way, never on argv."""
+    key = os.environ.get("PAGEDSERVE_API_KEY")
+    path = os.environ.get("PAGEDSERVE_API_KEY_FILE")
+    if key or not path:
+        return key or None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().removesuffix("\n").removesuffix("\r") or None
+    except OSError as exc:
+        raise ValueError(f"PAGEDSERVE_API_KEY_FILE: cannot read {path}: {exc.strerror or exc}") from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -79,6 +79,27 @@ class _EngineStatsCollector(Collector):
                        get("num_prefix_cache_queries"))
         yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", get("num_prefix_cache_hits"))
         yield _counter("num_preemptions", "Sequence groups preempted (recompute or swap).", get("num_preemptions"))
+        yield from _group_metrics(stats)
+
+
+def _group_metrics(stats: EngineStats | None) -> Iterator[Metric]:
+    """The executor group: its size, its all-reduce kind (an info-style gauge), and per rank its
+    KV blocks and their bytes."""
+    yield _gauge("tensor_parallel_size", "Executor ranks in the group.", stats.world_size if stats else 0)
+    kind = GaugeMetricFamily(PREFIX + "all_reduce_info", "The group's all-reduce kind (value 1).",
+                             labels=["kind"])
+    if stats is not None:
+        kind.add_metric([stats.all_reduce], 1)
+    yield kind
+    for name, doc, values in (
+        ("kv_blocks_per_rank", "KV blocks in each rank's device pool.", stats.num_kv_blocks_per_rank if stats else []),
+        ("kv_cache_bytes_per_rank", "Bytes of each rank's device KV pool (its KV heads only).",
+         stats.kv_cache_bytes_per_rank if stats else []),
+    ):
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=["rank"])
+        for rank, value in enumerate(values):
+            family.add_metric([str(rank)], value)
+        yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -1,7 +1,8 @@
 """Parsed bodies -> prompt token ids and ``SamplingParams``, with the context-length and vocabulary
 checks (what needs the model).
 
-Tokenization is CPU work: the routes run these functions on the tokenizer's own thread.
+Tokenization is CPU work: the routes run these functions on the tokenizer threads, after checking
+each text prompt's characters (``completion_text_chars``, ``chat_text_chars``; see ``input_limits``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 from services.frontend.errors import bad_request
 from services.frontend.fields import sampling_values
+from services.frontend.input_limits import chat_chars
 from services.frontend.options import GenerationOptions
 from services.frontend.request_body import ChatBody, CompletionBody
 from services.frontend.served_model import ServedModel
@@ -41,6 +43,16 @@ def completion_inputs(body: CompletionBody, model: ServedModel) -> list[PromptIn
             text = model.tokenizer.decode(ids, skip_special_tokens=True) if body.echo else None
         inputs.append(PromptInput(ids, text if body.echo else None))
     return inputs
+
+
+def completion_text_chars(body: CompletionBody) -> list[int]:
+    """Characters of each text prompt (token-id prompts are not tokenized)."""
+    return [len(prompt) for prompt in body.prompts if isinstance(prompt, str)]
+
+
+def chat_text_chars(body: ChatBody) -> list[int]:
+    """Characters of the messages' contents: the chat's one prompt, less what the template adds."""
+    return [chat_chars(body.messages)]
 
 
 def chat_inputs(body: ChatBody, model: ServedModel) -> list[PromptInput]:

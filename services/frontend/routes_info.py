@@ -11,6 +11,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.frontend.errors import APIError, bad_request, is_int, optional_bool
 from services.frontend.health import health_report
+from services.frontend.http_limits import read_body
+from services.frontend.input_limits import chat_chars, check_prompt_chars
 from services.frontend.openapi import openapi_spec
 from services.frontend.preprocess import chat_prompt_ids
 from services.frontend.request_body import ChatBody, check_model, parse_json_body, parse_messages
@@ -69,14 +71,17 @@ async def tokenize(request: web.Request) -> web.Response:
     """``{"prompt": str, "add_special_tokens": bool}`` or ``{"messages": [...], "add_generation_prompt":
     bool}`` -> ``{"tokens": [...], "count": n, "max_model_len": m}``."""
     state = request.app[STATE]
-    body = parse_json_body(await request.read())
-    check_model(body, state.model.name)
+    model = state.model
+    raw = await read_body(request)
+    body = parse_json_body(raw)
+    check_model(body, model.name)
     if "messages" in body and body.get("prompt") is None:
         chat = ChatBody(messages=parse_messages(body.get("messages")))
         add_generation_prompt = body.get("add_generation_prompt", True)
         if not isinstance(add_generation_prompt, bool):
             raise bad_request("add_generation_prompt must be a boolean", "add_generation_prompt")
-        ids = await state.tokenize(chat_prompt_ids, chat, state.model, add_generation_prompt)
+        check_prompt_chars(chat_chars(chat.messages), model.max_model_len, model.max_token_chars, "messages")
+        ids = await state.tokenize(len(raw), chat_prompt_ids, chat, model, add_generation_prompt)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
@@ -84,7 +89,8 @@ async def tokenize(request: web.Request) -> web.Response:
         add_special = body.get("add_special_tokens", True)
         if not isinstance(add_special, bool):
             raise bad_request("add_special_tokens must be a boolean", "add_special_tokens")
-        ids = await state.tokenize(_encode, state.model, prompt, add_special)
+        check_prompt_chars(len(prompt), model.max_model_len, model.max_token_chars, "prompt")
+        ids = await state.tokenize(len(raw), _encode, model, prompt, add_special)
     return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": state.model.max_model_len})
 
 
@@ -95,7 +101,8 @@ def _encode(model: ServedModel, text: str, add_special_tokens: bool) -> list[int
 async def detokenize(request: web.Request) -> web.Response:
     """``{"tokens": [ids]}`` -> ``{"prompt": text}``."""
     state = request.app[STATE]
-    body = parse_json_body(await request.read())
+    raw = await read_body(request)
+    body = parse_json_body(raw)
     check_model(body, state.model.name)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
@@ -105,7 +112,7 @@ async def detokenize(request: web.Request) -> web.Response:
     if bad is not None:
         raise bad_request(f"tokens: token id {bad} is out of range [0, {vocab})", "tokens")
     skip = optional_bool(body, "skip_special_tokens") if "skip_special_tokens" in body else True
-    text = await state.tokenize(_decode, state.model, tokens, skip)
+    text = await state.tokenize(len(raw), _decode, state.model, tokens, skip)
     return web.json_response({"prompt": text})
 
 

@@ -9,37 +9,46 @@ from typing import Any
 import structlog
 
 from services.frontend.config import FrontendConfig
-from shared.model_source import ModelSource, resolve_model
+from services.frontend.input_limits import body_limit_bytes, longest_token_chars, max_prompt_chars
+from shared.model_check import load_hf_config, model_shape, read_config_json
+from shared.model_source import ModelSource, eos_token_ids, load_tokenizer, resolve_model
 
 log = structlog.get_logger()
 
 
 @dataclass(frozen=True)
 class ServedModel:
-    """Everything a route needs about the model. ``tokenizer`` is a Hugging Face tokenizer."""
+    """Everything a route needs about the model. ``tokenizer`` is a Hugging Face tokenizer;
+    ``max_token_chars`` (measured from it when left 0) bounds the characters one token covers."""
 
     name: str
     tokenizer: Any
     max_model_len: int
     eos_token_ids: list[int]
     created: int = field(default_factory=lambda: int(time.time()))
+    max_token_chars: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.max_token_chars:
+            object.__setattr__(self, "max_token_chars", longest_token_chars(self.tokenizer))
 
     @property
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """More characters than this cannot fit in ``max_model_len`` tokens (see ``input_limits``)."""
+        return max_prompt_chars(self.max_model_len, self.max_token_chars)
 
-def load_tokenizer(source: ModelSource) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(source.directory, **source.pretrained_kwargs())
+    @property
+    def body_limit_bytes(self) -> int:
+        return body_limit_bytes(self.max_model_len, self.max_token_chars)
 
 
 def model_max_len(source: ModelSource) -> int:
     """``max_position_embeddings`` from the model's config (GGUF metadata for a .gguf file)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(source.directory, **source.pretrained_kwargs())
+    config = load_hf_config(source)
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
@@ -47,29 +56,11 @@ def model_max_len(source: ModelSource) -> int:
     raise ValueError(f"cannot find the context length in {source.directory}'s config; pass --max-model-len")
 
 
-def eos_token_ids(tokenizer: Any, source: ModelSource | None) -> list[int]:
-    """The tokenizer's EOS id plus any the generation config lists (absent for GGUF files)."""
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    if source is not None:
-        from transformers import GenerationConfig
-
-        try:
-            gen = GenerationConfig.from_pretrained(source.directory, **source.pretrained_kwargs())
-        except (OSError, ValueError) as exc:
-            log.debug("no generation config", reason=str(exc).splitlines()[0])
-        else:
-            extra = gen.eos_token_id
-            for token_id in extra if isinstance(extra, list) else [extra]:
-                if token_id is not None and int(token_id) not in ids:
-                    ids.append(int(token_id))
-    return ids
-
-
 def load_served_model(config: FrontendConfig) -> ServedModel:
     """Resolve ``config.model``, load its tokenizer and settle the context length (slow: seconds)."""
     source = resolve_model(config.model)
+    if source.gguf_file is None:  # a broken config.json is one line, before the tokenizer trips on it
+        model_shape(read_config_json(source.directory), f"--model {source.directory}")
     started = time.monotonic()
     log.info("loading tokenizer", model=source.name, directory=source.directory, gguf_file=source.gguf_file)
     tokenizer = load_tokenizer(source)

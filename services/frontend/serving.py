@@ -32,8 +32,11 @@ from services.frontend.errors import APIError, bad_request
 from services.frontend.generation import Delta, EngineRequestError, Generation
 from services.frontend.logprobs import TokenLogprob
 from services.frontend.options import GenerationOptions
+from services.frontend.http_limits import read_body
+from services.frontend.input_limits import check_prompt_chars
 from services.frontend.preprocess import (
-    DEFAULT_COMPLETION_MAX_TOKENS, PromptInput, chat_inputs, completion_inputs, sampling_params,
+    DEFAULT_COMPLETION_MAX_TOKENS, PromptInput, chat_inputs, chat_text_chars, completion_inputs,
+    completion_text_chars, sampling_params,
 )
 from services.frontend.request_body import RequestBody, parse_chat_body, parse_completion_body, parse_json_body
 from services.frontend.responses import (
@@ -52,14 +55,15 @@ class Endpoint:
     id_prefix: str
     parse: Callable[[dict[str, Any], str], RequestBody]  # JSON object, served model name -> body
     inputs: Callable[[Any, ServedModel], list[PromptInput]]  # body -> its prompts (on the tokenizer thread)
+    text_chars: Callable[[Any], list[int]]  # body -> characters of each text prompt (checked before tokenizing)
     shapes: type[ResponseShapes]
     default_max_tokens: int | None  # when the client gives none (None: the context left)
     prompt_param: str  # the field to blame for a prompt that does not fit
 
 
-COMPLETIONS = Endpoint("cmpl", parse_completion_body, completion_inputs, CompletionShapes,
+COMPLETIONS = Endpoint("cmpl", parse_completion_body, completion_inputs, completion_text_chars, CompletionShapes,
                        DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
-CHAT = Endpoint("chatcmpl", parse_chat_body, chat_inputs, ChatShapes, None, "messages")
+CHAT = Endpoint("chatcmpl", parse_chat_body, chat_inputs, chat_text_chars, ChatShapes, None, "messages")
 
 
 @dataclass
@@ -79,13 +83,17 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 
 
 async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-    """Parse with the endpoint's schema, tokenize, admit, generate, answer."""
+    """Parse with the endpoint's schema, check the prompts' sizes, tokenize, admit, generate, answer."""
     state = request.app[STATE]
     arrival = time.monotonic()
     request_id = request[REQUEST_ID] = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
     with structlog.contextvars.bound_contextvars(request_id=request_id):
-        body = endpoint.parse(parse_json_body(await request.read()), state.model.name)
-        inputs: list[PromptInput] = await state.tokenize(endpoint.inputs, body, state.model)
+        raw = await read_body(request)
+        body = endpoint.parse(parse_json_body(raw), state.model.name)
+        model = state.model
+        for num_chars in endpoint.text_chars(body):
+            check_prompt_chars(num_chars, model.max_model_len, model.max_token_chars, endpoint.prompt_param)
+        inputs: list[PromptInput] = await state.tokenize(len(raw), endpoint.inputs, body, model)
         echoes = [_echo(prompt, body.options) for prompt in inputs]
         shapes = endpoint.shapes(request_id, int(time.time()), state.model.name, body.options.include_usage,
                                  state.token_formatter)

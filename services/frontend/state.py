@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -13,6 +12,7 @@ from services.frontend.engine_client import EngineClient
 from services.frontend.logprobs import TokenFormatter
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.served_model import ServedModel
+from services.frontend.tokenizer_pools import TokenizerPools
 
 
 @dataclass
@@ -21,8 +21,8 @@ class FrontendState:
 
     model: ServedModel
     client: EngineClient
-    # Tokenization runs off the event loop, on one thread (HF tokenizers are not thread-safe).
-    tokenizer_pool: ThreadPoolExecutor
+    # Tokenization runs off the event loop, big inputs apart from small ones.
+    tokenizer_pools: TokenizerPools
     metrics: FrontendMetrics
     token_formatter: TokenFormatter
     max_queue_len: int | None = None
@@ -31,8 +31,9 @@ class FrontendState:
     generating: set[asyncio.Task] = field(default_factory=set)
     shutdown_grace_s: float = 5.0
 
-    async def tokenize(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+    async def tokenize(self, num_chars: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on a tokenizer thread; ``num_chars``, the input's size, picks the pool."""
+        return await self.tokenizer_pools.run(num_chars, fn, *args)
 
 
 STATE = web.AppKey("state", FrontendState)

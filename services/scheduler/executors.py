@@ -7,7 +7,9 @@ is given (``pagedserve serve``'s launcher), a PUSH to it for ``ProcessLost`` rep
 kills a hung process and starts a new one.
 
 While some rank has not answered, ``Hello`` goes out every ``HELLO_INTERVAL_S`` (a SUB socket
-joins late, and a restarted rank must learn our epoch).
+joins late, and a restarted rank must learn our epoch), naming the processes of the groups lost
+last: any of them still running exits, so that its supervisor replaces it (no supervisor socket
+reaches a rank on another host or in another container).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class ExecutorLink:
     def say_hello(self, now: float) -> None:
         """Ask the ranks that have not answered this scheduler yet (every ``HELLO_INTERVAL_S``)."""
         if not self.group.ready and now - self._last_hello >= HELLO_INTERVAL_S:
-            self.steps.send(encode(Hello(self.epoch)))
+            self.steps.send(encode(Hello(self.epoch, self.group.last_retired)))
             self._last_hello = now
 
     def receive(self, now: float) -> tuple[list[StepResult], Loss | None]:
@@ -72,12 +74,19 @@ class ExecutorLink:
             elif isinstance(msg, Heartbeat):
                 loss = self.group.on_heartbeat(msg, now)
             elif isinstance(msg, ExecutorReady):
-                loss = self.group.on_ready(msg, self.epoch, now)
-                if loss is None and msg.epoch == self.epoch and self.group.accepted(msg.rank, msg.incarnation):
-                    self.log.info("executor ready", rank=msg.rank, executor_pid=msg.pid, num_blocks=msg.num_blocks,
-                                  model=msg.model)
+                loss = self._on_ready(msg, now)
             if loss is not None:
                 return results, loss
+
+    def _on_ready(self, msg: ExecutorReady, now: float) -> Loss | None:
+        was_ready = self.group.ready
+        loss = self.group.on_ready(msg, self.epoch, now)
+        if loss is None and msg.epoch == self.epoch and self.group.accepted(msg.rank, msg.incarnation):
+            self.log.info("executor ready", rank=msg.rank, executor_pid=msg.pid, num_blocks=msg.num_blocks,
+                          model=msg.model)
+            if self.group.ready and not was_ready:
+                self.log.info("executor group ready", **self.group.stats)
+        return loss
 
     def report_lost(self, replaced: list[tuple[int, int]], cause: str) -> None:
         """Tell the supervisor (if any) which processes to replace; never blocks."""

@@ -29,7 +29,7 @@ from shared.messages import AddRequest, RequestOutput, SamplingParams
 
 from .beam_search import Beam, BeamSearch
 from .outputs import Sample, delta, error_output, merged
-from .sequence import FinishReason, Sequence
+from .sequence import ErrorKind, FinishReason, Sequence
 
 
 @dataclass
@@ -130,11 +130,11 @@ class SequenceGroup:
         self._send([delta(s) for s in ended], update)
         return self._closed(update)
 
-    def fail(self, message: str) -> GroupUpdate:
+    def fail(self, message: str, kind: ErrorKind = ErrorKind.REQUEST) -> GroupUpdate:
         """End every live sequence; the request's only remaining output is the error."""
         update = GroupUpdate()
         self._end(self.live, FinishReason.ERROR, update)
-        update.outputs.append(error_output(self.request_id, message))
+        update.outputs.append(error_output(self.request_id, message, kind))
         return update
 
     def abort(self) -> GroupUpdate:

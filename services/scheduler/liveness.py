@@ -10,8 +10,11 @@ when its process
   beat while its step is stuck).
 A stall of the scheduler's own (``excuse``) does not count as the ranks' silence.
 Losing one rank loses the group: tensor-parallel ranks block in collectives when one is gone, so
-every rank must be restarted and answer again, and a lost process is never accepted again. The
-first group's pool shape is the one every later group must have (``ShapeMismatch`` otherwise).
+every rank must be restarted and answer again, and a lost process is never accepted again (its
+incarnation is *retired*; ``last_retired`` names the last few groups' to the executors, so that
+one still running exits and is replaced). The first group's pool shape is the one every later group must have (``ShapeMismatch`` otherwise).
+Each complete group also yields ``stats`` (``group_stats``: world size, all-reduce kind, KV blocks
+and bytes per rank), the ``EngineStats`` fields that describe it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.messages import ExecutorHealth, ExecutorReady, Heartbeat
+
+
+RETIRED_KEPT_GROUPS = 4  # Hello names the processes of this many lost groups at most
 
 
 class ShapeMismatch(ValueError):
@@ -66,12 +72,15 @@ class ExecutorGroup:
     heartbeat_timeout_s: float
     step_timeout_s: float
     shape: PoolShape | None = None  # the first group's; later groups must match it
+    stats: dict = field(init=False)  # the latest complete group's (``group_stats``); its size before
     ranks: list[RankState] = field(init=False)
     _retired: set[int] = field(default_factory=set)  # incarnations lost: never accepted again
+    last_retired: list[int] = field(default_factory=list)  # of the last few groups lost (for ``Hello``)
     _step_sent_at: float | None = None
 
     def __post_init__(self) -> None:
         self.ranks = [RankState(rank) for rank in range(self.world_size)]
+        self.stats = {"world_size": self.world_size}
 
     @property
     def ready(self) -> bool:
@@ -112,6 +121,7 @@ class ExecutorGroup:
         return self.ranks[rank] if 0 <= rank < self.world_size else None
 
     def _check_shape(self) -> None:
+        self.stats = group_stats({state.rank: state.ready for state in self.ranks}, self.world_size)
         shape = PoolShape.of([state.ready for state in self.ranks])
         if self.shape is None:
             self.shape = shape
@@ -151,6 +161,8 @@ class ExecutorGroup:
         fault; returns (rank, pid) of each process the supervisor should replace."""
         self.ranks[loss.rank].num_restarts += 1
         replaced = []
+        lost = [state.incarnation for state in self.ranks if state.incarnation]
+        self.last_retired = (self.last_retired + lost)[-RETIRED_KEPT_GROUPS * self.world_size:]
         for state in self.ranks:
             if state.incarnation:
                 self._retired.add(state.incarnation)
@@ -169,3 +181,20 @@ class ExecutorGroup:
     @staticmethod
     def _waiting_status(state: RankState) -> str:
         return "lost" if state.num_restarts else "starting"
+
+
+def group_stats(ready: dict[int, ExecutorReady], world_size: int) -> dict:
+    """The ``EngineStats`` fields that describe the group, from every rank's ``ExecutorReady``.
+
+    Raises ``ValueError`` when the ranks disagree with the scheduler or each other about the group."""
+    ranks = [ready[r] for r in sorted(ready)]
+    for r in ranks:
+        if r.world_size != world_size:
+            raise ValueError(f"executor rank {r.rank} reports --world-size {r.world_size}; the scheduler has "
+                             f"--world-size {world_size}")
+        if r.block_size != ranks[0].block_size:
+            raise ValueError(f"executor rank {r.rank} has --block-size {r.block_size}, rank {ranks[0].rank} "
+                             f"{ranks[0].block_size}")
+    return {"world_size": world_size, "all_reduce": ranks[0].all_reduce,
+            "num_kv_blocks_per_rank": [r.num_blocks for r in ranks],
+            "kv_cache_bytes_per_rank": [r.kv_cache_bytes for r in ranks]}

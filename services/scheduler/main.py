@@ -8,18 +8,22 @@ is given.
 One loop, never blocked for long: it sends a step when the executors are ready and none is in
 flight, then waits on both sockets at once, so that while a step runs it still takes requests,
 aborts and heartbeats, and sends ``EngineStats`` every ``STATS_INTERVAL_S`` (the frontends' sign
-that the scheduler lives).
+that the scheduler lives). Every turn also touches the scheduler's heartbeat file
+(``shared.heartbeat``, for a container healthcheck), while a step is out too: the loop turning is
+the scheduler's health; an executor's is its own file and its heartbeats.
 
 Start-up and restarts: ``Hello`` (with this process's random epoch) goes out until every rank
 answered with ``ExecutorReady``; the block manager is sized from the first answers. When the
 executors are lost (``liveness``: a rank died, hung, stopped beating, or was replaced) the
 supervisor is told, the scheduler resets its executor state (every sequence starts over by
 recompute; ``recovery``), and the Hello loop runs again until the new ranks answer with the same
-pool shape. Requests keep arriving meanwhile and wait.
+pool shape. Requests keep arriving meanwhile and wait. The ranks' reports (world size, all-reduce
+kind, KV blocks and bytes per rank) ride along in every ``EngineStats`` for /health and /metrics.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import signal
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 import zmq
 
 from shared.endpoints import Endpoints
+from shared.heartbeat import HeartbeatFile
 from shared.logging import configure_logging
 from shared.messages import AbortRequest, AddRequest, EngineStats, Shutdown, StepResult, Step
 
@@ -90,6 +95,7 @@ class SchedulerProcess:
         self._held: list = []  # requests and aborts that came before the scheduler existed
         self._last_stats = float("-inf")
         self._last_turn = time.monotonic()
+        self.heartbeat_file = HeartbeatFile("scheduler")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -114,6 +120,7 @@ class SchedulerProcess:
     # ------------------------------------------------------------------ main loop
 
     def _loop_once(self) -> None:
+        self.heartbeat_file.beat()
         stepped = self._maybe_step()
         if not stepped:
             self.poller.poll(self._poll_timeout_ms())
@@ -246,7 +253,7 @@ class SchedulerProcess:
         stats.ready = self.scheduler is not None and group.ready
         stats.epoch, stats.pid, stats.num_frontends_lost = self.epoch, os.getpid(), self.frontends.num_lost
         stats.executors = group.health(now)
-        self.frontends.send_stats(stats)
+        self.frontends.send_stats(dataclasses.replace(stats, **group.stats))
 
 
 def run_scheduler(config: SchedulerProcessConfig) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from shared.messages import RequestOutput, StepResult
 
-from .sequence import FinishReason, Sequence
+from .sequence import ErrorKind, FinishReason, Sequence
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,10 @@ def delta(seq: Sequence, sample: Sample | None = None) -> RequestOutput:
     return out
 
 
-def error_output(request_id: str, message: str) -> RequestOutput:
-    """The one and last output of a request that failed."""
+def error_output(request_id: str, message: str, kind: ErrorKind = ErrorKind.REQUEST) -> RequestOutput:
+    """The one and last output of a request that failed (``kind``: whose fault it is)."""
     return RequestOutput(request_id, 0, [], finish_reason=FinishReason.ERROR.value, error=message,
-                         request_finished=True)
+                         request_finished=True, error_kind=kind.value)
 
 
 def merged(deltas: list[RequestOutput], choice_idx: int, keep_logprobs: bool) -> RequestOutput:

@@ -31,7 +31,7 @@ from .outputs import Sample, error_output
 from .plan import Plan, SchedulerConfig
 from .prefix import cache_computed_blocks, prefix_hits
 from .recovery import CrashLedger, crash_message, requeue_all
-from .sequence import Sequence, SequenceStatus
+from .sequence import ErrorKind, Sequence, SequenceStatus
 from .stats import SchedulerStats
 from .step_builder import Scheduled, build_step
 
@@ -255,7 +255,7 @@ class Scheduler:
         for request_id in dict.fromkeys(request_ids):
             group = self.groups.get(request_id)
             if group is not None:
-                self._apply(group, group.fail(message))
+                self._apply(group, group.fail(message, ErrorKind.ENGINE))
 
     # ------------------------------------------------------------------ blocks and queues
 

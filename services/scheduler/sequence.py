@@ -26,6 +26,13 @@ class FinishReason(StrEnum):
     PRUNED = "pruned"  # a beam that lost to its siblings; never sent
 
 
+class ErrorKind(StrEnum):
+    """Whose fault a failed request is (``RequestOutput.error_kind``)."""
+
+    REQUEST = "request"  # it can never run as asked (too long for the pool, too many sequences)
+    ENGINE = "engine"  # the engine failed while running it
+
+
 @dataclass
 class Sequence:
     """Token state of one sequence.

@@ -43,7 +43,8 @@ class GroupConfig:
         if self.kind == "torch" and not self.dist_init_addr:
             raise ValueError("--all-reduce torch (or --nnodes > 1) needs --dist-init-addr HOST:PORT")
         if self.kind == "shm" and not (self.group_id and self.store_path):
-            raise ValueError("the shared-memory all-reduce needs a group id and a handle store path")
+            raise ValueError("the shared-memory all-reduce needs a group id and a handle store path "
+                             "(--group-id, --group-store; serve sets them)")
         if self.kind == "shm" and self.num_nodes > 1:
             raise ValueError(f"--all-reduce shm works on one host; --nnodes is {self.num_nodes}")
 

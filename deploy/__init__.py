@@ -1,0 +1,1 @@
+"""Deployment tooling: the offline image build, the compose project driver and its smoke test."""

@@ -1,0 +1,158 @@
+"""A model's config checked before anything is built from it, with one-line errors.
+
+``load_hf_config`` reads a model's config the way every process does (``transformers``, never
+running the model's own code): for a directory it first reads ``config.json`` itself and checks
+the sizes (``model_shape``), because ``transformers`` divides by the head count while parsing;
+whatever still goes wrong in ``transformers`` becomes one line. ``check_memory`` compares what a
+process is about to allocate with the memory the machine has available.
+
+Every error is a ``ModelCheckError`` (a ``ValueError``, which the command line prints as one line
+and exits with code 2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from shared.model_source import ModelSource
+
+GIB = 2**30
+
+
+class ModelCheckError(ValueError):
+    """A model that cannot be served as configured; the message is one line."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that decide what a decoder-only transformer allocates."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+
+def read_config_json(directory: str) -> dict[str, Any]:
+    """``directory``/config.json as a JSON object, or a one-line ``ModelCheckError``."""
+    path = os.path.join(directory, "config.json")
+    try:
+        with open(path, "rb") as f:
+            config = json.loads(f.read())
+    except OSError as exc:
+        raise ModelCheckError(f"--model {directory}: cannot read config.json: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise ModelCheckError(f"--model {directory}: config.json is not valid JSON: {_one_line(exc)}") from None
+    if not isinstance(config, dict):
+        raise ModelCheckError(f"--model {directory}: config.json must hold a JSON object, not {type(config).__name__}")
+    return config
+
+
+def model_shape(config: Mapping[str, Any], where: str) -> ModelShape:
+    """Check a Hugging Face config's sizes (a ``config.json`` object or ``PretrainedConfig.to_dict()``)
+    and return them. ``where`` names the model in messages."""
+
+    def size(name: str, value: Any = None) -> int:
+        value = config.get(name) if value is None else value
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelCheckError(f"{where}: {name} must be a positive integer, got {value!r}")
+        return value
+
+    hidden_size = size("hidden_size")
+    num_heads = size("num_attention_heads")
+    num_kv_heads = num_heads if config.get("num_key_value_heads") is None else size("num_key_value_heads")
+    if config.get("head_dim") is not None:
+        head_dim = size("head_dim")
+    elif hidden_size % num_heads:
+        raise ModelCheckError(f"{where}: hidden_size {hidden_size} is not divisible by num_attention_heads "
+                              f"{num_heads} (and no head_dim is given)")
+    else:
+        head_dim = hidden_size // num_heads
+    if num_heads % num_kv_heads:
+        raise ModelCheckError(f"{where}: num_attention_heads {num_heads} is not divisible by "
+                              f"num_key_value_heads {num_kv_heads}")
+    for name in ("rms_norm_eps", "rope_theta"):
+        value = config.get(name)
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                      and math.isfinite(value) and value > 0):
+            raise ModelCheckError(f"{where}: {name} must be a positive number, got {value!r}")
+    return ModelShape(
+        vocab_size=size("vocab_size"), hidden_size=hidden_size, intermediate_size=size("intermediate_size"),
+        num_layers=size("num_hidden_layers"), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        max_position_embeddings=size("max_position_embeddings"),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+def load_hf_config(source: ModelSource) -> Any:
+    """The model's ``transformers`` config, checked (``model_shape``), with remote code refused."""
+    where = f"--model {source.gguf_file or source.directory}"
+    if source.gguf_file is None:
+        model_shape(read_config_json(source.directory), where)  # before transformers divides by zero
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source.directory, trust_remote_code=False, **source.pretrained_kwargs())
+    except Exception as exc:  # transformers raises anything (OSError, ValueError, KeyError, ZeroDivisionError...)
+        message = f"{type(exc).__name__}: {_one_line(exc)}"
+        raise ModelCheckError(f"{where}: cannot read the model config: {message}") from None
+    model_shape(config.to_dict(), where)
+    return config
+
+
+def weight_bytes(shape: ModelShape, dtype_bytes: int) -> int:
+    """Bytes of a Llama-family model's weights: embeddings, attention, MLP, norms, LM head."""
+    s = shape
+    attention = s.hidden_size * s.head_dim * (2 * s.num_heads + 2 * s.num_kv_heads)  # q, o; k, v
+    mlp = 3 * s.hidden_size * s.intermediate_size  # gate, up, down
+    per_layer = attention + mlp + 2 * s.hidden_size  # two norms
+    embeddings = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
+    return dtype_bytes * (embeddings + s.num_layers * per_layer + s.hidden_size)
+
+
+def kv_block_bytes(shape: ModelShape, block_size: int, dtype_bytes: int) -> int:
+    """Bytes one KV block takes across all layers (keys and values)."""
+    return 2 * shape.num_layers * shape.num_kv_heads * block_size * shape.head_dim * dtype_bytes
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the machine can still give (``MemAvailable``, else free physical pages), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def check_memory(parts: Mapping[str, int], where: str, available_bytes: int | None = None) -> None:
+    """Refuse when the sum of ``parts`` (name -> bytes) exceeds the available memory."""
+    available = available_memory_bytes() if available_bytes is None else available_bytes
+    needed = sum(parts.values())
+    if available is None or needed <= available:
+        return
+    detail = " + ".join(f"{name} {value / GIB:,.1f} GiB" for name, value in parts.items())
+    raise ModelCheckError(
+        f"{where} needs {needed / GIB:,.1f} GiB ({detail}) but this machine has {available / GIB:,.1f} GiB "
+        f"available; lower --kv-cache-memory / --num-kv-blocks, --swap-space or --max-model-len, or use a "
+        f"smaller model"
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -1,0 +1,85 @@
+"""What compose.yaml and compose.gpu.yaml promise, read without a Docker engine; and the frontend's
+API key file (the compose secret). ``tests/test_docker.py`` checks the same on a real engine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+import yaml
+
+from services.frontend.main import add_frontend_arguments, api_key_from_env, frontend_config_from_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVICES = ("scheduler", "executor", "frontend")
+
+
+def _load(name: str) -> dict:
+    with open(os.path.join(ROOT, name)) as f:
+        return yaml.safe_load(f)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return _load("compose.yaml")
+
+
+def test_every_service_has_a_healthcheck_a_restart_policy_and_rotated_json_logs(compose):
+    for name in SERVICES:
+        service = compose["services"][name]
+        assert service["healthcheck"]["test"][:4] == ["CMD", "pagedserve", "health", name], name
+        assert service["restart"] in ("unless-stopped", "on-failure", "always"), name
+        assert service["logging"]["driver"] == "json-file" and service["logging"]["options"]["max-size"], name
+        assert service["image"].startswith("${PAGEDSERVE_IMAGE:-"), name
+        assert service["tmpfs"] == ["/tmp/pagedserve-health:uid=10001,gid=10001,mode=0700"], name  # fresh per start
+
+
+def test_only_the_frontend_is_published_and_on_loopback_by_default(compose):
+    services = compose["services"]
+    assert "ports" not in services["scheduler"] and "ports" not in services["executor"]
+    assert services["frontend"]["ports"] == ["${PAGEDSERVE_BIND:-127.0.0.1}:${PAGEDSERVE_PORT:-8000}:8000"]
+
+
+def test_start_order_waits_for_health(compose):
+    services = compose["services"]
+    assert services["executor"]["depends_on"] == {"scheduler": {"condition": "service_healthy"}}
+    assert {name: dep["condition"] for name, dep in services["frontend"]["depends_on"].items()} == {
+        "scheduler": "service_healthy", "executor": "service_healthy"}
+
+
+def test_the_api_key_comes_from_a_secret_file_never_argv(compose):
+    frontend = compose["services"]["frontend"]
+    assert frontend["secrets"] == ["pagedserve_api_key"]
+    assert frontend["environment"]["PAGEDSERVE_API_KEY_FILE"] == "/run/secrets/pagedserve_api_key"
+    assert not any("key" in str(arg).lower() for arg in frontend["command"])
+    default = compose["secrets"]["pagedserve_api_key"]["file"].split(":-")[1].rstrip("}")
+    assert os.path.getsize(os.path.join(ROOT, default)) == 0  # no key unless one is configured
+
+
+def test_the_gpu_override_reserves_nvidia_gpus_for_the_executor():
+    gpu = _load("compose.gpu.yaml")["services"]
+    devices = gpu["executor"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "${PAGEDSERVE_GPU_COUNT:-all}", "capabilities": ["gpu"]}]
+    assert all(gpu[name]["build"]["args"]["TORCH_VARIANT"] == "cuda" for name in SERVICES)
+
+
+def _frontend_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_frontend_arguments(parser)
+    return parser.parse_args(["--request-endpoint", "ipc:///tmp/r.sock", *argv])
+
+
+def test_api_key_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    monkeypatch.setenv("PAGEDSERVE_API_KEY_FILE", str(key_file))
+    assert api_key_from_env() == "s3cret"
+    assert frontend_config_from_args(_frontend_args()).api_key == "s3cret"
+    assert frontend_config_from_args(_frontend_args("--api-key", "flag")).api_key == "flag"  # the flag wins
+    key_file.write_text("")
+    assert frontend_config_from_args(_frontend_args()).api_key is None
+    monkeypatch.setenv("PAGEDSERVE_API_KEY_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="PAGEDSERVE_API_KEY_FILE: cannot read .*missing"):
+        api_key_from_env()

@@ -1,0 +1,89 @@
+"""The Locust load test (``loadtest/locustfile.py``), headless for a few seconds against the tiny-model
+server: its CSV has TTFT, ITL and E2E rows with counts, and no failure; its HTML report is written.
+Also the pieces it is made of: the length distributions and the SSE timing reader."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from loadtest.stream_timing import read_stream
+from loadtest.workloads import CHAT_OVERHEAD_TOKENS, DATASETS
+from tests.test_server import tiny_server
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("name, mean_input, mean_output", [("sharegpt", 161.31, 337.99), ("alpaca", 19.31, 58.45)])
+def test_lengths_have_the_papers_means_and_fit_the_context(name, mean_input, mean_output):
+    rng = random.Random(0)
+    pairs = [DATASETS[name].sample(rng, max_model_len=100_000) for _ in range(20_000)]
+    assert sum(i for i, _ in pairs) / len(pairs) == pytest.approx(mean_input, rel=0.05)
+    assert sum(o for _, o in pairs) / len(pairs) == pytest.approx(mean_output, rel=0.05)
+    clipped = [DATASETS[name].sample(rng, max_model_len=256) for _ in range(2_000)]
+    assert all(i >= 1 and o >= 1 and i + o + CHAT_OVERHEAD_TOKENS <= 256 for i, o in clipped)
+
+
+def test_stream_timings_from_server_sent_events():
+    clock = iter([1.5, 1.75, 2.5, 3.0]).__next__
+    lines = [
+        b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}', b"",
+        b'data: {"choices": [{"delta": {"content": "Par"}}]}', b"",
+        b'data: {"choices": [{"delta": {"content": "is"}}]}', b"",
+        b'data: {"choices": [{"delta": {"content": "."}}]}', b"",
+        b'data: {"choices": [], "usage": {"completion_tokens": 3}}', b"",
+        b"data: [DONE]",
+    ]
+    times = read_stream(lines, start_s=1.0, clock=clock)
+    assert times.ttft_s == 0.5 and times.itls_s == [0.25, 0.75] and times.e2e_s == 2.0
+    assert times.problem(3) is None
+    assert times.problem(4) == "3 output tokens, expected 4 (ignore_eos)"
+    cut = read_stream(lines[:4], start_s=1.0, clock=iter([1.5]).__next__)
+    assert cut.problem() == "the stream ended without data: [DONE]"
+    error = read_stream([b'data: {"error": {"message": "engine failed"}}'], start_s=0.0)
+    assert error.problem() == "error event: engine failed"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    for url in tiny_server(tmp_path_factory, "serve-locust", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny"):
+        _warm_up(url)  # the kernels compile on first use: not inside Locust's few seconds
+        yield url
+
+
+def _warm_up(url: str) -> None:
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "the city"}], "max_tokens": 4,
+                       "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        assert resp.status == 200
+
+
+@pytest.mark.slow
+def test_locust_headless_reports_ttft_and_inter_token_latency(server, tmp_path):
+    out = str(tmp_path / "out")
+    proc = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", "4", "-r", "4",
+         "-t", "4s", "--host", server, "--dataset", "alpaca", "--csv", out, "--html", f"{out}.html",
+         "--only-summary", "--loglevel", "WARNING"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(f"{out}_stats.csv", newline="") as f:
+        rows = {(row["Type"], row["Name"]): row for row in csv.DictReader(f)}
+    for kind in ("TTFT", "ITL", "E2E"):
+        assert int(rows[(kind, "alpaca")]["Request Count"]) > 0, rows.keys()
+        assert int(rows[(kind, "alpaca")]["Failure Count"]) == 0
+    requests = rows[("POST", "chat [alpaca]")]
+    assert int(requests["Request Count"]) >= int(rows[("E2E", "alpaca")]["Request Count"]) > 0
+    assert int(rows[("", "Aggregated")]["Failure Count"]) == 0
+    # E2E's size column is the output tokens: Alpaca's outputs are tens of tokens.
+    assert float(rows[("E2E", "alpaca")]["Average Content Size"]) > 1
+    assert os.path.getsize(f"{out}.html") > 0

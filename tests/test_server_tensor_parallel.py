@@ -1,0 +1,374 @@
+"""Tensor parallelism through the real ``pagedserve serve`` processes.
+
+- A tiny random GQA model (4 heads, 2 KV heads) with ``-tp 2`` (one KV head per rank) and
+  ``-tp 4`` (each KV head replicated on two ranks) answers one workload exactly as ``-tp 1``
+  does: the same greedy and seeded tokens, logprobs within float32 noise, with prefill and decode
+  mixed in steps, a prefix-cache hit, a forked ``n = 2`` request and preemptions by swap in the
+  same run. ``/health`` and ``/metrics`` report the group; each rank's KV pool holds only its KV
+  heads. The same across two "hosts" (two serve commands, ``--nnodes 2``, torch.distributed and
+  ``tcp://`` endpoints).
+- SmolLM2-135M (9 heads, 3 KV heads): ``-tp 3`` over both all-reduce kinds, and ``-tp 1``, give
+  transformers' greedy tokens, token for token.
+- A rank killed (over both all-reduce kinds), or stopped (hung), mid-run: serve restarts the whole
+  group under a new group id, the streams in flight end exactly as an uninterrupted run's, and no
+  process or shared-memory segment of the lost group is left. With ``--max-restarts 0`` a killed
+  rank ends serve instead, naming the rank.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from tests.test_server import _openai, _start, save_tiny_model, stop
+from tests.test_server_api import wait_until_idle
+
+pytestmark = pytest.mark.slow
+
+TINY_FLAGS = ["--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "64", "--preemption-mode", "swap",
+              "--max-num-batched-tokens", "32", "--swap-space", "0.01", "--max-model-len", "256"]
+PREFIX = list(range(1000, 1024))  # 24 tokens: 6 full blocks shared by two prompts
+
+
+@pytest.fixture(scope="module")
+def tiny_gqa_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return resp.read().decode()
+
+
+def _choices(reply) -> list[dict]:
+    return [{"tokens": c.logprobs.tokens, "logprobs": c.logprobs.token_logprobs, "text": c.text}
+            for c in sorted(reply.choices, key=lambda c: c.index)]
+
+
+class _Stream(threading.Thread):
+    """A streamed greedy completion; records each token and when it arrived."""
+
+    def __init__(self, client, model: str, prompt: list[int], max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.client, self.model, self.prompt, self.max_tokens = client, model, prompt, max_tokens
+        self.tokens, self.logprobs, self.times = [], [], []
+        self.first = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            stream = self.client.completions.create(model=self.model, prompt=self.prompt, max_tokens=self.max_tokens,
+                                                    temperature=0, logprobs=1, stream=True,
+                                                    extra_body={"ignore_eos": True})
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.tokens:
+                    self.tokens += chunk.choices[0].logprobs.tokens
+                    self.logprobs += chunk.choices[0].logprobs.token_logprobs
+                    self.times.append(time.monotonic())
+                    self.first.set()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+        finally:
+            self.first.set()
+
+
+def run_workload(url: str, model: str) -> dict:
+    """One run that mixes prefill and decode, hits the prefix cache, forks n=2 and preempts by swap.
+
+    A decodes 120 tokens throughout. C then D share a 6-block prefix (D's hit). Then B's 70-token
+    prompt is prefilled in chunks of the 32-token budget while A decodes, and E (n=2, seeded), F
+    and G push the pool (64 blocks of 4) past its size so that groups are swapped out."""
+    client = _openai(url)
+
+    def complete(prompt, max_tokens, **sampling):
+        sampling = {"temperature": 0, **sampling}
+        return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, logprobs=1,
+                                         extra_body={"ignore_eos": True}, **sampling)
+
+    a = _Stream(client, model, list(range(300, 312)), 120)
+    a.start()
+    assert a.first.wait(120) and a.error is None, a.error
+    c = complete(PREFIX + list(range(40, 46)), 4)
+    d = complete(PREFIX + list(range(60, 68)), 4)
+    b = _Stream(client, model, list(range(2000, 2070)), 20)
+    b.start()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        e = pool.submit(complete, list(range(500, 510)), 30, n=2, temperature=0.8, seed=7)
+        f = pool.submit(complete, list(range(600, 620)), 40)
+        g = pool.submit(complete, list(range(700, 720)), 40)
+        replies = {"C": c, "D": d, "E": e.result(), "F": f.result(), "G": g.result()}
+    for stream in (a, b):
+        stream.join(300)
+        assert not stream.is_alive() and stream.error is None, stream.error
+    out = {name: _choices(reply) for name, reply in replies.items()}
+    out["A"] = [{"tokens": a.tokens, "logprobs": a.logprobs, "text": "".join(a.tokens)}]
+    out["B"] = [{"tokens": b.tokens, "logprobs": b.logprobs, "text": "".join(b.tokens)}]
+    health = json.loads(_get(f"{url}/health"))
+    return {"choices": out, "health": health, "d_cached_tokens": d.usage.prompt_tokens_details.cached_tokens,
+            "a_decoded_during_b_prefill": a.times[-1] > b.times[0],
+            "num_preemptions": sum(r.usage.model_extra["num_preemptions"] for r in replies.values()),
+            "metrics": _get(f"{url}/metrics")}
+
+
+def _check_runs_features(run: dict) -> None:
+    assert run["d_cached_tokens"] == len(PREFIX), "D did not reuse C's prefix blocks"
+    assert run["a_decoded_during_b_prefill"], "A finished before B's chunked prefill: no mixed step"
+    assert len(run["choices"]["E"]) == 2 and run["choices"]["E"][0]["tokens"] != run["choices"]["E"][1]["tokens"]
+    assert run["health"]["num_preemptions_by_mode"]["swap"] > 0, "no group was swapped out"
+    assert all(len(c["tokens"]) == n for name, n in (("A", 120), ("B", 20), ("F", 40)) for c in run["choices"][name])
+
+
+def _check_same_outputs(got: dict, expected: dict, label: str) -> None:
+    for name, choices in expected["choices"].items():
+        for i, (g, e) in enumerate(zip(got["choices"][name], choices, strict=True)):
+            assert g["tokens"] == e["tokens"], f"{label}: request {name} choice {i} differs"
+            worst = max(abs(x - y) for x, y in zip(g["logprobs"], e["logprobs"]))
+            assert worst < 1e-4, f"{label}: request {name} choice {i}: logprobs differ by {worst}"
+
+
+@pytest.fixture(scope="module")
+def tp1_run(tmp_path_factory, tiny_gqa_dir):
+    proc, url = _start(tmp_path_factory.mktemp("tp1"), "--model", str(tiny_gqa_dir), *TINY_FLAGS)
+    try:
+        run = run_workload(url, tiny_gqa_dir.name)
+    finally:
+        stop(proc)
+    _check_runs_features(run)
+    assert run["health"]["group"]["world_size"] == 1
+    return run
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tiny_gqa_model_sharded_equals_one_rank(world_size, tmp_path, tiny_gqa_dir, tp1_run):
+    proc, url = _start(tmp_path, "--model", str(tiny_gqa_dir), "-tp", str(world_size), *TINY_FLAGS)
+    try:
+        run = run_workload(url, tiny_gqa_dir.name)
+    finally:
+        stop(proc)
+    _check_runs_features(run)
+    _check_same_outputs(run, tp1_run, f"-tp {world_size}")
+    group, full_bytes = run["health"]["group"], tp1_run["health"]["group"]["kv_cache_bytes_per_rank"][0]
+    assert group["world_size"] == world_size and group["all_reduce"] == "shm"
+    assert group["num_kv_blocks_per_rank"] == [64] * world_size
+    # 2 KV heads: one per rank at -tp 2, and at -tp 4 (replicated): half the one-rank pool each
+    assert group["kv_cache_bytes_per_rank"] == [full_bytes // 2] * world_size
+    assert f"pagedserve:tensor_parallel_size {world_size}.0" in run["metrics"].splitlines()
+    assert 'pagedserve:all_reduce_info{kind="shm"} 1.0' in run["metrics"].splitlines()
+    log = (tmp_path / "serve.log").read_text()
+    assert log.count('"event": "model loaded"') == world_size
+    assert '"event": "executor group ready"' in log
+
+
+def _free_port_run(length: int) -> int:
+    """A port p with p .. p + length - 1 all free on 127.0.0.1."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            for p in range(port, port + length):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no run of free ports")
+
+
+def test_two_hosts_over_torch_distributed(tmp_path, tiny_gqa_dir, tp1_run):
+    """Host 0 runs the scheduler, the frontend and rank 0; "host 1" (another serve) rank 1."""
+    port = _free_port_run(3)
+    group = ["--model", str(tiny_gqa_dir), "-tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{port}"]
+    with open(tmp_path / "node1.log", "w") as node1_log:
+        node1 = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", *group, "--node-rank", "1",
+                                  *TINY_FLAGS], stdout=node1_log, stderr=subprocess.STDOUT,
+                                 env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        proc, url = _start(tmp_path, *group, *TINY_FLAGS)
+        try:
+            run = run_workload(url, tiny_gqa_dir.name)
+        finally:
+            stop(proc)
+        assert node1.wait(timeout=30) == 0  # the scheduler's Shutdown reached rank 1, which stopped cleanly
+    finally:
+        stop(node1)
+    _check_runs_features(run)
+    _check_same_outputs(run, tp1_run, "-tp 2 on two hosts")
+    assert run["health"]["group"]["all_reduce"] == "torch"
+    assert '"rank": 1' in (tmp_path / "node1.log").read_text()
+
+
+# ---------------------------------------------------------------- a rank that dies or hangs
+
+
+def _rank_pids(launcher_pid: int) -> dict[int, int]:
+    """Executor rank -> pid, from the launcher's children's command lines."""
+    ranks = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")
+        except OSError:
+            continue
+        if ppid == launcher_pid and "executor" in argv:
+            ranks[int(argv[argv.index("--rank") + 1])] = int(entry)
+    return ranks
+
+
+def _group_ids(log_path) -> list[str]:
+    """The launcher's executor groups, in the order it started them."""
+    return [json.loads(line)["group_id"] for line in log_path.read_text().splitlines()
+            if line.startswith("{") and '"event": "executor group"' in line]
+
+
+def _gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def _segments(group_id: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"psv-{group_id}-")]
+
+
+def _executor_restarts(url: str) -> float:
+    line = next(line for line in _get(f"{url}/metrics").splitlines()
+                if line.startswith('pagedserve:process_restarts_total{process="executor"}'))
+    return float(line.rsplit(" ", 1)[1])
+
+
+RESTART_PROMPTS = [list(range(300 + 40 * i, 312 + 40 * i)) for i in range(3)]
+RESTART_MAX_TOKENS = 200  # 3 x (12 + 200) tokens fit in 256 blocks of 4: no preemption needed
+
+
+@pytest.mark.parametrize(("all_reduce", "how"), [("shm", signal.SIGKILL), ("torch", signal.SIGKILL),
+                                                 ("shm", signal.SIGSTOP)], ids=["shm-killed", "torch-killed",
+                                                                                "shm-stopped"])
+def test_a_lost_rank_restarts_the_group_and_streams_continue(all_reduce, how, tmp_path, tiny_gqa_dir):
+    """-tp 2, three greedy streams; rank 1 is killed (or stopped: rank 0 gives up on it after
+    --group-timeout) mid-run. serve stops both ranks and starts a new group; the streams end with
+    exactly the tokens of an uninterrupted run, one restart is counted, and no process or segment
+    of the first group is left."""
+    proc, url = _start(tmp_path, "--model", str(tiny_gqa_dir), "-tp", "2", *TINY_FLAGS, "--num-kv-blocks", "256",
+                       "--all-reduce", all_reduce, "--group-timeout", "5", "--heartbeat-timeout", "5")
+    log_path = tmp_path / "serve.log"
+    try:
+        client, model = _openai(url), tiny_gqa_dir.name
+        reference = [_choices(client.completions.create(
+            model=model, prompt=p, max_tokens=RESTART_MAX_TOKENS, temperature=0, logprobs=1,
+            extra_body={"ignore_eos": True}))[0]["tokens"] for p in RESTART_PROMPTS]
+        [first_group], old_ranks = _group_ids(log_path), _rank_pids(proc.pid)
+        assert sorted(old_ranks) == [0, 1] and _executor_restarts(url) == 0
+        streams = [_Stream(client, model, p, RESTART_MAX_TOKENS) for p in RESTART_PROMPTS]
+        for stream in streams:
+            stream.start()
+        for stream in streams:
+            assert stream.first.wait(120) and stream.error is None, stream.error
+        os.kill(old_ranks[1], how)
+        assert all(len(s.tokens) < RESTART_MAX_TOKENS for s in streams), "a stream ended before the fault"
+        for stream in streams:
+            stream.join(300)
+            assert not stream.is_alive() and stream.error is None, stream.error
+        assert [s.tokens for s in streams] == reference  # no token lost or repeated
+        assert _executor_restarts(url) == 1
+        new_groups, new_ranks = _group_ids(log_path), _rank_pids(proc.pid)
+        assert len(new_groups) == 2 and new_groups[1] != first_group
+        assert sorted(new_ranks) == [0, 1] and not set(new_ranks.values()) & set(old_ranks.values())
+        assert all(_gone(pid) for pid in old_ranks.values())
+        assert _segments(first_group) == [], "a segment of the first group was left"
+        health = json.loads(_get(f"{url}/health"))
+        assert health["group"]["world_size"] == 2 and [e["status"] for e in health["processes"]["executors"]] == [
+            "ok", "ok"]
+        wait_until_idle(url, 120)  # every block free again
+    finally:
+        stop(proc)
+    assert not [g for g in _group_ids(log_path) if _segments(g)], "a segment was left"
+    log = log_path.read_text()
+    assert log.count('"event": "process restarted"') == 1 and '"service": "executor"' in log
+
+
+def test_without_restarts_a_killed_rank_ends_the_group_named(tmp_path, tiny_gqa_dir):
+    """--max-restarts 0: rank 1 killed mid-request stops serve, naming the rank; nothing is left."""
+    proc, url = _start(tmp_path, "--model", str(tiny_gqa_dir), "-tp", "2", *TINY_FLAGS, "--max-restarts", "0")
+    try:
+        [group_id], ranks = _group_ids(tmp_path / "serve.log"), _rank_pids(proc.pid)
+        assert sorted(ranks) == [0, 1]
+        stream = _Stream(_openai(url), tiny_gqa_dir.name, list(range(300, 312)), 200)
+        stream.start()
+        assert stream.first.wait(120)
+        os.kill(ranks[1], signal.SIGKILL)
+        assert proc.wait(timeout=90) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert all(_gone(pid) for pid in ranks.values())
+    assert _segments(group_id) == [], "a segment was left"
+    [message] = [line for line in (tmp_path / "serve.log").read_text().splitlines() if line.startswith("pagedserve: ")]
+    assert message.startswith("pagedserve: the executor process failed 1 time within 600 s (--max-restarts 0, "
+                              "--restart-window-s 600); last: executor rank 1 was killed by SIGKILL")
+    assert message.endswith("; stopped the others")
+
+
+# ---------------------------------------------------------------- SmolLM2 against transformers
+
+SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,"]
+SMOLLM2_MAX_TOKENS = 24
+_smollm2_runs: dict[str, list[dict]] = {}
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference():
+    """transformers' greedy tokens for each prompt, each token as its own text (as logprobs show it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shared.model_source import resolve_model
+
+    src = resolve_model(None)
+    tok = AutoTokenizer.from_pretrained(src.directory, **src.pretrained_kwargs())
+    model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=torch.float32, **src.pretrained_kwargs()).eval()
+    refs = []
+    for prompt in SMOLLM2_PROMPTS:
+        ids = torch.tensor([tok(prompt)["input_ids"]])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=SMOLLM2_MAX_TOKENS,
+                                 do_sample=False, eos_token_id=None)
+        refs.append([tok.decode([t], skip_special_tokens=False) for t in out[0, ids.shape[1]:].tolist()])
+    return refs
+
+
+@pytest.mark.parametrize("flags", [[], ["-tp", "3", "--all-reduce", "shm"], ["-tp", "3", "--all-reduce", "torch"]],
+                         ids=["tp1", "tp3-shm", "tp3-torch"])
+def test_smollm2_sharded_equals_transformers(flags, tmp_path, smollm2_reference):
+    proc, url = _start(tmp_path, *flags, "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory",
+                       "64MiB", "--swap-space", "0.05")
+    try:
+        client = _openai(url)
+        with concurrent.futures.ThreadPoolExecutor(len(SMOLLM2_PROMPTS)) as pool:
+            replies = list(pool.map(lambda p: client.completions.create(
+                model="SmolLM2-135M-Instruct", prompt=p, max_tokens=SMOLLM2_MAX_TOKENS, temperature=0, logprobs=1,
+                extra_body={"ignore_eos": True}), SMOLLM2_PROMPTS))
+        health = json.loads(_get(f"{url}/health"))
+    finally:
+        stop(proc)
+    runs = [_choices(r)[0] for r in replies]
+    for i, (run, ref) in enumerate(zip(runs, smollm2_reference)):
+        assert run["tokens"] == ref, f"prompt {i}: {run['text']!r} != {''.join(ref)!r}"
+    world_size = 3 if flags else 1
+    assert health["group"]["world_size"] == world_size
+    assert health["group"]["all_reduce"] == (flags[-1] if flags else "single")
+    _smollm2_runs[" ".join(flags)] = runs
+    if "" in _smollm2_runs and flags:  # against -tp 1's logprobs too (30 layers of sums in another order)
+        for run, one_rank in zip(runs, _smollm2_runs[""]):
+            assert max(abs(x - y) for x, y in zip(run["logprobs"], one_rank["logprobs"])) < 1e-3
