@@ -37,8 +37,8 @@ def _add_liveness_arguments(p: argparse.ArgumentParser, supervisor: bool) -> Non
                         "or a frontend for the scheduler, the scheduler for a frontend (default 10)")
     if supervisor:
         g.add_argument("--max-restarts", type=int, default=None,
-                       help="restarts of one process allowed within --restart-window-s; one more failure "
-                            "stops the server (default 5)")
+                       help="restarts of one process (the executor ranks restart together and count as one) "
+                            "allowed within --restart-window-s; one more failure stops the server (default 5)")
         g.add_argument("--restart-window-s", type=float, default=None,
                        help="the window --max-restarts counts over, in seconds (default 600)")
 

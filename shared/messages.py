@@ -103,9 +103,9 @@ class RequestOutput:
 
     ``new_token_ids`` are the tokens generated since the previous delta. ``finish_reason`` is
     ``None`` while running, else ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (then
-    ``error`` says why and ``error_kind`` whose fault it is). ``request_finished`` is set on the request's last output, after every
-    choice has sent its own last one (best_of's held samples, all of beam search's hypotheses,
-    however few): nothing more comes for this request.
+    ``error`` says why and ``error_kind`` whose fault it is). ``request_finished`` is set on the
+    request's last output, after every choice has sent its own last one (best_of's held samples,
+    all of beam search's hypotheses, however few): nothing more comes for this request.
     """
 
     TAG: ClassVar[int] = 3

@@ -12,7 +12,8 @@ A stall of the scheduler's own (``excuse``) does not count as the ranks' silence
 Losing one rank loses the group: tensor-parallel ranks block in collectives when one is gone, so
 every rank must be restarted and answer again, and a lost process is never accepted again (its
 incarnation is *retired*; ``last_retired`` names the last few groups' to the executors, so that
-one still running exits and is replaced). The first group's pool shape is the one every later group must have (``ShapeMismatch`` otherwise).
+one still running exits and is replaced). The first group's pool shape is the one every later
+group must have (``ShapeMismatch`` otherwise).
 Each complete group also yields ``stats`` (``group_stats``: world size, all-reduce kind, KV blocks
 and bytes per rank), the ``EngineStats`` fields that describe it.
 """
