@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     from services.frontend.http_limits import add_http_limit_arguments
 
     add_http_limit_arguments(g)
+    from services.frontend.playground import add_playground_argument
+
+    add_playground_argument(g)
 
     sched = sub.add_parser("scheduler", help="the scheduler process alone")
     _add_engine_arguments(sched)
@@ -179,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "simulate":
             from services.scheduler.simulate import run_simulate
 
-            return run_simulate(args)
+            code = run_simulate(args)
+            if args.html:
+                from services.replay_page import write_replay_page
+
+                print(f"\nwrote {write_replay_page(args)}: open it in a browser to replay both runs step by step")
+            return code
         if args.command == "scheduler":
             from services.scheduler.main import SchedulerProcessConfig, run_scheduler
 

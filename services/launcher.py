@@ -251,8 +251,9 @@ def executor_argv(args) -> list[str]:
 
 
 def frontend_argv(args) -> list[str]:
-    return _flags(args, ["model", "served_model_name", "host", "port", "max_model_len", "max_queue_len",
+    argv = _flags(args, ["model", "served_model_name", "host", "port", "max_model_len", "max_queue_len",
                          "heartbeat_timeout", *HTTP_LIMIT_DESTS])
+    return argv + ([] if getattr(args, "playground", True) else ["--no-playground"])
 
 
 def frontend_env(args, env: dict[str, str]) -> dict[str, str]:

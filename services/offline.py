@@ -88,6 +88,15 @@ class EngineCore:
         return self.runner.execute(step)
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability in the model's raw distribution and its rank there (1: the most
+    likely), as vLLM's ``Logprob``."""
+
+    logprob: float
+    rank: int
+
+
 @dataclass
 class ChoiceOutput:
     """One choice of a prompt: its generated tokens, their text (with a tokenizer), why it ended."""
@@ -108,9 +117,16 @@ class PromptOutput:
     choices: list[ChoiceOutput] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     num_preemptions: int = 0
+    # With SamplingParams.prompt_logprobs = k, vLLM's shape: per prompt token, None for the first,
+    # then {token id: Logprob} for the prompt token and the k most likely tokens at its position.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Fold one ``RequestOutput`` delta into the choices."""
+        if delta.prompt_logprobs:
+            self.prompt_logprobs = [None, *map(_ranked, self.prompt_token_ids[1:], delta.prompt_logprobs,
+                                               delta.prompt_ranks, delta.prompt_top_token_ids,
+                                               delta.prompt_top_logprobs)]
         while len(self.choices) <= delta.choice_idx:
             self.choices.append(ChoiceOutput(len(self.choices)))
         choice = self.choices[delta.choice_idx]
@@ -184,7 +200,9 @@ class LLM:
         finally:
             for request_id in pending:
                 self.engine.abort_request(request_id)
-        for result in results.values():
+        for result, p in zip(results.values(), params):
+            if p is not None and p.prompt_logprobs is not None and result.prompt_logprobs is None:
+                result.prompt_logprobs = [None] * len(result.prompt_token_ids)  # one token: nothing to score
             for choice in result.choices:
                 choice.text = self._detokenize(choice.token_ids)
         return list(results.values())
@@ -210,6 +228,15 @@ class LLM:
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _ranked(token_id: int, logprob: float, rank: int, top_token_ids: list[int],
+            top_logprobs: list[float]) -> dict[int, Logprob]:
+    """One scored prompt position: its token first, then the most likely tokens (rank 1, 2, ...)."""
+    ranked = {token_id: Logprob(logprob, rank)}
+    for top_rank, (top_id, top_logprob) in enumerate(zip(top_token_ids, top_logprobs), start=1):
+        ranked.setdefault(top_id, Logprob(top_logprob, top_rank))
+    return ranked
 
 
 def _split_options(engine_kwargs: dict[str, Any]) -> tuple[RunnerOptions, SchedulingOptions]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any, ClassVar
 
 import msgpack
@@ -62,8 +63,10 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
-    # vLLM's prompt_logprobs: None, or k >= 0 for every prompt token's logprob and the k most
-    # likely tokens' at its position. The frontend refuses it until the engine computes them.
+    # vLLM's prompt_logprobs: None, or k >= 0 for the logprob of every prompt token after the
+    # first (given the tokens before it) and the k most likely tokens' at its position, from the
+    # model's raw distribution like ``logprobs``. A request that asks takes no prefix-cache hit
+    # until its prompt is scored; max_tokens 0 then scores the prompt and generates nothing.
     prompt_logprobs: int | None = None
 
     @property
@@ -126,6 +129,14 @@ class RequestOutput:
     # With finish_reason "error": whose fault it is. "request": it can never run as asked (the
     # frontend answers 400); "engine": the engine failed while running it (500).
     error_kind: str | None = None
+    # Once per request, on its first output, when SamplingParams.prompt_logprobs is set (else
+    # empty): for each prompt token after the first, its logprob given the tokens before it, its
+    # rank in that distribution (1: the most likely), and the prompt_logprobs most likely tokens
+    # at its position with theirs. Empty also when the prompt has one token.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)
+    prompt_top_token_ids: list[list[int]] = field(default_factory=list)
+    prompt_top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -196,6 +207,12 @@ class Step:
     # The epoch of the scheduler that sent it; an executor runs only its own scheduler's steps (a
     # dead scheduler's last step may still wait in its socket when a new one says hello).
     epoch: int = 0
+    # Prompt scoring: the first ``num_scored_tokens[i]`` new tokens of sequence ``i`` need the
+    # logprob of the token that follows each (the next prompt token) and the
+    # ``num_prompt_top_logprobs`` most likely tokens at their positions. [S] int32, or empty when
+    # no sequence of the step is scored.
+    num_scored_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    num_prompt_top_logprobs: int = 0
 
 
 @dataclass
@@ -213,6 +230,13 @@ class StepResult:
     # [num_sampled, K]: the K most likely tokens, K the most any of these sequences asked for.
     top_token_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
     top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    # Prompt scoring, one row per scored token in step order (``Step.num_scored_tokens``; all
+    # empty when none): the next prompt token's logprob and rank (1: the most likely), and the
+    # ``Step.num_prompt_top_logprobs`` most likely tokens. Raw distribution, as ``logprobs``.
+    prompt_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # [R]
+    prompt_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [R]
+    prompt_top_token_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))  # [R, K]
+    prompt_top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # [R, K]
 
 
 @dataclass
@@ -335,13 +359,71 @@ class EngineStats:
     all_reduce: str = "single"
     num_kv_blocks_per_rank: list[int] = field(default_factory=list)
     kv_cache_bytes_per_rank: list[int] = field(default_factory=list)
+    num_kv_snapshots: int = 0  # KvSnapshot built for watching frontends (0 while nobody watches)
 
+
+
+# ---------------------------------------------------------------- block-pool snapshots (the playground's map)
+
+
+@dataclass
+class KvWatch:
+    """frontend -> scheduler: send ``KvSnapshot`` to this frontend (``on``) or stop.
+
+    A frontend repeats ``on`` about once a second while any of its clients watches; the scheduler
+    lets a watch lapse when it has not been renewed for a few seconds, so a frontend that dies or
+    whose ``off`` is lost costs nothing for long."""
+
+    TAG: ClassVar[int] = 40
+    on: bool
+
+
+class KvEventKind(IntEnum):
+    """What happened to a block, in ``KvSnapshot.events`` rows ``(kind, src, dst)``."""
+
+    COPY = 0  # copy-on-write: device block src copied into device block dst
+    EVICT = 1  # cached device block src lost its prefix-cache entry to new content (dst -1)
+    SWAP_OUT = 2  # device block src copied to CPU block dst
+    SWAP_IN = 3  # CPU block src copied to device block dst
+
+
+@dataclass
+class KvSnapshot:
+    """scheduler -> the frontends that watch: the block pool at one moment (``/v1/kv/events``).
+
+    Sparse, so that its size follows the blocks in use, not the pool's: a block not listed in
+    ``used_block_ids`` has count 0. A block's owners are the sequences whose tables hold it:
+    sequence ``i``'s table is ``table_block_ids[table_starts[i]:table_starts[i + 1]]``, in the CPU
+    pool when ``on_cpu[i]`` (swapped out), else on the device. ``events`` are the block moves since
+    the previous snapshot (oldest first; ``num_events_dropped`` more did not fit the scheduler's log).
+    """
+
+    TAG: ClassVar[int] = 41
+    snapshot_id: int
+    block_size: int
+    num_blocks: int
+    num_cpu_blocks: int
+    used_block_ids: np.ndarray  # [U] int32: device blocks held by some table, ascending
+    used_ref_counts: np.ndarray  # [U] int32: their reference counts
+    cached_block_ids: np.ndarray  # [C] int32: device blocks with a prefix-cache entry (count 0: cached, free)
+    cpu_used_block_ids: np.ndarray  # [V] int32: CPU blocks held by some table, ascending
+    cpu_used_ref_counts: np.ndarray  # [V] int32
+    seq_ids: np.ndarray  # [S] int64
+    request_ids: list[str]  # [S]
+    choice_idxs: np.ndarray  # [S] int32
+    on_cpu: np.ndarray  # [S] bool
+    num_computed_tokens: np.ndarray  # [S] int32: tokens in the sequence's blocks
+    table_starts: np.ndarray  # [S + 1] int32
+    table_block_ids: np.ndarray  # [sum of table lengths] int32
+    events: np.ndarray  # [E, 3] int32: (KvEventKind, src, dst)
+    num_events_dropped: int
+    stats: EngineStats
 
 MESSAGE_TYPES: dict[int, type] = {
     cls.TAG: cls
     for cls in (
         AddRequest, AbortRequest, RequestOutput, FrontendHello, Step, StepResult, ExecutorReady, Hello,
-        Heartbeat, Shutdown, ProcessLost, EngineStats,
+        Heartbeat, Shutdown, ProcessLost, EngineStats, KvWatch, KvSnapshot,
     )
 }
 _NESTED = {"SamplingParams": SamplingParams, "NewSequence": NewSequence, "ExecutorHealth": ExecutorHealth}

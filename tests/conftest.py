@@ -1,4 +1,5 @@
-"""Fixtures shared by the frontend tests: the real frontend app against a fake scheduler.
+"""Fixtures shared by the frontend tests: the real frontend app against a fake scheduler; and, for
+the whole-server tests, one tiny model directory for the session.
 
 A test module sets ``MAX_MODEL_LEN`` to choose the served model's length (default 256) and may set
 ``MAX_BODY_BYTES``.
@@ -9,6 +10,15 @@ import pytest
 
 from shared.endpoints import Endpoints
 from tests.frontend_doubles import FakeScheduler, FrontendThread, default_served_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama saved as safetensors with SmolLM2's tokenizer, shared by the servers the
+    tests start (they only read it)."""
+    from tests.test_server import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

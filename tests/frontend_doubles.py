@@ -20,7 +20,7 @@ from services.frontend.config import FrontendConfig
 from services.frontend.main import FrontendServer
 from services.frontend.served_model import ServedModel
 from shared.endpoints import Endpoints
-from shared.messages import AbortRequest, AddRequest, EngineStats, RequestOutput, decode, encode
+from shared.messages import AbortRequest, AddRequest, EngineStats, KvWatch, RequestOutput, decode, encode
 from shared.model_source import eos_token_ids, load_tokenizer, resolve_model
 
 # What the fake model "generates": multi-byte characters split across byte-level tokens on purpose.
@@ -37,6 +37,11 @@ FEW_BEAMS_MARKER = "[[fewbeams]]"  # with use_beam_search: only one hypothesis c
 def fake_logprob(token_id: int) -> float:
     """The logprob the fake scheduler reports for ``token_id``."""
     return -((token_id % 7) + 1) / 8
+
+
+def fake_rank(token_id: int) -> int:
+    """The rank the fake scheduler reports for prompt token ``token_id``."""
+    return token_id % 3 + 1
 
 
 @functools.cache
@@ -80,9 +85,14 @@ class FakeScheduler:
     The reply is ``REPLY_TEXT``'s tokens then the first EOS id (finish "stop"), cut to
     ``max_tokens`` (finish "length"); ``tokens_per_output`` tokens per ``RequestOutput``. With
     ``sampling.logprobs = k`` each token gets the logprob ``fake_logprob(token)`` and the top list
-    ``[token, token + 1, ...]`` (k long) with logprobs ``fake_logprob(token) - rank``. It sends
+    ``[token, token + 1, ...]`` (k long) with logprobs ``fake_logprob(token) - rank``. With
+    ``sampling.prompt_logprobs = k`` the request's first output carries each prompt token's (after
+    the first) ``fake_logprob(token)``, rank ``fake_rank(token)`` and top list ``[token + 1, ...]``
+    (k long) with logprobs ``fake_logprob(token) - rank``. ``max_tokens`` 0 gets one output per
+    choice, with no token and finish "length". It sends
     ``EngineStats(ready=self.ready)`` every 50 ms and records every ``AddRequest`` and
-    ``AbortRequest``; an aborted request gets no more outputs. A request's last output is marked
+    ``AbortRequest`` (and each ``KvWatch``'s ``on`` in ``kv_watches``; a test sends the snapshots
+    itself with ``send_raw``); an aborted request gets no more outputs. A request's last output is marked
     ``request_finished``, as the real scheduler marks it.
 
     Several choices, shaped like the real scheduler's: with ``n`` each choice ``c`` replies
@@ -100,6 +110,7 @@ class FakeScheduler:
     ready: bool = True
     added: list[AddRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    kv_watches: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.reply_token_ids = list(self.tokenizer.encode(REPLY_TEXT))
@@ -130,8 +141,9 @@ class FakeScheduler:
         with self._changed:
             self._raw_frames.append(frame)
 
-    def wait_for(self, predicate, timeout: float = 5.0) -> bool:
-        """Wait until ``predicate(self)`` holds (checked after each received message)."""
+    def wait_for(self, predicate, timeout: float = 30.0) -> bool:
+        """Wait until ``predicate(self)`` holds (checked after each received message). The default
+        timeout only guards against a hang: a loaded machine may take seconds."""
         with self._changed:
             return self._changed.wait_for(lambda: predicate(self), timeout)
 
@@ -178,6 +190,8 @@ class FakeScheduler:
             elif isinstance(message, AbortRequest):
                 self.aborted.append(message.request_id)
                 self._active.pop(message.request_id, None)
+            elif isinstance(message, KvWatch):
+                self.kv_watches.append(message.on)
             self._changed.notify_all()
 
     def _plan(self, request: AddRequest) -> _Active:
@@ -253,6 +267,13 @@ class FakeScheduler:
             output.logprobs = [fake_logprob(t) for t in new]
             output.top_token_ids = [[t + r for r in range(num_top)] for t in new]
             output.top_logprobs = [[fake_logprob(t) - r for r in range(num_top)] for t in new]
+        num_prompt_top = active.request.sampling.prompt_logprobs
+        if num_prompt_top is not None and not active.sent_first:
+            prompt = active.request.prompt_token_ids.tolist()[1:]
+            output.prompt_logprobs = [fake_logprob(t) for t in prompt]
+            output.prompt_ranks = [fake_rank(t) for t in prompt]
+            output.prompt_top_token_ids = [[t + 1 + r for r in range(num_prompt_top)] for t in prompt]
+            output.prompt_top_logprobs = [[fake_logprob(t) - 1 - r for r in range(num_prompt_top)] for t in prompt]
         active.sent_first = True
         return output
 

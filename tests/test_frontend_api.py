@@ -32,7 +32,7 @@ def http(method: str, url: str, *, body: object = None, data: bytes | None = Non
     return asyncio.run(go())
 
 
-def wait_for_health(url: str, status: int, timeout: float = 5.0) -> dict:
+def wait_for_health(url: str, status: int, timeout: float = 30.0) -> dict:
     """Poll /health until it answers ``status`` (the fake resends EngineStats every 50 ms)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -307,21 +307,28 @@ def test_client_disconnect_mid_stream_aborts(frontend, fake, model):
 
 
 def test_client_timeout_on_non_streamed_request_aborts(frontend, fake, model):
-    async def give_up_early() -> None:
-        timeout = aiohttp.ClientTimeout(total=0.3)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            body = {"model": model.name, "prompt": SLOW_MARKER, "max_tokens": 100}
-            with pytest.raises(asyncio.TimeoutError):
-                await session.post(frontend.base_url + "/v1/completions", json=body)
+    num_added = len(fake.added)
 
-    asyncio.run(give_up_early())
-    request_id = fake.added[-1].request_id
+    async def give_up_once_sent() -> None:
+        async with aiohttp.ClientSession() as session:
+            body = {"model": model.name, "prompt": SLOW_MARKER, "max_tokens": 120}  # 2.4 s of tokens
+            post = asyncio.create_task(session.post(frontend.base_url + "/v1/completions", json=body))
+            deadline = time.monotonic() + 60
+            while len(fake.added) == num_added:  # the request is at the scheduler...
+                assert time.monotonic() < deadline, "the request never reached the scheduler"
+                await asyncio.sleep(0.01)
+            post.cancel()  # ... when the client gives up, as a client-side timeout does
+            with pytest.raises(asyncio.CancelledError):
+                await post
+
+    asyncio.run(give_up_once_sent())
+    request_id = fake.added[num_added].request_id
     assert fake.wait_for(lambda f: request_id in f.aborted), "a vanished client should abort the request"
 
 
 def test_concurrent_requests_are_routed_by_id(frontend, model, fake):
     async def run_all():
-        client = openai.AsyncOpenAI(base_url=frontend.base_url + "/v1", api_key="unused", max_retries=0)
+        client = openai.AsyncOpenAI(base_url=frontend.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
         async with client:
             jobs = [client.completions.create(model=model.name, prompt=f"n{i}", max_tokens=5 + i) for i in range(12)]
             return await asyncio.gather(*jobs)

@@ -20,7 +20,7 @@ from services.frontend.options import GenerationOptions
 from services.frontend.preprocess import sampling_params
 from services.frontend.request_body import ChatBody, CompletionBody, parse_chat_body, parse_completion_body
 from shared.messages import AddRequest, SamplingParams, decode, encode
-from tests.frontend_doubles import REPLY_TEXT
+from tests.frontend_doubles import REPLY_TEXT, fake_logprob, fake_rank
 from tests.test_frontend_api import http, sse_events
 
 MAX_MODEL_LEN = 256
@@ -116,17 +116,25 @@ def test_every_sampling_params_field_comes_from_a_declaration():
     assert not derived & settled_by_the_model
 
 
-def test_prompt_logprobs_is_declared_but_refused_until_the_engine_computes_them(model):
+def test_prompt_logprobs_reach_the_engine_with_echoed_logprobs_folded_in(model):
     for parse in (completion, chat):
         assert parse(prompt_logprobs=None).options.prompt_logprobs is None
-        refused(lambda: parse(prompt_logprobs=2), "prompt_logprobs", "prompt_logprobs is not supported yet",
-                "the engine does not compute prompt logprobs")
+        assert parse(prompt_logprobs=2).options.prompt_logprobs == 2
         refused(lambda: parse(prompt_logprobs=-1), "prompt_logprobs", "between 0 and 20, got -1")
         refused(lambda: parse(prompt_logprobs="2"), "prompt_logprobs", "must be an integer")
-    options = completion().options
-    options.prompt_logprobs = 3  # what the body will carry once the engine computes them
-    params = sampling_params(options, 3, model, 16, "prompt")
-    assert params.prompt_logprobs == 3
+        refused(lambda: parse(prompt_logprobs=0, stream=True), "prompt_logprobs", "not available with stream")
+        refused(lambda: parse(prompt_logprobs=1, use_beam_search=True, n=2), "prompt_logprobs",
+                "prompt_logprobs is not supported with use_beam_search")
+
+    def engine_top(echo: bool, **fields) -> int | None:
+        options = completion(echo=echo, **fields).options
+        return sampling_params(options, 3, model, 16, "prompt", echo=echo).prompt_logprobs
+
+    assert engine_top(False, prompt_logprobs=3) == engine_top(True, prompt_logprobs=3) == 3
+    assert engine_top(False) is engine_top(True) is engine_top(False, logprobs=2) is None
+    assert engine_top(True, logprobs=2) == 2  # echo with logprobs: OpenAI's way to score the prompt
+    assert engine_top(True, logprobs=4, prompt_logprobs=1) == engine_top(True, logprobs=1, prompt_logprobs=4) == 4
+    params = sampling_params(completion(prompt_logprobs=3).options, 3, model, 16, "prompt")
     request = AddRequest("r", np.array([1, 2, 3], np.int32), params, [2], 0.0)
     assert decode(encode(request)).sampling == params
 
@@ -140,38 +148,107 @@ def test_max_tokens_zero_only_on_completions_with_echo():
     refused(lambda: completion(max_tokens=0, echo=True, min_tokens=1), "min_tokens", "must not exceed max_tokens (0)")
 
 
-# ---------------------------------------------------------------- echo with max_tokens 0, served
+# ---------------------------------------------------------------- prompt scoring, served
+
+
+def expected_prompt_logprobs(prompt_ids: list[int]) -> list[float | None]:
+    """The fake scheduler's scores of a prompt, as the legacy ``token_logprobs`` shows them."""
+    return [None] + [fake_logprob(t) for t in prompt_ids[1:]]
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_echo_with_max_tokens_zero_returns_the_prompt_alone(client, fake, model, stream):
-    """What a harness that scores answers sends: the prompt comes back with its tokens, nothing is
-    generated, and nothing reaches the engine (prompt logprobs are ``null`` until it computes them)."""
+def test_echo_with_logprobs_and_max_tokens_zero_scores_the_prompt(client, fake, model, stream):
+    """What a harness that scores answers sends (lm-eval's ``local-completions``): the prompt comes
+    back with its tokens and the engine's logprobs for them (``null`` first), nothing generated."""
     prompts = ["Score this: 東京", "And this."]
-    num_prompt_tokens = [len(model.tokenizer.encode(p)) for p in prompts]
+    prompt_ids = [list(model.tokenizer.encode(p)) for p in prompts]
     num_before = len(fake.added)
     args = dict(model=model.name, prompt=prompts, max_tokens=0, echo=True, logprobs=1, n=2)
     if stream:
         chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
-        texts = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
-                 for i in range(4)}
-        finishes = {c.choices[0].index: c.choices[0].finish_reason for c in chunks
-                    if c.choices and c.choices[0].finish_reason}
-        logprobs = {i: [lp for c in chunks if c.choices and c.choices[0].index == i and c.choices[0].logprobs
-                        for lp in c.choices[0].logprobs.token_logprobs] for i in range(4)}
+        choices = [c.choices[0] for c in chunks if c.choices]
+        texts = {i: "".join(c.text for c in choices if c.index == i) for i in range(4)}
+        finishes = {c.index: c.finish_reason for c in choices if c.finish_reason}
+        echoed = {c.index: c.logprobs for c in choices if c.text}  # the echo chunk: one per choice
+        assert len([c for c in choices if c.text]) == 4
         usage = chunks[-1].usage
     else:
         result = client.completions.create(**args)
         texts = {c.index: c.text for c in result.choices}
         finishes = {c.index: c.finish_reason for c in result.choices}
-        logprobs = {c.index: c.logprobs.token_logprobs for c in result.choices}
-        tokens = result.choices[0].logprobs.tokens
-        assert tokens == [model.tokenizer.decode([t]) for t in model.tokenizer.encode(prompts[0])]
+        echoed = {c.index: c.logprobs for c in result.choices}
         usage = result.usage
     assert texts == {i: prompts[i // 2] for i in range(4)} and finishes == {i: "length" for i in range(4)}
-    assert logprobs == {i: [None] * num_prompt_tokens[i // 2] for i in range(4)}
-    assert (usage.prompt_tokens, usage.completion_tokens) == (sum(num_prompt_tokens), 0)
+    for index, logprobs in echoed.items():
+        ids = prompt_ids[index // 2]
+        assert logprobs.token_logprobs == expected_prompt_logprobs(ids)
+        assert logprobs.tokens == [model.tokenizer.decode([t]) for t in ids]
+        assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(ids))]
+        assert logprobs.top_logprobs[0] is None
+        for token_id, top in zip(ids[1:], logprobs.top_logprobs[1:]):  # the top 1, then the prompt token
+            want = {model.tokenizer.decode([token_id + 1]): fake_logprob(token_id) - 1}
+            want.setdefault(model.tokenizer.decode([token_id]), fake_logprob(token_id))  # unless one text
+            assert top == want
+    assert (usage.prompt_tokens, usage.completion_tokens) == (sum(map(len, prompt_ids)), 0)
+    sent = fake.added[num_before:]
+    assert [r.prompt_token_ids.tolist() for r in sent] == prompt_ids
+    assert all((r.sampling.max_tokens, r.sampling.prompt_logprobs, r.sampling.n) == (0, 1, 2) for r in sent)
+
+
+def test_streamed_echo_with_logprobs_opens_with_the_prompts_then_generates(client, fake, model):
+    prompt_ids = list(model.tokenizer.encode("Hello"))
+    chunks = list(client.completions.create(model=model.name, prompt="Hello", max_tokens=4, echo=True, logprobs=0,
+                                            stream=True))
+    first, *rest = [c.choices[0] for c in chunks]
+    assert first.text == "Hello" and first.logprobs.token_logprobs == expected_prompt_logprobs(prompt_ids)
+    generated = fake.reply_token_ids[:4]
+    assert "".join(c.text for c in rest) == model.tokenizer.decode(generated)
+    assert [lp for c in rest if c.logprobs for lp in c.logprobs.token_logprobs] == [fake_logprob(t) for t in generated]
+    offsets = [o for c in [first, *rest] if c.logprobs for o in c.logprobs.text_offset]
+    tokens = [t for c in [first, *rest] if c.logprobs for t in c.logprobs.tokens]
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]  # one running offset
+
+
+def test_echo_without_logprobs_and_max_tokens_zero_never_reaches_the_engine(client, fake, model):
+    num_before = len(fake.added)
+    result = client.completions.create(model=model.name, prompt=["One", "Two"], max_tokens=0, echo=True)
+    assert [(c.text, c.finish_reason, c.logprobs) for c in result.choices] == [("One", "length", None),
+                                                                               ("Two", "length", None)]
     assert len(fake.added) == num_before
+
+
+def vllm_prompt_logprobs(model, prompt_ids: list[int], num_top: int) -> list:
+    """vLLM's ``prompt_logprobs`` of the fake scheduler's scores, as JSON brings them back."""
+    entries = [None]
+    for t in prompt_ids[1:]:
+        ranked = {str(t): {"logprob": fake_logprob(t), "rank": fake_rank(t),
+                           "decoded_token": model.tokenizer.decode([t])}}
+        for r in range(num_top):
+            ranked[str(t + 1 + r)] = {"logprob": fake_logprob(t) - 1 - r, "rank": r + 1,
+                                      "decoded_token": model.tokenizer.decode([t + 1 + r])}
+        entries.append(ranked)
+    return entries
+
+
+def test_vllm_prompt_logprobs_per_choice_on_completions_and_once_on_chat(client, fake, model):
+    prompt_ids = list(model.tokenizer.encode("Score me"))
+    result = client.completions.create(model=model.name, prompt="Score me", max_tokens=2, n=2,
+                                       extra_body={"prompt_logprobs": 2})
+    want = vllm_prompt_logprobs(model, prompt_ids, 2)
+    assert [c.model_extra["prompt_logprobs"] for c in result.choices] == [want, want]
+    assert [c.logprobs for c in result.choices] == [None, None]  # prompt_logprobs alone lists no token logprobs
+    echoed = client.completions.create(model=model.name, prompt="Score me", max_tokens=0, echo=True, logprobs=1,
+                                       extra_body={"prompt_logprobs": 3})
+    assert fake.added[-1].sampling.prompt_logprobs == 3  # the larger; each view keeps its own
+    assert echoed.choices[0].model_extra["prompt_logprobs"] == vllm_prompt_logprobs(model, prompt_ids, 3)
+    assert all(len(top) == 2 for top in echoed.choices[0].logprobs.top_logprobs[1:])
+    chat = client.chat.completions.create(model=model.name, messages=MESSAGES, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    chat_ids = fake.added[-1].prompt_token_ids.tolist()
+    assert chat.model_extra["prompt_logprobs"] == vllm_prompt_logprobs(model, chat_ids, 0)
+    assert "prompt_logprobs" not in chat.choices[0].model_extra
+    plain = client.completions.create(model=model.name, prompt="Score me", max_tokens=1)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra and fake.added[-1].sampling.prompt_logprobs is None
 
 
 def test_echo_with_max_tokens_zero_and_without_echo_over_http(frontend, model, fake):

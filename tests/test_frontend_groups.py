@@ -108,8 +108,8 @@ def test_stop_string_ends_only_its_choice(client, model, fake):
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_in_every_choice_aborts_the_request_once(client, model, fake, stream):
     num_aborted = len(fake.aborted)
-    result = client.completions.create(model=model.name, prompt=f"{SLOW_MARKER} go", n=3, max_tokens=40,
-                                       stop=["STOP"], stream=stream)  # slow: the engine is still running
+    result = client.completions.create(model=model.name, prompt=f"{SLOW_MARKER} go", n=3, max_tokens=200,
+                                       stop=["STOP"], stream=stream)  # 4 s of tokens: the engine still runs
     if stream:
         chunks = list(result)
         texts, finishes, _ = collect(chunks, "completion")

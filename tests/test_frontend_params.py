@@ -107,7 +107,8 @@ def test_chat_logprobs_with_exact_bytes(client, fake, model, stream):
 @pytest.mark.parametrize("stream", [False, True])
 def test_echo(client, fake, model, stream):
     prompt = "Echo this: 東京"
-    num_prompt = len(model.tokenizer.encode(prompt))
+    prompt_ids = model.tokenizer.encode(prompt)
+    num_prompt = len(prompt_ids)
     args = dict(model=model.name, prompt=prompt, max_tokens=5, echo=True, logprobs=0)
     if stream:
         chunks = list(client.completions.create(stream=True, **args))
@@ -118,7 +119,9 @@ def test_echo(client, fake, model, stream):
         choice = client.completions.create(**args).choices[0]
         text, token_logprobs = choice.text, choice.logprobs.token_logprobs
     assert text == prompt + expected(model, fake, 5)[0]
-    assert token_logprobs[:num_prompt] == [None] * num_prompt and None not in token_logprobs[num_prompt:]
+    # the prompt's tokens with the engine's scores (the first has nothing before it), then the reply's
+    assert token_logprobs[:num_prompt] == [None] + [fake_logprob(t) for t in prompt_ids[1:]]
+    assert None not in token_logprobs[num_prompt:] and fake.added[-1].sampling.prompt_logprobs == 0
     assert len(token_logprobs) == num_prompt + 5
     token_ids = model.tokenizer.encode("Hi there")
     assert client.completions.create(model=model.name, prompt=token_ids, max_tokens=2,

@@ -40,6 +40,7 @@ def get(url: str) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
+@pytest.mark.slow  # a fresh process loads the tokenizer
 def test_frontend_process_serves_and_stops_on_sigterm(tmp_path):
     endpoints = Endpoints.in_directory(str(tmp_path))
     port = free_port()
@@ -55,7 +56,7 @@ def test_frontend_process_serves_and_stops_on_sigterm(tmp_path):
     try:
         fake = FakeScheduler(endpoints, cached_tokenizer()).start()  # binds after the frontend connects: fine
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 240  # only against a hang: a loaded machine starts it slowly
         while True:
             assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
             try:
@@ -64,7 +65,7 @@ def test_frontend_process_serves_and_stops_on_sigterm(tmp_path):
                     break
             except OSError:
                 pass  # not listening yet: the tokenizer takes seconds to load
-            assert time.monotonic() < deadline, "the frontend did not become healthy within 60 s"
+            assert time.monotonic() < deadline, "the frontend did not become healthy within 240 s"
             time.sleep(0.2)
         status, body = get(url + "/v1/models")
         assert status == 200 and json.loads(body)["data"][0]["id"] == "smol"
@@ -73,10 +74,10 @@ def test_frontend_process_serves_and_stops_on_sigterm(tmp_path):
             url + "/v1/completions", json.dumps({"model": "smol", "prompt": "hi", "max_tokens": 4}).encode(),
             {"Content-Type": "application/json"},
         )
-        with urllib.request.urlopen(request, timeout=10) as resp:
+        with urllib.request.urlopen(request, timeout=60) as resp:
             assert json.loads(resp.read())["usage"]["completion_tokens"] == 4
         proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=20)
+        _, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -112,18 +113,17 @@ def test_shutdown_ends_running_streams_and_aborts_them(tmp_path):
     reader = threading.Thread(target=lambda: asyncio.run(stream_until_closed()))
     try:
         reader.start()
-        assert fake.wait_for(lambda f: len(f.added) == 1)
-        time.sleep(0.1)
-        started = time.monotonic()
+        assert fake.wait_for(lambda f: len(f.added) == 1, timeout=60)
         frontend.stop()
-        assert time.monotonic() - started < 3
-        reader.join(timeout=5)
-        assert fake.wait_for(lambda f: f.aborted == [f.added[0].request_id])
+        reader.join(timeout=60)
+        assert fake.wait_for(lambda f: f.aborted == [f.added[0].request_id], timeout=60)
     finally:
         fake.stop()
     events = [line for line in received if line.strip()]
     assert events[-1] == b"data: [DONE]\n"
     assert json.loads(events[-2][len(b"data: "):])["error"]["message"] == "the server is shutting down"
+    chunks = [json.loads(line[len(b"data: "):]) for line in events[:-2]]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks)  # cut off, not run to its end
 
 
 def test_bad_flag_fails_with_its_name():

@@ -15,6 +15,7 @@ from tests.test_frontend_api import http
 
 MAX_MODEL_LEN = 128
 API_KEY = "sk-test-7f3a"
+HANG_GUARD_S = 60  # client timeouts: long enough for a loaded machine, short of pytest's own
 
 
 def post(frontend, path: str, body: object) -> tuple[int, dict]:
@@ -89,7 +90,7 @@ def test_metrics(frontend, model):
                  "time_to_first_token_seconds_count", "time_per_output_token_seconds_count",
                  "e2e_request_latency_seconds_count"]:
         assert f"pagedserve:{name}" in before, name
-    client = openai.OpenAI(base_url=frontend.base_url + "/v1", api_key="x", max_retries=0)
+    client = openai.OpenAI(base_url=frontend.base_url + "/v1", api_key="x", max_retries=0, timeout=HANG_GUARD_S)
     result = client.completions.create(model=model.name, prompt="count me", max_tokens=6)
     list(client.completions.create(model=model.name, prompt="and me", max_tokens=4, stream=True))
     after = metric_values(http("GET", frontend.base_url + "/metrics")[2].decode())
@@ -112,8 +113,8 @@ def test_api_key(model, fake):
             assert status == 401 and error["code"] == "invalid_api_key" and headers["WWW-Authenticate"] == "Bearer"
             assert "no API key" in error["message"]
         with pytest.raises(openai.AuthenticationError, match="not valid"):
-            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
-        good = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0, timeout=HANG_GUARD_S).models.list()
+        good = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=HANG_GUARD_S)
         assert good.completions.create(model=model.name, prompt="hi", max_tokens=2).usage.completion_tokens == 2
         assert "securitySchemes" in json.dumps(good.get("/../openapi.json", cast_to=object))
     finally:
@@ -126,12 +127,20 @@ def test_full_queue_gets_503_with_retry_after(model, fake):
         url = server.base_url + "/v1/completions"
         held = {"model": model.name, "prompt": HOLD_MARKER, "max_tokens": 5}
 
+        async def until(predicate) -> None:
+            """Wait for the fake scheduler to have seen something (a deadline only against a hang)."""
+            deadline = asyncio.get_running_loop().time() + HANG_GUARD_S
+            while not predicate(fake):
+                assert asyncio.get_running_loop().time() < deadline, "the fake scheduler never saw it"
+                await asyncio.sleep(0.01)
+
         async def go():
-            async with aiohttp.ClientSession() as session:
-                waiting = [asyncio.create_task(session.post(url, json=held)) for _ in range(2)]
+            timeout = aiohttp.ClientTimeout(total=HANG_GUARD_S)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
                 num_added = len(fake.added)
-                while len(fake.added) < num_added + 2:  # both are at the scheduler, no output yet
-                    await asyncio.sleep(0.01)
+                waiting = [asyncio.create_task(session.post(url, json=held)) for _ in range(2)]
+                await until(lambda f: len(f.added) >= num_added + 2)  # both at the scheduler, no output yet
+                held_ids = [r.request_id for r in fake.added[num_added:num_added + 2]]
                 async with session.post(url, json=held | {"prompt": "x"}) as resp:
                     full = resp.status, resp.headers.get("Retry-After"), await resp.json()
                 async with session.post(url, json=held | {"prompt": ["a", "b", "c"]}) as resp:
@@ -139,7 +148,8 @@ def test_full_queue_gets_503_with_retry_after(model, fake):
                 for task in waiting:  # the clients give up: their requests leave the queue
                     task.cancel()
                 await asyncio.gather(*waiting, return_exceptions=True)
-                await asyncio.sleep(0.2)
+                # The frontend sends a request's abort and frees its queue place in one call on its loop.
+                await until(lambda f: set(held_ids) <= set(f.aborted))
                 async with session.post(url, json=held | {"prompt": "x"}) as resp:
                     return full, never, resp.status
 

@@ -69,7 +69,7 @@ def test_write_kv_cache_exact():
         # one partition; GQA ratio 1; head_dim == block threads (one token group)
         ([37, 16], 2, 2, 64, 16, None),
         # partitions of 8 tokens + log-sum-exp merge; GQA ratio 3; head_dim 32 (two token groups)
-        ([1, 23], 3, 1, 32, 4, 8),
+        pytest.param([1, 23], 3, 1, 32, 4, 8, marks=pytest.mark.slow),  # the slowest to simulate
         # head_dim 128 > block threads (threads loop over dims); a partial last partition
         ([40], 1, 1, 128, 16, 16),
     ],
@@ -88,7 +88,7 @@ def test_decode_matches_reference(lens, num_heads, num_kv_heads, head_dim, block
     np.testing.assert_allclose(out, expected.numpy(), atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("partition_size", [None, 8])
+@pytest.mark.parametrize("partition_size", [None, pytest.param(8, marks=pytest.mark.slow)])  # 8: slow to simulate
 def test_prefill_matches_reference(partition_size):
     # a fresh prompt of 2 tokens and a chunk of 2 new tokens over a 17-token cached prefix
     q_lens, lens = [2, 2], [2, 19]

@@ -52,8 +52,9 @@ def test_stream_timings_from_server_sent_events():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    for url in tiny_server(tmp_path_factory, "serve-locust", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny"):
+def server(tmp_path_factory, tiny_model_dir):
+    for url in tiny_server(tmp_path_factory, "serve-locust", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
+                           model_dir=tiny_model_dir):
         _warm_up(url)  # the kernels compile on first use: not inside Locust's few seconds
         yield url
 

@@ -10,13 +10,13 @@ import pytest
 
 from shared.messages import (
     MESSAGE_TYPES, AbortRequest, AddRequest, DecodeError, EngineStats, ExecutorHealth, ExecutorReady, FrontendHello,
-    Heartbeat, Hello, NewSequence, ProcessLost, RequestOutput, SamplingParams, Shutdown, Step, StepResult, decode,
-    encode,
+    Heartbeat, Hello, KvEventKind, KvSnapshot, KvWatch, NewSequence, ProcessLost, RequestOutput, SamplingParams,
+    Shutdown, Step, StepResult, decode, encode,
 )
 
 SAMPLING = SamplingParams(n=2, temperature=0.7, top_k=5, seed=2**62, stop_token_ids=[3, 4], logprobs=2,
                           eos_token_ids=[2], best_of=3, early_stopping="never", logit_bias_token_ids=[7],
-                          logit_bias_values=[-1.5])
+                          logit_bias_values=[-1.5], prompt_logprobs=1)
 
 EXAMPLES = [
     AddRequest("r1", np.array([5, 6, 7], np.int32), SAMPLING, [2], 1234.5),
@@ -25,7 +25,8 @@ EXAMPLES = [
     AbortRequest("r1"),
     RequestOutput("r1", 1, [8, 9], "length", num_prompt_tokens=3, num_cached_tokens=2, num_preemptions=1,
                   logprobs=[-0.5, -1.0], top_token_ids=[[8, 1], [9, 1]], top_logprobs=[[-0.5, -2.0], [-1.0, -3.0]],
-                  request_finished=True),
+                  request_finished=True, prompt_logprobs=[-2.0, -0.25], prompt_ranks=[3, 1],
+                  prompt_top_token_ids=[[4], [6]], prompt_top_logprobs=[[-0.5], [-0.25]]),
     RequestOutput("r2", 0, [], "error", error="the executor failed: boom", request_finished=True, error_kind="engine"),
     FrontendHello(pid=4321),
     Step(
@@ -35,10 +36,14 @@ EXAMPLES = [
         block_tables=np.array([[5, 1], [2, 0]], np.int32), sample_mask=np.array([True, False]),
         new_seqs=[NewSequence(4, "r2", SAMPLING, np.array([5, 6, 7, 8], np.int32), 3)], finished_seq_ids=[1],
         block_copies=np.array([[1, 2]], np.int64), swap_out=np.array([[3, 0]], np.int64),
-        swap_in=np.array([[0, 3]], np.int64), epoch=99,
+        swap_in=np.array([[0, 3]], np.int64), num_scored_tokens=np.array([0, 2], np.int32), num_prompt_top_logprobs=1,
+        epoch=99,
     ),
     StepResult(7, np.array([3], np.int64), np.array([11], np.int64), logprobs=np.array([-0.25], np.float32),
-               top_token_ids=np.array([[11, 4]], np.int64), top_logprobs=np.array([[-0.25, -2.5]], np.float32)),
+               top_token_ids=np.array([[11, 4]], np.int64), top_logprobs=np.array([[-0.25, -2.5]], np.float32),
+               prompt_logprobs=np.array([-1.5, -0.5], np.float32), prompt_ranks=np.array([4, 1], np.int64),
+               prompt_top_token_ids=np.array([[2], [6]], np.int64),
+               prompt_top_logprobs=np.array([[-0.75], [-0.5]], np.float32)),
     StepResult(8, np.zeros(0, np.int64), np.zeros(0, np.int64), error="boom"),
     ExecutorReady(0, 1, 100, 16, 2048, num_cpu_blocks=8, model="tiny", incarnation=2**62 + 5, pid=77, epoch=99),
     ExecutorReady(1, 3, 300, 16, 2048, num_cpu_blocks=8, all_reduce="shm", kv_cache_bytes=3 * 2**20),
@@ -52,6 +57,18 @@ EXAMPLES = [
                 kv_cache_bytes_per_rank=[2**20, 2**20 + 5]),
     EngineStats(0, 0, 100, 0, 0, 0, False, epoch=2**40, pid=12, num_frontends_lost=1,
                 executors=[ExecutorHealth(0, 77, "ok", 0.25, 1), ExecutorHealth(1, 0, "starting", -1.0, 0)]),
+    KvWatch(on=True),
+    KvSnapshot(
+        snapshot_id=3, block_size=4, num_blocks=4, num_cpu_blocks=2, used_block_ids=np.array([0, 2], np.int32),
+        used_ref_counts=np.array([2, 1], np.int32), cached_block_ids=np.array([0, 1], np.int32),
+        cpu_used_block_ids=np.array([0], np.int32), cpu_used_ref_counts=np.array([1], np.int32),
+        seq_ids=np.array([5, 6, 7], np.int64), request_ids=["ra", "ra", "rb"],
+        choice_idxs=np.array([0, 1, 0], np.int32),
+        on_cpu=np.array([False, False, True]), num_computed_tokens=np.array([5, 6, 3], np.int32),
+        table_starts=np.array([0, 2, 3, 4], np.int32), table_block_ids=np.array([0, 2, 0, 0], np.int32),
+        events=np.array([[KvEventKind.COPY, 1, 2], [KvEventKind.SWAP_OUT, 3, 0]], np.int32), num_events_dropped=1,
+        stats=EngineStats(2, 0, 4, 2, 11, 12, True, num_swapped=1, num_kv_snapshots=3),
+    ),
 ]
 
 

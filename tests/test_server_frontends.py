@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from shared.endpoints import Endpoints
-from tests.test_server import _free_port, _start, _wait_healthy, save_tiny_model, stop
+from tests.test_server import _free_port, _start, _wait_healthy, stop
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +45,9 @@ def _start_frontend(root, model_dir, request_endpoint: str, label: str) -> tuple
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+def deployment(tmp_path_factory, tiny_model_dir):
     """(model directory, log folder, the request endpoint, the first frontend's URL)."""
-    model_dir = save_tiny_model(tmp_path_factory)
+    model_dir = tiny_model_dir
     root = tmp_path_factory.mktemp("serve-frontends")
     proc, url = _start(root, "--model", str(model_dir), "--served-model-name", MODEL, "--dtype", "float32",
                        "--kv-cache-memory", "16MiB")

@@ -120,9 +120,9 @@ def _prompts(vocab_size: int, seed: int = 0):
 
 @pytest.mark.parametrize("world_size,num_heads,num_kv_heads", [
     (2, 6, 2),  # 3 query heads and 1 KV head per rank
-    (3, 6, 3),  # vocabulary 128 in shards of 43 (padded), intermediate 128 split 42/43/43
+    pytest.param(3, 6, 3, marks=pytest.mark.slow),  # vocabulary 128 in shards of 43 (padded), intermediate 42/43/43
     (2, 4, 2),
-    (4, 4, 2),  # 1 KV head replicated on 2 ranks each
+    pytest.param(4, 4, 2, marks=pytest.mark.slow),  # 1 KV head replicated on 2 ranks each
 ])
 def test_tiny_gqa_sharded_equals_unsharded(world_size, num_heads, num_kv_heads):
     hf_model = tiny_llama(seed=3, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
@@ -134,6 +134,7 @@ def test_tiny_gqa_sharded_equals_unsharded(world_size, num_heads, num_kv_heads):
     assert any(len(s.swap_out) for s in steps) and any(len(s.swap_in) for s in steps), "no swap happened"
 
 
+@pytest.mark.slow  # spawned ranks compile the kernels again
 def test_numba_kernels_on_shards():
     """The Numba CPU kernels with a rank's head counts (3 query heads on 1 KV head)."""
     pytest.importorskip("kernels.cpu")

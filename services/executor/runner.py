@@ -17,6 +17,7 @@ from shared.messages import Step, StepResult
 from .attention import AttentionMetadata
 from .histories import TokenHistories
 from .model import LlamaForCausalLM
+from .prompt_logprobs import score_prompts
 from .sampler import Sampler
 
 
@@ -118,13 +119,15 @@ class ModelRunner:
             torch.from_numpy(step.positions).to(dev),
             self.kv_caches, meta, self.backend,
         )  # [T, hidden]
+        prompt_scores = score_prompts(step, hidden, self.histories, self.model.compute_logits)
         sample_rows = torch.from_numpy(step.query_start_loc[1:][step.sample_mask] - 1).long().to(dev)
         sampled_ids = step.seq_ids[step.sample_mask]
         if len(sampled_ids) == 0:
-            return StepResult(step.step_id, sampled_ids, sampled_ids.copy())
+            return StepResult(step.step_id, sampled_ids, sampled_ids.copy(), **prompt_scores)
         logits = self.model.compute_logits(hidden[sample_rows])  # every rank gathers; rank 0 gets them
         if logits is None:  # another rank of a group: rank 0 samples and replies
             return StepResult(step.step_id, sampled_ids[:0], sampled_ids[:0].copy())
         out = self.sampler.sample(logits, sampled_ids.tolist())
         return StepResult(step.step_id, sampled_ids, out.token_ids.cpu().numpy().astype("int64"),
-                          logprobs=out.logprobs, top_token_ids=out.top_token_ids, top_logprobs=out.top_logprobs)
+                          logprobs=out.logprobs, top_token_ids=out.top_token_ids, top_logprobs=out.top_logprobs,
+                          **prompt_scores)

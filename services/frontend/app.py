@@ -1,8 +1,9 @@
 """The aiohttp application: its routes, its start and stop, and the middlewares for errors and
 API keys.
 
-Routes live in ``serving`` (completions and chat) and ``routes_info`` (models, health, metrics,
-tokenize, detokenize, version, openapi.json); what they share is in ``state``.
+Routes live in ``serving`` (completions and chat), ``routes_info`` (models, health, metrics,
+tokenize, detokenize, version, openapi.json) and ``playground`` (the page at /, its block-pool
+events); what they share is in ``state``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from services.frontend.errors import APIError
 from services.frontend.http_limits import HTTP_LIMITS, HttpLimits, connection_middleware
 from services.frontend.logprobs import TokenFormatter
 from services.frontend.metrics import FrontendMetrics
+from services.frontend.playground import add_playground, is_page_path
 from services.frontend.served_model import ServedModel
 from services.frontend.state import REQUEST_ID, STATE, FrontendState
 from services.frontend.tokenizer_pools import TokenizerPools
@@ -39,6 +41,7 @@ def create_app(
     max_queue_len: int | None = None,
     api_key: str | None = None,
     http_limits: HttpLimits | None = None,
+    playground: bool = True,
 ) -> web.Application:
     """The frontend's application. Starting it starts ``client`` (ZMQ reader); shutting it down
     gives running requests ``shutdown_grace_s`` to finish, then cancels (and so aborts) them;
@@ -49,7 +52,8 @@ def create_app(
     get a 503 with ``Retry-After``. ``api_key``: every route but /health needs
     ``Authorization: Bearer <api_key>``. ``max_body_bytes``: ``None`` sizes the body limit from
     the model (``ServedModel.body_limit_bytes``). ``http_limits``: the body-read deadline is read
-    from it here; the connection deadlines are the server's (``connection_guard``)."""
+    from it here; the connection deadlines are the server's (``connection_guard``). ``playground``:
+    serve the chat page and /v1/kv/events (``playground``)."""
     app = web.Application(client_max_size=max_body_bytes or model.body_limit_bytes,
                           middlewares=[connection_middleware, error_middleware, auth_middleware])
     app[HTTP_LIMITS] = http_limits or HttpLimits()
@@ -61,6 +65,8 @@ def create_app(
     app.router.add_post("/v1/completions", serving.create_completion)
     app.router.add_post("/v1/chat/completions", serving.create_chat_completion)
     routes_info.add_routes(app.router)
+    if playground:
+        add_playground(app, client)
     app.on_startup.append(_start_client)
     app.on_shutdown.append(_end_generations)
     app.on_cleanup.append(_stop_client)
@@ -129,10 +135,11 @@ async def error_middleware(request: web.Request, handler: Callable) -> web.Strea
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """With an API key set, refuse (401) any request but /health without ``Bearer <key>``."""
+    """With an API key set, refuse (401) any request but /health and the playground's page without
+    ``Bearer <key>``."""
     state = request.app.get(STATE)
     key = state.api_key if state is not None else None
-    if key is None or request.path in OPEN_PATHS:
+    if key is None or request.path in OPEN_PATHS or is_page_path(request.path):
         return await handler(request)
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     given = token.strip().encode("utf-8", "replace")

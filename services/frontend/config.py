@@ -23,6 +23,7 @@ class FrontendConfig:
     timeouts and connection cap. ``max_queue_len`` caps the
     engine requests waiting for their first output (more get a 503 with ``Retry-After``; ``None``:
     no cap). ``api_key``: when set, every route but /health needs ``Authorization: Bearer <key>``.
+    ``playground``: serve the chat page at / and /v1/kv/events (``--no-playground``: not).
     Keyword arguments only.
     """
 
@@ -37,6 +38,7 @@ class FrontendConfig:
     max_queue_len: int | None = None
     api_key: str | None = field(default=None, repr=False)
     heartbeat_timeout: float = 10.0
+    playground: bool = True
 
     def __post_init__(self) -> None:
         if self.served_model_name is not None and not self.served_model_name.strip():

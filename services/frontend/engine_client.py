@@ -14,6 +14,9 @@ fails. A new epoch in its stats means a new scheduler process: once it is ready 
 flight is handed to it (``RequestRoutes.resubmissions``) and continues where it was. Restarts are
 counted here: the scheduler's, and the executors' (reported by each scheduler; the counts of
 earlier schedulers are kept).
+
+For the playground, ``watch_kv`` asks the scheduler for block-pool snapshots (``KvWatch``), which
+arrive at ``on_kv_snapshot`` (``kv_stream.KvHub``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import asyncio
 import os
 import time
 import uuid
+from typing import Callable
 
 import msgpack
 import structlog
@@ -31,7 +35,8 @@ import zmq.asyncio
 from shared.endpoints import Endpoints
 from services.frontend.request_routes import RequestRoutes
 from shared.messages import (
-    AbortRequest, AddRequest, DecodeError, EngineStats, FrontendHello, RequestOutput, decode, encode,
+    AbortRequest, AddRequest, DecodeError, EngineStats, FrontendHello, KvSnapshot, KvWatch, RequestOutput, decode,
+    encode,
 )
 
 log = structlog.get_logger()
@@ -73,6 +78,7 @@ class EngineClient:
         self._resubmit: set[str] | None = None  # a new scheduler: the requests to hand it once it is ready
         self.num_scheduler_restarts = 0
         self._executor_restarts_before = 0  # reported by the schedulers before this one
+        self.on_kv_snapshot: Callable[[KvSnapshot], None] | None = None
 
     @property
     def num_dropped_frames(self) -> int:
@@ -166,6 +172,11 @@ class EngineClient:
         future = self._socket.send(encode(FrontendHello(os.getpid())), zmq.NOBLOCK)
         future.add_done_callback(_ignore_failure)  # zmq.Again: the next hello will do
 
+    def watch_kv(self, on: bool) -> None:
+        """Ask for block-pool snapshots, or stop; dropped rather than queued if it cannot go now."""
+        if self._socket is not None:
+            self._socket.send(encode(KvWatch(on)), zmq.NOBLOCK).add_done_callback(_ignore_failure)
+
     async def _watch_silence(self) -> None:
         while True:
             await asyncio.sleep(HELLO_INTERVAL_S)
@@ -209,6 +220,9 @@ class EngineClient:
             self._route(message)
         elif isinstance(message, EngineStats):
             self._on_stats(message)
+        elif isinstance(message, KvSnapshot):
+            if self.on_kv_snapshot is not None:
+                self.on_kv_snapshot(message)
         else:
             self._num_dropped_frames += 1
             log.error("dropped an unexpected message from the scheduler", type=type(message).__name__)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -13,12 +12,10 @@ import structlog
 
 from services.frontend.detokenizer import IncrementalDetokenizer
 from services.frontend.engine_client import EngineClient
-from services.frontend.logprobs import TokenLogprob
+from services.frontend.logprobs import TokenLogprob, prompt_entries, token_entries
 from shared.messages import AddRequest, RequestOutput, SamplingParams
 
 log = structlog.get_logger()
-
-MIN_LOGPROB = -9999.0  # JSON has no -Infinity
 
 
 class EngineRequestError(Exception):
@@ -114,6 +111,7 @@ class Generation:
         self.num_completion_tokens = 0  # over every choice
         self.num_cached_tokens = 0  # prompt tokens the engine reused from its prefix cache
         self.num_preemptions = 0  # the most times any choice was preempted
+        self._prompt_scores: RequestOutput | None = None  # the output that carried the prompt's logprobs
         self.finished = False
         self._engine_done = False  # nothing more will come from the scheduler
         self._closed = False
@@ -121,6 +119,12 @@ class Generation:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob]:
+        """The prompt's tokens with the logprobs the engine scored (``sampling.prompt_logprobs``):
+        the first ``null``, and all ``null`` while (or if) none came."""
+        return prompt_entries(self.prompt_token_ids, self._prompt_scores)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -136,7 +140,7 @@ class Generation:
         return [c.finish_reason for c in self.choices if c.finish_reason is not None]
 
     def start(self) -> None:
-        if self._sampling.max_tokens == 0:
+        if self._sampling.max_tokens == 0 and self._sampling.prompt_logprobs is None:
             self._start_prompt_only()
             return
         request = AddRequest(
@@ -153,9 +157,9 @@ class Generation:
                  n=self._sampling.n)
 
     def _start_prompt_only(self) -> None:
-        """``max_tokens`` 0 (completions with echo): nothing to generate, so nothing is sent and
-        each choice ends at once, with no tokens and ``length``. (Once the engine computes prompt
-        logprobs, a request that wants them will have to go to it.)"""
+        """``max_tokens`` 0 (completions with echo) without prompt logprobs: nothing to generate or
+        score, so nothing is sent and each choice ends at once, with no tokens and ``length``. (A
+        request that wants the prompt's logprobs goes to the engine, which scores it and ends.)"""
         self._queue = asyncio.Queue()
         self._engine_done = True
         for choice_idx in range(len(self._all_choices)):
@@ -181,6 +185,8 @@ class Generation:
                 continue
             if output.finish_reason is not None:
                 self._check_failure(output)
+            if output.prompt_logprobs:  # on the request's first output, whichever choice it is
+                self._prompt_scores = output
             self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
             self.num_preemptions = max(self.num_preemptions, output.num_preemptions)
             choice = self._all_choices[output.choice_idx]  # the client checked the range
@@ -193,7 +199,7 @@ class Generation:
             num_new += len(output.new_token_ids)
             delta.text += choice.detokenizer.add(output.new_token_ids)
             if self.wants_logprobs:
-                delta.logprobs += _token_logprobs(output)
+                delta.logprobs += token_entries(output)
             if choice.detokenizer.stopped:
                 choice.finish_reason = delta.finish_reason = "stop"
             elif output.finish_reason is not None:
@@ -257,21 +263,3 @@ class Generation:
             message = output.error or f"the engine ended the request early ({output.finish_reason})"
             raise EngineRequestError(503, message)
 
-
-def _token_logprobs(output: RequestOutput) -> list[TokenLogprob]:
-    """The logprobs the scheduler attached, one per new token (a token without any gets None)."""
-    entries = []
-    tokens = output.new_token_ids
-    offset = len(tokens) - len(output.logprobs)  # the scheduler attaches them to the last tokens
-    for i, token_id in enumerate(tokens):
-        j = i - offset
-        if j < 0:
-            entries.append(TokenLogprob(token_id, None, ()))
-            continue
-        top = tuple((t, _finite(v)) for t, v in zip(output.top_token_ids[j], output.top_logprobs[j]))
-        entries.append(TokenLogprob(token_id, _finite(output.logprobs[j]), top))
-    return entries
-
-
-def _finite(value: float) -> float:
-    return value if math.isfinite(value) else MIN_LOGPROB

@@ -1,26 +1,75 @@
-"""Logprobs in OpenAI's two shapes: the legacy completions object and chat's ``content`` list.
+"""Logprobs: the engine's (``RequestOutput``) as entries, and the entries in OpenAI's two shapes,
+the legacy completions object and chat's ``content`` list, and in vLLM's ``prompt_logprobs``.
 
 Each generated token carries its logprob and the most likely tokens at its position (from the
-model's raw distribution, see ``services/executor/sampler.py``). Tokens are shown as their own
-decoded text (special tokens included); chat's ``bytes`` are the token's exact bytes when the
-tokenizer is byte-level (a token may hold part of a UTF-8 character), else its text's UTF-8.
-Echoed prompt tokens have ``null`` logprobs (prompt logprobs are not computed). When a stop
-string ends a choice, its logprobs run to the token that completed the stop string, although the
-text is cut before it.
+model's raw distribution, see ``services/executor/sampler.py``); so does each prompt token after
+the first when the engine scored the prompt (``prompt_entries``; the first has ``null``, having
+nothing before it). Tokens are shown as their own decoded text (special tokens included); chat's
+``bytes`` are the token's exact bytes when the tokenizer is byte-level (a token may hold part of a
+UTF-8 character), else its text's UTF-8. When a stop string ends a choice, its logprobs run to the
+token that completed the stop string, although the text is cut before it. JSON has no -Infinity:
+such a logprob is shown as ``MIN_LOGPROB``, as OpenAI and vLLM do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
+
+from shared.messages import RequestOutput
+
+MIN_LOGPROB = -9999.0
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
-    logprob: float | None  # None for an echoed prompt token
+    logprob: float | None  # None for a prompt token without one (the first, or an unscored prompt)
     top: tuple[tuple[int, float], ...] | None = None  # (token id, logprob), most likely first
+    rank: int | None = None  # of a scored prompt token: 1 + how many tokens were likelier
+
+
+# ---------------------------------------------------------------- the engine's logprobs as entries
+
+
+def token_entries(output: RequestOutput) -> list[TokenLogprob]:
+    """The logprobs the scheduler attached, one per new token (a token without any gets None)."""
+    entries = []
+    tokens = output.new_token_ids
+    offset = len(tokens) - len(output.logprobs)  # the scheduler attaches them to the last tokens
+    for i, token_id in enumerate(tokens):
+        j = i - offset
+        if j < 0:
+            entries.append(TokenLogprob(token_id, None, ()))
+            continue
+        top = tuple((t, _finite(v)) for t, v in zip(output.top_token_ids[j], output.top_logprobs[j]))
+        entries.append(TokenLogprob(token_id, _finite(output.logprobs[j]), top))
+    return entries
+
+
+def prompt_entries(prompt_token_ids: list[int], output: RequestOutput | None) -> list[TokenLogprob]:
+    """One entry per prompt token: the first ``null``, the others with the scores ``output``
+    carries (``RequestOutput.prompt_logprobs``); all ``null`` without them."""
+    entries = [TokenLogprob(t, None, None) for t in prompt_token_ids]
+    if output is None or len(output.prompt_logprobs) != len(prompt_token_ids) - 1:
+        return entries
+    for i, token_id in enumerate(prompt_token_ids[1:]):
+        top = tuple((t, _finite(v)) for t, v in zip(output.prompt_top_token_ids[i], output.prompt_top_logprobs[i]))
+        entries[i + 1] = TokenLogprob(token_id, _finite(output.prompt_logprobs[i]), top, output.prompt_ranks[i])
+    return entries
+
+
+def with_top(entries: list[TokenLogprob], num_top: int) -> list[TokenLogprob]:
+    """``entries`` with at most ``num_top`` most likely tokens each (the engine sends the most any
+    view of them asked for)."""
+    return [e if e.top is None else dataclasses.replace(e, top=e.top[:num_top]) for e in entries]
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
 
 
 @functools.cache
@@ -81,6 +130,25 @@ class TokenFormatter:
         for token_id, logprob in (*(entry.top or ()), (entry.token_id, entry.logprob)):
             out.setdefault(self.text(token_id), logprob)
         return out
+
+    def vllm_prompt(self, entries: list[TokenLogprob]) -> list[dict[int, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token, ``null`` without a logprob (the first),
+        else ``{token id: {"logprob", "rank", "decoded_token"}}`` for the prompt token, then for
+        each of the most likely tokens (rank 1, 2, ...) that is not the prompt token."""
+        out: list[dict[int, dict[str, Any]] | None] = []
+        for entry in entries:
+            if entry.logprob is None:
+                out.append(None)
+                continue
+            ranked = {entry.token_id: self._vllm_token(entry.token_id, entry.logprob, entry.rank)}
+            for rank, (token_id, logprob) in enumerate(entry.top or (), start=1):
+                if token_id not in ranked:
+                    ranked[token_id] = self._vllm_token(token_id, logprob, rank)
+            out.append(ranked)
+        return out
+
+    def _vllm_token(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.text(token_id)}
 
     def chat(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         """Chat's ``logprobs`` object: ``{"content": [...], "refusal": null}``."""

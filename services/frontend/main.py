@@ -17,6 +17,7 @@ from services.frontend.config import FrontendConfig
 from services.frontend.connection_guard import ConnectionGuard, GuardedSite
 from services.frontend.engine_client import EngineClient
 from services.frontend.http_limits import add_http_limit_arguments, http_limits_from_args
+from services.frontend.playground import add_playground_argument
 from services.frontend.served_model import ServedModel, load_served_model
 from shared.endpoints import Endpoints
 from shared.logging import configure_logging
@@ -39,6 +40,7 @@ class FrontendServer:
         self.app = create_app(
             model, self.client, max_body_bytes=config.max_body_bytes, shutdown_grace_s=shutdown_grace_s,
             max_queue_len=config.max_queue_len, api_key=config.api_key, http_limits=config.http_limits,
+            playground=config.playground,
         )
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=HANDLER_SHUTDOWN_TIMEOUT_S
@@ -115,6 +117,7 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: b
                        help="seconds without a word from the scheduler before it counts as lost: /health and "
                             "new requests answer 503 until it is back (default 10)")
     add_http_limit_arguments(group)
+    add_playground_argument(group)
     if endpoint_flags:
         group.add_argument("--request-endpoint", default=os.environ.get("PAGEDSERVE_REQUEST_ENDPOINT"),
                            help="the scheduler's ZMQ endpoint for frontends: requests go there, their outputs "
@@ -140,6 +143,7 @@ def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | N
         max_queue_len=getattr(args, "max_queue_len", None),
         api_key=getattr(args, "api_key", None) or api_key_from_env(),
         http_limits=http_limits_from_args(args),
+        playground=getattr(args, "playground", True),
         **({"heartbeat_timeout": args.heartbeat_timeout} if getattr(args, "heartbeat_timeout", None) else {}),
     )
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from services.frontend.fields import Route, schema_properties
 from services.frontend.request_body import CHAT_MESSAGE_SCHEMA, ChatBody, CompletionBody
+from shared.kv_json import kv_snapshot_schema
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -79,7 +80,24 @@ def _get(summary: str, content_type: str = "application/json") -> dict[str, Any]
         content_type: {"schema": {"type": "object"} if content_type == "application/json" else {"type": "string"}}}}}}}
 
 
-def openapi_spec(version: str, model_name: str, api_key_required: bool) -> dict[str, Any]:
+def _playground_paths() -> dict[str, Any]:
+    """The page (open) and its block-pool events: one ``KvSnapshot`` as JSON in each event's data."""
+    event = {"type": "object", "required": ["data"], "properties": {"data": {
+        "type": "string", "contentMediaType": "application/json", "contentSchema": _ref("KvSnapshot")}}}
+    return {
+        "/": {"get": {"summary": "The playground: chat with a live map of the KV block pool.", "security": [],
+                      "responses": {"200": {"description": "OK", "content": {"text/html": {"schema": {
+                          "type": "string"}}}}}}},
+        "/v1/kv/events": {"get": {
+            "summary": "The KV block pool, a few snapshots a second at most while the pool changes "
+                       "(newest only for a client that reads slowly), as server-sent events.",
+            "responses": {"200": {"description": "Server-sent events; each data is a KvSnapshot.", "content": {
+                "text/event-stream": {"schema": {"type": "string"}, "itemSchema": event}}}} | _errors(401),
+        }},
+    }
+
+
+def openapi_spec(version: str, model_name: str, api_key_required: bool, playground: bool = False) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "pagedserve", "version": version,
@@ -107,6 +125,9 @@ def openapi_spec(version: str, model_name: str, api_key_required: bool) -> dict[
         },
         "components": {"schemas": _schemas()},
     }
+    if playground:
+        spec["paths"].update(_playground_paths())
+        spec["components"]["schemas"]["KvSnapshot"] = kv_snapshot_schema()
     if api_key_required:
         spec["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         spec["security"] = [{"bearer": []}]

@@ -31,7 +31,6 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_N = 128  # choices (n), samples (best_of) or beams per prompt, OpenAI's limit for n
 MAX_LENGTH_PENALTY = 10.0  # |length_penalty|: length ** penalty stays a finite, non-zero float
-PROMPT_LOGPROBS_PENDING = "the engine does not compute prompt logprobs (echo with logprobs lists null for them)"
 
 _COMPLETIONS, _CHAT = Route.COMPLETIONS, Route.CHAT
 _REFUSED, _ONLY = BeamSearch.REFUSED, BeamSearch.ONLY
@@ -177,9 +176,10 @@ class GenerationOptions:
     top_logprobs: int | None = declare(NUM_LOGPROBS, routes=_CHAT, description="Only with logprobs true.")
     chat_logprobs: bool = declare(Boolean(), False, json_name="logprobs", routes=_CHAT, beam_search=_REFUSED)
     prompt_logprobs: int | None = declare(
-        NUM_LOGPROBS, nullable=True, sampling=True, beam_search=_REFUSED, pending=PROMPT_LOGPROBS_PENDING,
-        description="vLLM's extension: the logprob of every prompt token and of the k most likely at its "
-                    f"position. Not supported yet: {PROMPT_LOGPROBS_PENDING}.")
+        NUM_LOGPROBS, nullable=True, sampling=True, beam_search=_REFUSED,
+        description="vLLM's extension: the logprob of every prompt token after the first and of the k most "
+                    "likely tokens at its position, in the response's prompt_logprobs (per choice on "
+                    "completions, once on chat). Not with stream.")
     given: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def param(self, attr: str) -> str:

@@ -76,9 +76,12 @@ def sampling_params(
     model: ServedModel,
     default_max_tokens: int | None,
     prompt_param: str,
+    echo: bool = False,
 ) -> SamplingParams:
     """The engine's parameters: every field ``options`` declares for the engine (``FieldSpec.sampling``),
-    checked against the model, with ``max_tokens`` settled (``settle_max_tokens``) and the EOS ids."""
+    checked against the model, with ``max_tokens`` settled (``settle_max_tokens``), the EOS ids, and
+    the prompt scored when the response shows its logprobs (``scored_prompt_top``; ``echo``: the
+    prompt is echoed)."""
     max_tokens = settle_max_tokens(options, num_prompt_tokens, model, default_max_tokens, prompt_param)
     if options.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({options.min_tokens}) exceeds the {max_tokens} tokens left", "min_tokens")
@@ -87,7 +90,16 @@ def sampling_params(
     values = sampling_values(options)
     if options.top_k is not None and options.top_k >= model.vocab_size:
         values["top_k"] = None  # a top_k beyond the vocabulary is no top_k
+    values["prompt_logprobs"] = scored_prompt_top(options, echo)
     return SamplingParams(**values, max_tokens=max_tokens, eos_token_ids=list(model.eos_token_ids))
+
+
+def scored_prompt_top(options: GenerationOptions, echo: bool) -> int | None:
+    """How many most likely tokens the engine reports at each prompt position: vLLM's
+    ``prompt_logprobs``, and when the prompt is echoed with ``logprobs`` (OpenAI's way to score a
+    text), that many; the larger when both are asked (each view keeps its own). None: no scoring."""
+    wanted = [k for k in (options.prompt_logprobs, options.logprobs if echo else None) if k is not None]
+    return max(wanted, default=None)
 
 
 def settle_max_tokens(

@@ -177,6 +177,6 @@ def resume_plan(route: _Route) -> list[tuple[int | None, AddRequest]] | str:
         seed = sampling.seed if sampling.seed is None or choice == 0 else (sampling.seed + choice) % 2**63
         parts.append((choice, dataclasses.replace(
             request, request_id=f"{prefix}.c{choice}",
-            sampling=dataclasses.replace(sampling, n=1, best_of=None, seed=seed),
+            sampling=dataclasses.replace(sampling, n=1, best_of=None, seed=seed, prompt_logprobs=None),
             resumed_token_ids=np.asarray(route.token_ids[choice], np.int32))))
     return parts

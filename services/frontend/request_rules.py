@@ -4,6 +4,8 @@ on its own (``options.GenerationOptions``). Each raises ``APIError`` naming the 
 - ``min_tokens`` must not exceed an explicit ``max_tokens``; ``max_tokens`` 0 only on completions
   with ``echo`` (the prompt alone, for scoring).
 - chat's ``logprobs`` (a boolean) and ``top_logprobs`` settle into ``GenerationOptions.logprobs``.
+- ``prompt_logprobs`` (vLLM's extension) is not streamed, as in vLLM: it comes in the whole
+  response only (``echo`` with ``logprobs`` streams the prompt's logprobs, OpenAI's way).
 - ``best_of`` is at least ``n``; ``best_of > n`` cannot stream (nothing is known before every
   sample has finished), as OpenAI says. Beam search can: each returned hypothesis comes as one
   chunk when the search ends.
@@ -23,6 +25,9 @@ def check_options(opts: GenerationOptions, route: Route, echo: bool = False) -> 
     """Check ``opts`` as parsed for ``route`` (``echo``: a completions body asked for it), and
     settle what the rules decide (chat's logprobs, beam search's temperature)."""
     _check_lengths(opts, echo)
+    if opts.prompt_logprobs is not None and opts.stream:
+        raise bad_request("prompt_logprobs is not available with stream (as in vLLM); ask without stream, or "
+                          "stream echo with logprobs", "prompt_logprobs")
     if route is Route.CHAT:
         _settle_chat_logprobs(opts)
     _check_best_of(opts)

@@ -1,4 +1,5 @@
-"""Response bodies in OpenAI's shapes, for completions and chat, whole and streamed."""
+"""Response bodies in OpenAI's shapes, for completions and chat, whole and streamed (with vLLM's
+``prompt_logprobs`` when asked: per choice on completions, on the response on chat)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class Choice:
     text: str
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # vLLM's extension, when asked
 
 
 class ResponseShapes:
@@ -102,8 +104,10 @@ class CompletionShapes(ResponseShapes):
         logprobs = None
         if choice.logprobs is not None and self.tokens is not None:
             logprobs, _ = self.tokens.completion(choice.logprobs, 0)
-        return {"index": choice.index, "text": choice.text, "logprobs": logprobs,
-                "finish_reason": choice.finish_reason}
+        body = {"index": choice.index, "text": choice.text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+        if choice.prompt_logprobs is not None and self.tokens is not None:
+            body["prompt_logprobs"] = self.tokens.vllm_prompt(choice.prompt_logprobs)
+        return body
 
     def _chunk_choice(
         self, index: int, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None
@@ -117,6 +121,13 @@ class CompletionShapes(ResponseShapes):
 class ChatShapes(ResponseShapes):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
+
+    def full(self, choices: list[Choice], usage_: dict[str, int]) -> dict[str, Any]:
+        """vLLM's ``prompt_logprobs`` is the response's here: the choices share the prompt."""
+        body = super().full(choices, usage_)
+        if choices and choices[0].prompt_logprobs is not None and self.tokens is not None:
+            body["prompt_logprobs"] = self.tokens.vllm_prompt(choices[0].prompt_logprobs)
+        return body
 
     def opening_chunks(self, indices: list[int]) -> list[dict[str, Any]]:
         return [

@@ -14,6 +14,7 @@ from services.frontend.health import health_report
 from services.frontend.http_limits import read_body
 from services.frontend.input_limits import chat_chars, check_prompt_chars
 from services.frontend.openapi import openapi_spec
+from services.frontend.playground import KV_HUB
 from services.frontend.preprocess import chat_prompt_ids
 from services.frontend.request_body import ChatBody, check_model, parse_json_body, parse_messages
 from services.frontend.served_model import ServedModel
@@ -133,4 +134,5 @@ async def version(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(openapi_spec(package_version(), state.model.name, state.api_key is not None))
+    return web.json_response(openapi_spec(package_version(), state.model.name, state.api_key is not None,
+                                          playground=KV_HUB in request.app))

@@ -7,8 +7,11 @@ schema, prompt building, response shapes, default ``max_tokens``). A completions
 chunks interleave as tokens arrive, each naming its choice's index. ``usage`` counts each prompt
 once and the tokens of every returned choice (with ``best_of``, not those of the samples dropped).
 With ``echo`` each choice's text starts with its prompt's (streamed: in a chunk of its own), and
-with logprobs its tokens are listed with ``null`` logprobs. ``max_tokens`` 0 (only with ``echo``)
-returns the prompt alone, each choice finished with ``length`` (see ``Generation``).
+with ``logprobs`` its tokens are listed with the logprobs the engine scored (the first ``null``;
+streamed, that chunk waits for the engine's first output). ``max_tokens`` 0 (only with ``echo``)
+returns the prompt alone, each choice finished with ``length`` (see ``Generation``): the engine
+only scores the prompt, and is not asked at all when no logprobs are wanted. vLLM's
+``prompt_logprobs`` (not streamed) comes per choice on completions and once on chat.
 
 Streamed beam search (vLLM's extension) is accepted: the hypotheses are known only when the search
 ends, so each comes as one chunk then (for chat, after its own opening ``role`` chunk), best first.
@@ -30,7 +33,7 @@ from aiohttp import web
 
 from services.frontend.errors import APIError, bad_request
 from services.frontend.generation import Delta, EngineRequestError, Generation
-from services.frontend.logprobs import TokenLogprob
+from services.frontend.logprobs import TokenLogprob, with_top
 from services.frontend.options import GenerationOptions
 from services.frontend.http_limits import read_body
 from services.frontend.input_limits import check_prompt_chars
@@ -68,10 +71,14 @@ CHAT = Endpoint("chatcmpl", parse_chat_body, chat_inputs, chat_text_chars, ChatS
 
 @dataclass
 class _Echo:
-    """What a choice starts with before its generated text (completions with ``echo``)."""
+    """What a choice starts with before its generated text (completions with ``echo``): the
+    prompt's text and, when ``logprobs`` asks for ``num_top``, its tokens' logprobs."""
 
     text: str = ""
-    logprobs: list[TokenLogprob] | None = None
+    num_top: int | None = None
+
+    def logprobs(self, gen: Generation) -> list[TokenLogprob] | None:
+        return None if self.num_top is None else with_top(gen.prompt_logprobs, self.num_top)
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
@@ -101,14 +108,8 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
 
 
 def _echo(prompt: PromptInput, options: GenerationOptions) -> _Echo:
-    """The prompt's text, and its tokens with ``null`` logprobs (the engine does not compute prompt
-    logprobs yet) when logprobs are asked for; nothing unless the prompt is echoed."""
-    if prompt.text is None:
-        return _Echo()
-    entries = None
-    if options.logprobs is not None:
-        entries = [TokenLogprob(t, None, None) for t in prompt.token_ids]
-    return _Echo(prompt.text, entries)
+    """Nothing unless the prompt is echoed (its text is then kept)."""
+    return _Echo() if prompt.text is None else _Echo(prompt.text, options.logprobs)
 
 
 def _admit(state: FrontendState, num_requests: int) -> None:
@@ -146,8 +147,8 @@ async def _generate(
     arrival: float,
 ) -> web.StreamResponse:
     model = state.model
-    samplings = [sampling_params(options, len(i.token_ids), model, endpoint.default_max_tokens, endpoint.prompt_param)
-                 for i in inputs]
+    samplings = [sampling_params(options, len(i.token_ids), model, endpoint.default_max_tokens, endpoint.prompt_param,
+                                 echo=i.text is not None) for i in inputs]
     _admit(state, len(inputs))
     single = len(inputs) == 1
     gens = [
@@ -178,7 +179,8 @@ async def _generate(
             gen.close()  # aborts unless finished: client gone, handler cancelled, or a bug
     choices = [
         Choice(c.index, echo.text + c.text, c.finish_reason or "stop",
-               list(echo.logprobs or []) + logprobs.get(c.index, []) if gen.wants_logprobs else None)
+               (echo.logprobs(gen) or []) + logprobs.get(c.index, []) if gen.wants_logprobs else None,
+               None if options.prompt_logprobs is None else with_top(gen.prompt_logprobs, options.prompt_logprobs))
         for gen, echo in zip(gens, echoes)
         for c in gen.choices
     ]
@@ -197,7 +199,7 @@ async def _stream(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
     await response.prepare(request)
-    echo_of = {c.index: echo for gen, echo in zip(gens, echoes) for c in gen.choices}
+    echo_of = {c.index: (gen, echo) for gen, echo in zip(gens, echoes) for c in gen.choices}
     opened: set[int] = set()
 
     async def open_choices(indices: list[int]) -> None:
@@ -205,14 +207,16 @@ async def _stream(
         for chunk in shapes.opening_chunks(indices):
             await response.write(sse_event(chunk))
         for index in indices:
-            echo = echo_of[index]
-            if echo.text or echo.logprobs:
-                await response.write(sse_event(shapes.chunk(index, echo.text, None, echo.logprobs)))
+            gen, echo = echo_of[index]
+            if echo.text or echo.num_top is not None:
+                await response.write(sse_event(shapes.chunk(index, echo.text, None, echo.logprobs(gen))))
         opened.update(indices)
 
     try:
-        # Beam search choices open with their text: how many come back is known only at the end.
-        await open_choices([c.index for g in gens if not g.beam_search for c in g.choices])
+        # Beam search choices open with their text: how many come back is known only at the end. An
+        # echo with logprobs waits for the prompt's, which come with the request's first output.
+        await open_choices([c.index for g, e in zip(gens, echoes) if not g.beam_search and e.num_top is None
+                            for c in g.choices])
         try:
             async with contextlib.aclosing(_deltas(gens)) as deltas:
                 async for gen, delta in deltas:

@@ -20,6 +20,7 @@ Contract:
 - Swap: ``swap_out`` moves a group of sequences' blocks to the CPU pool of ``num_cpu_blocks``
   (a block shared inside the group moves once) and returns the ``(device, cpu)`` copies the
   executors must make; ``swap_in`` brings them back and returns ``(cpu, device)`` copies.
+- ``events`` logs copy-on-write copies, evictions and swaps while the pool is watched (``kv_events``).
 - ``check_integrity`` verifies conservation in both pools and the consistency of the cache.
 """
 
@@ -31,6 +32,11 @@ from enum import Enum
 from typing import NewType, Sequence
 
 import numpy as np
+
+from shared.messages import KvEventKind
+
+from .block_checks import check_block_manager
+from .kv_events import KvEventLog
 
 BlockHash = NewType("BlockHash", bytes)
 
@@ -63,12 +69,11 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.num_cpu_blocks = num_cpu_blocks
         self.reset()
-        self.num_queried_tokens = 0
-        self.num_hit_tokens = 0
+        self.num_queried_tokens = self.num_hit_tokens = 0  # prefix-cache lookups, for the hit rate
+        self.events = KvEventLog()  # kept across ``reset``: whether it records is the publisher's choice
 
     def reset(self) -> None:
-        """Both pools as new (every block free, nothing cached, no copy pending), as when the
-        executors that held them were replaced; the prefix-cache counters carry on."""
+        """Both pools as new, as when the executors that held them were replaced (counters carry on)."""
         self.ref_counts = [0] * self.num_blocks
         self.block_hashes: list[BlockHash | None] = [None] * self.num_blocks
         self.free_queue: deque[int] = deque(range(self.num_blocks))
@@ -165,6 +170,7 @@ class BlockManager:
             block_id, _ = self.evictable.popitem(last=False)  # least recently used
             del self.cached[self.block_hashes[block_id]]
             self.block_hashes[block_id] = None
+            self.events.record(KvEventKind.EVICT, block_id)
         self.ref_counts[block_id] = 1
         return block_id
 
@@ -211,6 +217,7 @@ class BlockManager:
             table[cow_idx] = self._take()
             self._release(src)
             self.pending_copies.append((src, table[cow_idx]))
+            self.events.record(KvEventKind.COPY, src, table[cow_idx])
         for _ in range(self.num_new_blocks(seq_id, num_tokens)):
             table.append(self._take())
         return True
@@ -255,6 +262,7 @@ class BlockManager:
                 self.cpu_ref_counts[mapping[block_id]] += 1
             for block_id in reversed(table):
                 self._release(block_id)  # a hashed block stays cached on the device too
+        self.events.record_pairs(KvEventKind.SWAP_OUT, mapping.items())
         return list(mapping.items())
 
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
@@ -272,6 +280,7 @@ class BlockManager:
             for block_id in table:
                 self.ref_counts[mapping[block_id]] += 1
             self._free_cpu(table)
+        self.events.record_pairs(KvEventKind.SWAP_IN, mapping.items())
         return list(mapping.items())
 
     @staticmethod
@@ -288,35 +297,6 @@ class BlockManager:
         """Release a swapped-out sequence's CPU blocks (it was aborted while swapped)."""
         self._free_cpu(self.cpu_tables.pop(seq_id, []))
 
-    # ------------------------------------------------------------------ checks
-
     def check_integrity(self) -> None:
-        """Raise AssertionError if blocks were lost, duplicated or miscounted."""
-        idle = list(self.free_queue) + list(self.evictable)
-        self._check_pool(self.num_blocks, self.block_tables, self.ref_counts, idle)
-        self._check_pool(self.num_cpu_blocks, self.cpu_tables, self.cpu_ref_counts, list(self.cpu_free_queue))
-        assert not set(self.block_tables) & set(self.cpu_tables), "a sequence is in both pools"
-        for block_id in self.free_queue:
-            assert self.block_hashes[block_id] is None, f"free block {block_id} still has a hash"
-        for block_id in self.evictable:
-            assert self.block_hashes[block_id] is not None, f"evictable block {block_id} has no hash"
-        for h, block_id in self.cached.items():
-            assert self.block_hashes[block_id] == h, f"cache entry for block {block_id} is stale"
-        assert sum(h is not None for h in self.block_hashes) == len(self.cached), "hash without entry"
-
-    @staticmethod
-    def _check_pool(num_blocks, tables, ref_counts, idle: list[int]) -> None:
-        holders = [0] * num_blocks
-        for table in tables.values():
-            for block_id in table:
-                holders[block_id] += 1
-        idle_set = set(idle)
-        assert len(idle_set) == len(idle), "a block is idle twice"
-        for block_id in range(num_blocks):
-            count = ref_counts[block_id]
-            assert count == holders[block_id], (
-                f"block {block_id}: ref count {count} but held by {holders[block_id]} tables"
-            )
-            assert (count == 0) == (block_id in idle_set), (
-                f"block {block_id}: ref count {count} but {'idle' if block_id in idle_set else 'not idle'}"
-            )
+        """Raise AssertionError if blocks were lost, duplicated or miscounted (``block_checks``)."""
+        check_block_manager(self)

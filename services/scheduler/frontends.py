@@ -3,10 +3,12 @@
 Frontends connect DEALER sockets, each under an identity of its own, to ``endpoints.request``.
 Every message a frontend sends (``FrontendHello``, ``AddRequest``, ``AbortRequest``) makes it
 known. A request's outputs go to the frontend that sent the request, until the output marked
-``request_finished``; ``EngineStats`` go to every known frontend. A frontend is forgotten when it
-has gone away (the socket is ROUTER_MANDATORY, so sending to it fails) or has sent nothing for
-``silence_timeout_s`` (frontends say hello every second: one that is silent is hung); the requests
-it still had wait in ``take_orphans`` for the scheduler to abort, and ``num_lost`` counts it.
+``request_finished``; ``EngineStats`` go to every known frontend; ``KvSnapshot`` to the frontends
+whose ``KvWatch`` is on (``kv_watchers``: renewal times, which ``kv_publisher`` lets lapse). A
+frontend is forgotten when it has gone away (the socket is ROUTER_MANDATORY, so sending to it
+fails) or has sent nothing for ``silence_timeout_s`` (frontends say hello every second: one that is
+silent is hung); the requests it still had wait in ``take_orphans`` for the scheduler to abort,
+``num_lost`` counts it, and its watch ends.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from shared.messages import AddRequest, DecodeError, EngineStats, RequestOutput, decode, encode
+from shared.messages import AddRequest, DecodeError, EngineStats, KvWatch, RequestOutput, decode, encode
 
 
 class FrontendLink:
@@ -31,6 +33,7 @@ class FrontendLink:
         self.num_lost = 0  # frontends that went away or fell silent
         self._owners: dict[str, bytes] = {}  # request id -> identity of the frontend that sent it
         self._orphans: list[str] = []
+        self.kv_watchers: dict[bytes, float] = {}  # identity -> time.monotonic() of its last KvWatch(on)
 
     def recv(self, timeout_ms: int) -> Any:
         """The next message from any frontend, or None on timeout. Bad frames are logged and dropped."""
@@ -51,6 +54,11 @@ class FrontendLink:
             return None
         if isinstance(message, AddRequest):
             self._owners[message.request_id] = identity
+        elif isinstance(message, KvWatch):
+            if message.on:
+                self.kv_watchers[identity] = time.monotonic()
+            else:
+                self.kv_watchers.pop(identity, None)
         return message
 
     def send_output(self, output: RequestOutput) -> None:
@@ -81,6 +89,11 @@ class FrontendLink:
                 for request_id in aborted:  # if it still lives, its requests must not wait forever
                     self._send(identity, encode(error_output_for_lost_frontend(request_id, now - last)))
 
+    def send_kv_snapshot(self, frame: bytes) -> None:
+        """To every watching frontend; one that is busy misses this snapshot, not the next."""
+        for identity in list(self.kv_watchers):
+            self._send(identity, frame)
+
     def take_orphans(self) -> list[str]:
         """Requests whose frontend has gone away since the last call."""
         orphans, self._orphans = self._orphans, []
@@ -105,6 +118,7 @@ class FrontendLink:
         """Forget a frontend; its requests become orphans (returned too)."""
         self.frontends.pop(identity, None)
         self.num_lost += 1
+        self.kv_watchers.pop(identity, None)
         gone = [rid for rid, owner in self._owners.items() if owner == identity]
         for request_id in gone:
             del self._owners[request_id]

@@ -13,10 +13,12 @@ are and what they say. ``new_group`` picks the group for a request's sampling:
   children (sharing all its blocks), one with none is pruned. When the search is done the best
   hypotheses, ``n`` at most, are sent.
 
-A group answers each event (a sampled row, a sequence that outgrew the KV pool, a failure, an
-abort) with a ``GroupUpdate`` that the scheduler applies: forks to start, finished sequences (their
-``finish_reason`` set) to take out of its queues and free, outputs to send. The last output of a
-request carries ``request_finished``; the group is then ``done``.
+A group answers each event (a sampled row, a prompt computed with nothing to sample, a sequence
+that outgrew the KV pool, a failure, an abort) with a ``GroupUpdate`` that the scheduler applies:
+forks to start, finished sequences (their ``finish_reason`` set) to take out of its queues and
+free, outputs to send. The last output of a request carries ``request_finished``; the group is
+then ``done``. A request with ``prompt_logprobs`` has its prompt scored by its first sequence
+(``PromptScores``), and its first output carries the scores.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from shared.messages import AddRequest, RequestOutput, SamplingParams
 
 from .beam_search import Beam, BeamSearch
 from .outputs import Sample, delta, error_output, merged
+from .prompt_scores import PromptScores
 from .sequence import ErrorKind, FinishReason, Sequence
 
 
@@ -90,6 +93,10 @@ class SequenceGroup:
             ))
         resumed = [int(t) for t in request.resumed_token_ids]  # sent before a scheduler restart
         self.seqs[0].output_token_ids, self.seqs[0].num_output_sent = resumed, len(resumed)
+        self.prompt_scores: PromptScores | None = None
+        if request.sampling.prompt_logprobs is not None:
+            self.prompt_scores = PromptScores(len(prompt), request.sampling.prompt_logprobs)
+            self.seqs[0].prompt_scores = self.prompt_scores
 
     def _executor_sampling(self, sampling: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """The sampling the executors get for every sequence of the group."""
@@ -120,9 +127,17 @@ class SequenceGroup:
         self._send([delta(seq, sample)], update)
         return self._closed(update)
 
+    def on_prompt_done(self, seq: Sequence) -> GroupUpdate:
+        """``seq`` computed its prompt and ``max_tokens`` is 0: it ends with ``length`` and no
+        token, and so do the samples that were to fork from it."""
+        return self._end_with_pending(seq)
+
     def on_outgrown(self, seq: Sequence) -> GroupUpdate:
         """``seq`` (preempted, or reserving for the contiguous policy) no longer fits in the pool:
         it ends with ``length``, and so do the samples that were to fork from it."""
+        return self._end_with_pending(seq)
+
+    def _end_with_pending(self, seq: Sequence) -> GroupUpdate:
         update = GroupUpdate()
         ended = [seq, *seq.pending_children]
         seq.pending_children = []
@@ -155,6 +170,9 @@ class SequenceGroup:
         update.outputs += outputs
 
     def _closed(self, update: GroupUpdate) -> GroupUpdate:
+        """The first output carries the prompt's scores (once), the last ``request_finished``."""
+        if update.outputs and self.prompt_scores is not None:
+            self.prompt_scores.attach(update.outputs[0])
         if update.outputs and self.done:
             update.outputs[-1].request_finished = True
         return update
@@ -251,6 +269,7 @@ class BeamGroup(SequenceGroup):
             parent, seq_id=next(self._seq_ids), output_token_ids=[*parent.output_token_ids, token_id],
             cum_logprob=cum_logprob, block_hashes=list(parent.block_hashes), pending_children=[],
             announced=False, beam_candidates=None, num_output_sent=len(parent.output_token_ids) + 1,
+            prompt_scores=None,
         )
 
     def _hypotheses(self, live: list[Sequence]) -> list[RequestOutput]:

@@ -8,7 +8,8 @@ is given.
 One loop, never blocked for long: it sends a step when the executors are ready and none is in
 flight, then waits on both sockets at once, so that while a step runs it still takes requests,
 aborts and heartbeats, and sends ``EngineStats`` every ``STATS_INTERVAL_S`` (the frontends' sign
-that the scheduler lives). Every turn also touches the scheduler's heartbeat file
+that the scheduler lives) and, while a playground watches, block-pool snapshots
+(``kv_publisher``). Every turn also touches the scheduler's heartbeat file
 (``shared.heartbeat``, for a container healthcheck), while a step is out too: the loop turning is
 the scheduler's health; an executor's is its own file and its heartbeats.
 
@@ -41,6 +42,7 @@ from .block_manager import BlockManager
 from .contiguous import ContiguousBlockManager
 from .executors import ExecutorLink
 from .frontends import FrontendLink
+from .kv_publisher import KvPublisher
 from .liveness import ExecutorGroup, Loss
 from .scheduler import Scheduler, SchedulerConfig
 
@@ -86,6 +88,7 @@ class SchedulerProcess:
         group = ExecutorGroup(config.world_size, config.heartbeat_timeout, config.step_timeout)
         self.executors = ExecutorLink(self.ctx, ep.step, ep.result, group, self.epoch, self.log,
                                       config.supervisor_endpoint)
+        self.kv_publisher = KvPublisher(self.frontends)  # the playground's map; idle while nobody watches
         self.poller = zmq.Poller()
         self.poller.register(self.frontends.socket, zmq.POLLIN)
         self.poller.register(self.executors.results, zmq.POLLIN)
@@ -136,6 +139,8 @@ class SchedulerProcess:
         self._start_when_ready()
         self.executors.say_hello(now)
         self.frontends.forget_silent(now)
+        if self.scheduler is not None:
+            self.kv_publisher.publish(self.scheduler, now)
         for request_id in self.frontends.take_orphans():
             self.log.info("request aborted: its frontend is gone", request_id=request_id)
             self._handle(AbortRequest(request_id))

@@ -198,15 +198,18 @@ class Scheduler:
         rows = {seq_id: row for row, seq_id in enumerate(result.seq_ids.tolist())}
         for s in scheduled:
             seq = s.seq
+            if s.scored_rows is not None:
+                seq.prompt_scores.add(result, s.scored_rows)
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step was in flight
             seq.num_computed_tokens += s.num_new_tokens
             cache_computed_blocks(self.blocks, seq)
             row = rows.get(seq.seq_id)
-            if row is None:
-                continue  # a prefill chunk that is not the last one
             group = self.groups[seq.request_id]
-            self._apply(group, group.on_sample(seq, Sample.from_result(result, row)))
+            if row is not None:
+                self._apply(group, group.on_sample(seq, Sample.from_result(result, row)))
+            elif seq.num_pending_tokens == 0:  # its prompt is in and max_tokens is 0: nothing to sample
+                self._apply(group, group.on_prompt_done(seq))
         self.crashes.release_caught_up(self.groups)
 
     def reset_executor_state(self, cause: str) -> None:

@@ -8,6 +8,8 @@ from enum import Enum, StrEnum
 
 from shared.messages import SamplingParams
 
+from .prompt_scores import PromptScores
+
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
@@ -61,6 +63,7 @@ class Sequence:
     pending_children: list = field(default_factory=list)  # siblings that fork once the prompt is in
     cum_logprob: float = 0.0  # sum of the sampled tokens' logprobs (best_of, beam search)
     beam_candidates: tuple | None = None  # (token ids, logprobs) awaiting the beam decision
+    prompt_scores: PromptScores | None = None  # its group's, on the sequence that prefills the prompt
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,10 +3,13 @@
 No model: every scheduled sequence gets one token per step, and a request stops (EOS) once it has
 produced its answer length. The same stream runs under ``--kv-policy paged`` and ``contiguous``
 (each request reserving ``--max-model-len`` slots, as the paper's memory simulator does), and the
-command prints steps to finish, mean slot utilization, peak concurrency and preemptions.
+command prints steps to finish, mean slot utilization, peak concurrency and preemptions. With
+``--html PATH`` it also writes a page that replays both runs step by step (``services.replay_page``).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
@@ -36,8 +39,10 @@ def parse_requests(text: str) -> list[tuple[int, int]]:
 
 
 def simulate(requests: list[tuple[int, int]], num_slots: int, block_size: int, max_model_len: int,
-             kv_policy: str, max_steps: int = 100_000) -> dict[str, float]:
-    """Run the stream to completion; returns steps, mean utilization, peak running, preemptions."""
+             kv_policy: str, max_steps: int = 100_000,
+             observe: Callable[[Scheduler], None] | None = None) -> dict[str, float]:
+    """Run the stream to completion; returns steps, mean utilization, peak running, preemptions.
+    ``observe(scheduler)`` is called once the requests are queued and after every step."""
     if num_slots % block_size:
         raise ValueError(f"--num-slots {num_slots} is not a multiple of --block-size {block_size}")
     manager = ContiguousBlockManager if kv_policy == "contiguous" else BlockManager
@@ -56,6 +61,8 @@ def simulate(requests: list[tuple[int, int]], num_slots: int, block_size: int, m
         if errors:
             raise ValueError(errors[0].error)
     steps = 0
+    if observe is not None:
+        observe(sched)
     while sched.has_work():
         step = sched.schedule()
         if step is None:
@@ -63,6 +70,8 @@ def simulate(requests: list[tuple[int, int]], num_slots: int, block_size: int, m
         sched.update(_one_token_each(sched, step, answer_len))
         sched.take_outputs()  # the answers themselves do not matter here
         blocks.check_integrity()
+        if observe is not None:
+            observe(sched)
         steps += 1
         if steps > max_steps:
             raise RuntimeError(f"no finish after {max_steps} steps")
@@ -118,3 +127,5 @@ def add_simulate_arguments(parser) -> None:
     parser.add_argument("--num-slots", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=64, help="the contiguous reservation")
+    parser.add_argument("--html", default=None, metavar="PATH",
+                        help="also write a self-contained page replaying both runs step by step")

@@ -22,6 +22,7 @@ class SchedulerStats:
     num_swap_outs: int = 0
     num_recomputes: int = 0
     max_num_running: int = 0
+    num_kv_snapshots: int = 0  # built for the playground's watchers (``kv_publisher``)
 
     @property
     def mean_utilization(self) -> float:
@@ -54,5 +55,5 @@ class SchedulerStats:
             num_swapped=num_swapped, max_num_running=self.max_num_running,
             num_prefix_cache_queries=blocks.num_queried_tokens, num_prefix_cache_hits=blocks.num_hit_tokens,
             num_cached_blocks=blocks.num_cached_blocks, num_swap_outs=self.num_swap_outs,
-            num_recomputes=self.num_recomputes,
+            num_recomputes=self.num_recomputes, num_kv_snapshots=self.num_kv_snapshots,
         )

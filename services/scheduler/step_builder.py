@@ -17,6 +17,7 @@ class Scheduled:
     seq: Sequence
     num_new_tokens: int
     is_fork_parent: bool = False  # forked children follow it in the prefill part, sharing its last row
+    scored_rows: slice | None = None  # its rows of the step's prompt scores, if any (set by build_step)
 
     @property
     def is_decode(self) -> bool:
@@ -35,9 +36,12 @@ def build_step(
     """Flatten ``scheduled`` (reordered in place: decodes first, then prefill chunks) into a Step.
 
     A sequence not yet announced goes out as a ``NewSequence`` with its sampling parameters and
-    every token it has (prompt, and outputs for a forked beam), and is marked announced.
+    every token it has (prompt, and outputs for a forked beam), and is marked announced. A sequence
+    whose prompt is being scored gets its positions to score, and its rows of the result in
+    ``Scheduled.scored_rows``. A sequence with ``max_tokens`` 0 is never sampled.
     """
     scheduled.sort(key=lambda s: not s.is_decode)  # stable: keeps arrival order in each part
+    num_scored, num_top = _prompt_scoring(scheduled)
     num_seqs = len(scheduled)
     max_blocks = max((len(blocks.block_tables[s.seq.seq_id]) for s in scheduled), default=0)
     block_tables = np.zeros((num_seqs, max_blocks), np.int32)
@@ -53,7 +57,7 @@ def build_step(
         block_tables[i, : len(table)] = table
         query_start_loc[i + 1] = query_start_loc[i] + s.num_new_tokens
         context_lens[i] = end
-        sample_mask[i] = end == seq.num_tokens
+        sample_mask[i] = end == seq.num_tokens and seq.sampling.max_tokens > 0
         for pos in range(start, end):
             tokens.append(seq.token_id(pos))
             positions.append(pos)
@@ -78,4 +82,21 @@ def build_step(
         swap_out=_pairs(swap_out),
         swap_in=_pairs(swap_in),
         block_copies=_pairs(list(block_copies)),
+        num_scored_tokens=num_scored,
+        num_prompt_top_logprobs=num_top,
     )
+
+
+def _prompt_scoring(scheduled: list[Scheduled]) -> tuple[np.ndarray, int]:
+    """``Step.num_scored_tokens`` and ``num_prompt_top_logprobs`` for ``scheduled`` (in step order),
+    and each scored sequence's ``scored_rows``."""
+    num_scored = np.zeros(len(scheduled), np.int32)
+    num_top = 0
+    for i, s in enumerate(scheduled):
+        scores, start = s.seq.prompt_scores, s.seq.num_computed_tokens
+        if scores is not None and (n := scores.num_rows(start, start + s.num_new_tokens)):
+            first = int(num_scored.sum())
+            num_scored[i] = n
+            s.scored_rows = slice(first, first + n)
+            num_top = max(num_top, scores.num_top)
+    return (num_scored if num_scored.any() else np.zeros(0, np.int32)), num_top

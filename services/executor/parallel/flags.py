@@ -104,7 +104,7 @@ class PeerFlags:
             if not lagging:
                 return
             if now >= next_check:
-                self._check_lagging(lagging, what, now - start)
+                self._check_lagging(lagging, word, value, what, now - start)
                 next_check = now + policy.check_interval_s
             if now - start < policy.yield_s:
                 os.sched_yield()
@@ -112,9 +112,17 @@ class PeerFlags:
                 time.sleep(policy.sleep_s)
             now = time.monotonic()
 
-    def _check_lagging(self, lagging, what: str, waited_s: float) -> None:
+    def _check_lagging(self, lagging, word: int, value: int, what: str, waited_s: float) -> None:
+        """Fail naming the first peer still short of ``value`` that aborted, closed, died or is late.
+
+        A peer seen lagging may have arrived since, then closed or exited (it was done): its status
+        is read first, then whether it arrived, so that such a peer is not blamed."""
+        late = []
         for r, words, h in lagging:
             status = words[W_STATUS]
+            if words[word] >= value:
+                continue
+            late.append(r)
             if status == STATUS_ABORTED:
                 cause = words[W_CAUSE]
                 reason = bytes(words.cast("B")[REASON_OFFSET:REASON_OFFSET + words[W_REASON_BYTES]])
@@ -125,10 +133,9 @@ class PeerFlags:
                 self.fail(f"rank {r} closed while rank {self.rank} waited for it at {what}", r)
             if not process_alive(h["pid"], h["pid_start"], h["pid_ns"]):
                 self.fail(f"rank {r} (pid {h['pid']}) died; rank {self.rank} was at {what}", r)
-        if waited_s > self.policy.timeout_s:
-            ranks = [r for r, _, _ in lagging]
-            self.fail(f"ranks {ranks} did not reach {what} within {self.policy.timeout_s:g} s "
-                      f"(rank {self.rank} waited {waited_s:.1f} s)", ranks[0])
+        if late and waited_s > self.policy.timeout_s:
+            self.fail(f"ranks {late} did not reach {what} within {self.policy.timeout_s:g} s "
+                      f"(rank {self.rank} waited {waited_s:.1f} s)", late[0])
 
     def abort(self, message: str, rank: int | None) -> GroupError:
         """Tell the peers the group is over, who is at fault and why; unlink the group's names."""
