@@ -11,6 +11,8 @@ holds it (``on_cpu`` tables index the CPU pool instead).
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from typing import Any
 
 from shared.messages import EngineStats, KvEventKind, KvSnapshot
@@ -61,10 +63,31 @@ def _pool(description: str, cached: bool = False) -> dict[str, Any]:
     return {"type": "object", "description": description, "required": list(properties), "properties": properties}
 
 
+_SCALARS = {bool: "boolean", int: "integer", float: "number", str: "string"}
+
+
+def _json_schema_of(hint: Any) -> dict[str, Any]:
+    """The JSON Schema of a message field's type (scalars, lists, optionals, nested dataclasses)."""
+    if hint in _SCALARS:
+        return {"type": _SCALARS[hint]}
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list:
+        return {"type": "array", "items": _json_schema_of(args[0])}
+    if origin in (typing.Union, types.UnionType):
+        options = [_json_schema_of(a) for a in args if a is not type(None)]
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        return {"anyOf": [schema, {"type": "null"}]} if type(None) in args else schema
+    if dataclasses.is_dataclass(hint):
+        nested = typing.get_type_hints(hint)
+        return {"type": "object", "properties": {f.name: _json_schema_of(nested[f.name])
+                                                 for f in dataclasses.fields(hint)}}
+    raise TypeError(f"no JSON schema for {hint!r}")
+
+
 def kv_snapshot_schema() -> dict[str, Any]:
     """JSON Schema of ``kv_snapshot_json``'s output."""
-    stats = {f.name: {"type": "boolean" if f.type in (bool, "bool") else "integer"}
-             for f in dataclasses.fields(EngineStats)}
+    hints = typing.get_type_hints(EngineStats)
+    stats = {f.name: _json_schema_of(hints[f.name]) for f in dataclasses.fields(EngineStats)}
     sequence = {"type": "object", "required": ["seq_id", "request_id", "choice", "on_cpu", "num_tokens", "block_table"],
                 "properties": {
                     "seq_id": {"type": "integer"},

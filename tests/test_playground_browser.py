@@ -55,9 +55,10 @@ window.kvMap.onUpdate.push((m) => {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, tiny_model_dir):
     skip_without_chromium()
-    yield from tiny_server(tmp_path_factory, "playground-browser", "--num-kv-blocks", "256", "--api-key", API_KEY)
+    yield from tiny_server(tmp_path_factory, "playground-browser", "--num-kv-blocks", "256", "--api-key", API_KEY,
+                           model_dir=tiny_model_dir)
 
 
 def _set(driver, element_id: str, value) -> None:

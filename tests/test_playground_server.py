@@ -26,9 +26,9 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, tiny_model_dir):
     yield from tiny_server(tmp_path_factory, "playground-serve", "--num-kv-blocks", "4096", "--max-num-seqs",
-                           str(BATCH * N))
+                           str(BATCH * N), model_dir=tiny_model_dir)
 
 
 def _metric(url: str, name: str) -> float:
