@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+import pytest
 import zmq
 
 from services.executor.main import EXIT_PEER_FAILED, EXIT_RETIRED, ExecutorConfig, ExecutorProcess
@@ -123,6 +124,7 @@ def test_a_failed_step_stops_the_group_naming_the_rank(tmp_path):
     assert group_segments(group_id) == []
 
 
+@pytest.mark.slow  # starts two executor processes
 def test_a_retired_group_exits_whole(tmp_path):
     """A scheduler that lost the group names its processes in ``Hello``: every rank still running
     exits with ``EXIT_RETIRED`` (so that its supervisor starts a new one); others are not touched."""

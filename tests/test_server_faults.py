@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_server import _children, _free_port, _wait_healthy, save_tiny_model
+from tests.test_server import _children, _free_port, _wait_healthy
 from tests.test_server_api import metrics, wait_until_idle
 
 pytestmark = pytest.mark.slow
@@ -164,8 +164,8 @@ def _reference(url: str, prompts: list[str] = PROMPTS) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory)
+def model_dir(tiny_model_dir):
+    return tiny_model_dir  # the session's (conftest.py): the servers only read it
 
 
 @pytest.fixture(scope="module")
