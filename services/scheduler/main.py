@@ -160,7 +160,10 @@ class SchedulerProcess:
     def _maybe_step(self) -> bool:
         """Send the next step if the executors are ready and none is in flight; True if one went."""
         sched = self.scheduler
-        if sched is None or self.in_flight is not None or not self.executors.group.ready or not sched.has_work():
+        if sched is None or self.in_flight is not None or not self.executors.group.ready:
+            return False
+        self._drain_requests()  # what came since this turn's poll joins this step, as it would have then
+        if not sched.has_work():
             return False
         step = sched.schedule()
         self._send_outputs()
