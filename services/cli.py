@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from shared.threads import set_thread_env
@@ -25,6 +26,21 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not reuse the KV blocks of earlier requests' identical prefixes")
     g.add_argument("--kv-policy", default=None, choices=["paged", "contiguous"],
                    help="paged (default) or the contiguous baseline that reserves prompt + max_tokens")
+
+
+def _add_liveness_arguments(p: argparse.ArgumentParser, supervisor: bool) -> None:
+    g = p.add_argument_group("failures")
+    g.add_argument("--step-timeout", type=float, default=None,
+                   help="seconds a step's result may take before the executor counts as hung (default 300)")
+    g.add_argument("--heartbeat-timeout", type=float, default=None,
+                   help="seconds a process may be silent before its peer counts it as lost: an executor rank "
+                        "or a frontend for the scheduler, the scheduler for a frontend (default 10)")
+    if supervisor:
+        g.add_argument("--max-restarts", type=int, default=None,
+                       help="restarts of one process (the executor ranks restart together and count as one) "
+                            "allowed within --restart-window-s; one more failure stops the server (default 5)")
+        g.add_argument("--restart-window-s", type=float, default=None,
+                       help="the window --max-restarts counts over, in seconds (default 600)")
 
 
 def _add_executor_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_executor_arguments(serve)
     _add_group_arguments(serve, serve=True)
     _add_engine_arguments(serve)
+    _add_liveness_arguments(serve, supervisor=True)
     g = serve.add_argument_group("HTTP")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
@@ -121,7 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sched = sub.add_parser("scheduler", help="the scheduler process alone")
     _add_engine_arguments(sched)
+    _add_liveness_arguments(sched, supervisor=False)
     sched.add_argument("--world-size", type=int, default=1, help="executor ranks to wait for")
+    sched.add_argument("--supervisor-endpoint", default=None,
+                       help="ZMQ endpoint of a supervisor to tell about lost executors, so that it replaces "
+                            "them (default: $PAGEDSERVE_SUPERVISOR_ENDPOINT; pagedserve serve sets it)")
     _add_endpoint_arguments(sched, Endpoints.names())
 
     ex = sub.add_parser("executor", help="one executor process alone")
@@ -172,8 +193,10 @@ def main(argv: list[str] | None = None) -> int:
 
             run_scheduler(SchedulerProcessConfig(
                 endpoints=_endpoints(args), world_size=args.world_size,
+                supervisor_endpoint=args.supervisor_endpoint or os.environ.get("PAGEDSERVE_SUPERVISOR_ENDPOINT"),
                 **_kwargs(args, ["max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                                 "preemption_mode", "kv_policy", "enable_prefix_caching"]),
+                                 "preemption_mode", "kv_policy", "enable_prefix_caching", "step_timeout",
+                                 "heartbeat_timeout"]),
             ))
         elif args.command == "executor":
             from services.executor.main import ExecutorConfig, run_executor
@@ -198,8 +221,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _endpoint_pair(args) -> tuple[str, str]:
-    import os
-
     step = args.step_endpoint or os.environ.get("PAGEDSERVE_STEP_ENDPOINT")
     result = args.result_endpoint or os.environ.get("PAGEDSERVE_RESULT_ENDPOINT")
     if not step or not result:

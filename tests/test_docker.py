@@ -47,8 +47,8 @@ def test_restart_policy_brings_back_a_crashed_executor(report):
     assert "recovery after crash (restart policy)" in report.times_s
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11: a restarted executor's KV pool is empty while the scheduler's "
-                                       "prefix cache still points into it, so answers after the restart are wrong")
 def test_answers_after_the_executor_restarts_are_right(report):
+    """The scheduler sees the restarted executor's new process (its heartbeat), empties its prefix
+    cache and starts every sequence over on the new, empty KV pool (issue 11)."""
     _passed(report, "answer after docker kill + compose up -d")
     _passed(report, "answer after executor crash + restart")

@@ -37,6 +37,7 @@ class FrontendConfig:
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     max_queue_len: int | None = None
     api_key: str | None = field(default=None, repr=False)
+    heartbeat_timeout: float = 10.0
     playground: bool = True
 
     def __post_init__(self) -> None:
@@ -54,6 +55,10 @@ class FrontendConfig:
             raise ValueError(f"--max-queue-len must be a positive integer, got {self.max_queue_len!r}")
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
             raise ValueError("--api-key must not be empty or start or end with spaces")
+        if isinstance(self.heartbeat_timeout, bool) or not isinstance(self.heartbeat_timeout, (int, float)) \
+                or not self.heartbeat_timeout > 0:
+            raise ValueError(f"--heartbeat-timeout must be a positive number of seconds, "
+                             f"got {self.heartbeat_timeout!r}")
         value = self.endpoints.request
         if not value:
             raise ValueError("--request-endpoint is required (or set PAGEDSERVE_REQUEST_ENDPOINT)")

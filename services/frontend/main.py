@@ -36,7 +36,7 @@ class FrontendServer:
     def __init__(self, config: FrontendConfig, model: ServedModel, shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> None:
         self.config = config
         self.model = model
-        self.client = EngineClient(config.endpoints)
+        self.client = EngineClient(config.endpoints, heartbeat_timeout_s=config.heartbeat_timeout)
         self.app = create_app(
             model, self.client, max_body_bytes=config.max_body_bytes, shutdown_grace_s=shutdown_grace_s,
             max_queue_len=config.max_queue_len, api_key=config.api_key, http_limits=config.http_limits,
@@ -113,6 +113,9 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: b
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every route but /health (default: env "
                             "PAGEDSERVE_API_KEY, else the file named by PAGEDSERVE_API_KEY_FILE, else no key)")
+    group.add_argument("--heartbeat-timeout", type=float, default=None,
+                       help="seconds without a word from the scheduler before it counts as lost: /health and "
+                            "new requests answer 503 until it is back (default 10)")
     add_http_limit_arguments(group)
     add_playground_argument(group)
     if endpoint_flags:
@@ -141,6 +144,7 @@ def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | N
         api_key=getattr(args, "api_key", None) or api_key_from_env(),
         http_limits=http_limits_from_args(args),
         playground=getattr(args, "playground", True),
+        **({"heartbeat_timeout": args.heartbeat_timeout} if getattr(args, "heartbeat_timeout", None) else {}),
     )
 
 

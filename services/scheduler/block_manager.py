@@ -67,20 +67,23 @@ class BlockManager:
         # Blocks kept free at admission so a new prompt does not force an immediate preemption.
         self.watermark_blocks = int(watermark * num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
-        self.free_queue: deque[int] = deque(range(num_blocks))
+        self.num_cpu_blocks = num_cpu_blocks
+        self.reset()
+        self.num_queried_tokens = self.num_hit_tokens = 0  # prefix-cache lookups, for the hit rate
+        self.events = KvEventLog()  # kept across ``reset``: whether it records is the publisher's choice
+
+    def reset(self) -> None:
+        """Both pools as new, as when the executors that held them were replaced (counters carry on)."""
+        self.ref_counts = [0] * self.num_blocks
+        self.block_hashes: list[BlockHash | None] = [None] * self.num_blocks
+        self.free_queue: deque[int] = deque(range(self.num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, count 0, oldest first
         self.cached: dict[BlockHash, int] = {}
         self.block_tables: dict[int, list[int]] = {}
         self.pending_copies: list[tuple[int, int]] = []
-        self.num_cpu_blocks = num_cpu_blocks
-        self.cpu_ref_counts = [0] * num_cpu_blocks
-        self.cpu_free_queue: deque[int] = deque(range(num_cpu_blocks))
+        self.cpu_ref_counts = [0] * self.num_cpu_blocks
+        self.cpu_free_queue: deque[int] = deque(range(self.num_cpu_blocks))
         self.cpu_tables: dict[int, list[int]] = {}  # swapped-out sequences
-        self.num_queried_tokens = 0
-        self.num_hit_tokens = 0
-        self.events = KvEventLog()
 
     # ------------------------------------------------------------------ queries
 
