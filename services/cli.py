@@ -11,7 +11,6 @@ from shared.threads import set_thread_env
 set_thread_env()  # before torch or numba is imported anywhere below
 
 from shared.endpoints import Endpoints  # noqa: E402
-from shared.zmq_auth import add_curve_argument, curve_dir  # noqa: E402
 
 
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,6 +106,23 @@ def _endpoints(args) -> Endpoints:
     return Endpoints(**{n: v or getattr(from_env, n) for n, v in values.items()})
 
 
+def _add_serve_http_arguments(g) -> None:
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--max-queue-len", type=int, default=None,
+                   help="most requests waiting for their first token; more get a 503 (default: no limit)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (or set "
+                        "PAGEDSERVE_API_KEY or PAGEDSERVE_API_KEY_FILE, which keep the key off the command "
+                        "lines; the frontend gets it in its environment)")
+    from services.frontend.http_limits import add_http_limit_arguments
+    from services.frontend.playground import add_playground_argument
+
+    add_http_limit_arguments(g)
+    add_playground_argument(g)
+
+
 def _add_keys_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="DIR",
                    help="where to write public/<role>.key and private/<role>.key_secret for the scheduler, "
@@ -127,22 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_group_arguments(serve, serve=True)
     _add_engine_arguments(serve)
     _add_liveness_arguments(serve, supervisor=True)
-    g = serve.add_argument_group("HTTP")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--max-queue-len", type=int, default=None,
-                   help="most requests waiting for their first token; more get a 503 (default: no limit)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (or set "
-                        "PAGEDSERVE_API_KEY or PAGEDSERVE_API_KEY_FILE, which keep the key off the command "
-                        "lines; the frontend gets it in its environment)")
-    from services.frontend.http_limits import add_http_limit_arguments
+    _add_serve_http_arguments(serve.add_argument_group("HTTP"))
+    from shared.zmq_auth import add_curve_argument  # imports zmq, which `health` must not
 
-    add_http_limit_arguments(g)
-    from services.frontend.playground import add_playground_argument
-
-    add_playground_argument(g)
     add_curve_argument(serve.add_argument_group("ZeroMQ security"), serve=True)
 
     sched = sub.add_parser("scheduler", help="the scheduler process alone")
@@ -202,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 print(f"\nwrote {write_replay_page(args)}: open it in a browser to replay both runs step by step")
             return code
+        from shared.zmq_auth import curve_dir
+
         if args.command == "scheduler":
             from services.scheduler.main import SchedulerProcessConfig, run_scheduler
 
