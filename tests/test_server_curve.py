@@ -75,6 +75,7 @@ def test_serves_over_curve_and_refuses_strangers(curve_server):
     modes = {e["process"]: e["mode"] for e in events if e["event"] == "zmq security"}
     assert modes == {"launcher": "curve", "scheduler": "curve", "frontend": "curve", "executor": "curve"}
     assert sum(e["event"] == "request added" for e in events) == 2  # the two real completions
+    assert not [e for e in events if e["event"] == "process restarted"]  # heartbeats got through CURVE too
 
 
 def test_the_keys_stay_in_the_private_directory(curve_server):
