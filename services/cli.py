@@ -106,6 +106,30 @@ def _endpoints(args) -> Endpoints:
     return Endpoints(**{n: v or getattr(from_env, n) for n, v in values.items()})
 
 
+def _add_serve_http_arguments(g) -> None:
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--max-queue-len", type=int, default=None,
+                   help="most requests waiting for their first token; more get a 503 (default: no limit)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (or set "
+                        "PAGEDSERVE_API_KEY or PAGEDSERVE_API_KEY_FILE, which keep the key off the command "
+                        "lines; the frontend gets it in its environment)")
+    from services.frontend.http_limits import add_http_limit_arguments
+    from services.frontend.playground import add_playground_argument
+
+    add_http_limit_arguments(g)
+    add_playground_argument(g)
+
+
+def _add_keys_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="where to write public/<role>.key and private/<role>.key_secret for the scheduler, "
+                        "the frontend and the executor (ZeroMQ certificate files; secrets mode 0600)")
+    p.add_argument("--force", action="store_true", help="overwrite keys already in DIR")
+
+
 def _kwargs(args, names: list[str]) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
@@ -119,22 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_group_arguments(serve, serve=True)
     _add_engine_arguments(serve)
     _add_liveness_arguments(serve, supervisor=True)
-    g = serve.add_argument_group("HTTP")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--max-queue-len", type=int, default=None,
-                   help="most requests waiting for their first token; more get a 503 (default: no limit)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (or set "
-                        "PAGEDSERVE_API_KEY or PAGEDSERVE_API_KEY_FILE, which keep the key off the command "
-                        "lines; the frontend gets it in its environment)")
-    from services.frontend.http_limits import add_http_limit_arguments
+    _add_serve_http_arguments(serve.add_argument_group("HTTP"))
+    from shared.zmq_auth import add_curve_argument  # imports zmq, which `health` must not
 
-    add_http_limit_arguments(g)
-    from services.frontend.playground import add_playground_argument
-
-    add_playground_argument(g)
+    add_curve_argument(serve.add_argument_group("ZeroMQ security"), serve=True)
 
     sched = sub.add_parser("scheduler", help="the scheduler process alone")
     _add_engine_arguments(sched)
@@ -144,12 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ZMQ endpoint of a supervisor to tell about lost executors, so that it replaces "
                             "them (default: $PAGEDSERVE_SUPERVISOR_ENDPOINT; pagedserve serve sets it)")
     _add_endpoint_arguments(sched, Endpoints.names())
+    add_curve_argument(sched)
 
     ex = sub.add_parser("executor", help="one executor process alone")
     _add_executor_arguments(ex)
     ex.add_argument("--max-model-len", type=int, default=None)
     _add_group_arguments(ex, serve=False)
     _add_endpoint_arguments(ex, ("step", "result"))
+    add_curve_argument(ex)
+    _add_keys_arguments(sub.add_parser("keys", help="write CURVE keypairs for --zmq-curve"))
 
     sim = sub.add_parser("simulate", help="replay requests through the block manager under both KV policies")
     from services.scheduler.simulate import add_simulate_arguments
@@ -179,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             from services.launcher import serve
 
             return serve(args)
+        if args.command == "keys":
+            return _write_keys(args.out, args.force)
         if args.command == "simulate":
             from services.scheduler.simulate import run_simulate
 
@@ -188,12 +205,15 @@ def main(argv: list[str] | None = None) -> int:
 
                 print(f"\nwrote {write_replay_page(args)}: open it in a browser to replay both runs step by step")
             return code
+        from shared.zmq_auth import curve_dir
+
         if args.command == "scheduler":
             from services.scheduler.main import SchedulerProcessConfig, run_scheduler
 
             run_scheduler(SchedulerProcessConfig(
                 endpoints=_endpoints(args), world_size=args.world_size,
                 supervisor_endpoint=args.supervisor_endpoint or os.environ.get("PAGEDSERVE_SUPERVISOR_ENDPOINT"),
+                zmq_curve=curve_dir(args),
                 **_kwargs(args, ["max_num_seqs", "max_num_batched_tokens", "max_model_len",
                                  "preemption_mode", "kv_policy", "enable_prefix_caching", "step_timeout",
                                  "heartbeat_timeout"]),
@@ -204,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             step, result = _endpoint_pair(args)
             return run_executor(ExecutorConfig(
                 endpoints=Endpoints(request="", step=step, result=result),
-                rank=args.rank, world_size=args.world_size,
+                rank=args.rank, world_size=args.world_size, zmq_curve=curve_dir(args),
                 **_kwargs(args, ["model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory",
                                  "swap_space", "max_model_len", "attention_backend", "num_threads",
                                  "seed", "all_reduce", "num_nodes", "dist_init_addr", "group_id",
@@ -217,6 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # configuration errors: say which flag, no traceback
         print(f"pagedserve {args.command}: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _write_keys(out_dir: str, force: bool) -> int:
+    from shared.zmq_auth import create_keys
+
+    for path in create_keys(out_dir, force):
+        print(path)
+    print(f"every process needs {out_dir}/public/scheduler.key and its own private/<role>.key_secret; the "
+          f"scheduler also the clients' public/*.key.\nStart each with --zmq-curve {out_dir} "
+          "(or $PAGEDSERVE_ZMQ_CURVE).")
     return 0
 
 

@@ -17,6 +17,10 @@ process and why; of several ranks that ended, the one that failed first is named
 stopped because it did. On a host without the scheduler (``--node-rank`` > 0), ranks that end
 cleanly were stopped by the scheduler: ``serve`` stops and exits 0. SIGTERM or Ctrl-C stops them
 all, removes the socket directory and any shared-memory segment of the group.
+
+``--zmq-curve DIR`` (or ``$PAGEDSERVE_ZMQ_CURVE``) hands every child the key directory in its
+environment (``shared.zmq_auth``); ``--zmq-curve`` alone makes throw-away keys in the private
+socket directory, which goes with it (one host only: across hosts every host needs the same keys).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from services.restarts import RestartBudget
 from shared.endpoints import Endpoints, make_private_socket_dir
 from shared.logging import configure_logging
 from shared.messages import DecodeError, ProcessLost, decode
+from shared.zmq_auth import ENV_VAR as CURVE_ENV_VAR, EPHEMERAL, create_keys, curve_dir, load_keys
 
 _SECRET_ENV = ("PAGEDSERVE_API_KEY", "PAGEDSERVE_API_KEY_FILE")  # only the frontend gets these
 CONFIG_ERROR_EXIT_CODE = 2  # the command line's code for a bad flag or model: restarting will not help
@@ -50,14 +55,17 @@ def serve(args) -> int:
         layout = layout_from_args(args, sock_dir)
         if layout.world_size > 1:
             check_model_split(args.model, layout.world_size)
+        curve = zmq_curve_dir(args, layout, sock_dir)
     except BaseException:
         shutil.rmtree(sock_dir, ignore_errors=True)
         raise
     log = configure_logging("launcher")
     _log_group(layout, log)
+    log.info("zmq security", mode="curve" if curve else "plain", key_dir=curve,
+             ephemeral_keys=curve is not None and curve.startswith(sock_dir))
     supervisor_endpoint = f"ipc://{os.path.join(sock_dir, 'supervisor.sock')}"
     env = {**os.environ, **Endpoints.in_directory(sock_dir).to_env(), "PYTHONUNBUFFERED": "1",
-           "PAGEDSERVE_SUPERVISOR_ENDPOINT": supervisor_endpoint}
+           "PAGEDSERVE_SUPERVISOR_ENDPOINT": supervisor_endpoint, **({CURVE_ENV_VAR: curve} if curve else {})}
     env.setdefault("PAGEDSERVE_LOG_FORMAT", "console" if sys.stderr.isatty() else "json")
     stop = threading.Event()
     received: list[str] = []
@@ -176,6 +184,22 @@ class _Supervisor:
                     self.log.warning("killing a lost process", service=child.name, rank=msg.rank, child_pid=msg.pid,
                                      cause=msg.cause)
                     child.kill(msg.cause)
+
+
+def zmq_curve_dir(args, layout: GroupLayout, sock_dir: str) -> str | None:
+    """The CURVE key directory every child gets (None: plain ZeroMQ), its keys checked now: a
+    missing one stops serve before anything starts. ``--zmq-curve`` alone: fresh keys in ``sock_dir``."""
+    directory = curve_dir(args)
+    if directory == EPHEMERAL:
+        if layout.num_nodes > 1:
+            raise ValueError(f"--zmq-curve needs a key directory with --nnodes {layout.num_nodes}: every host must "
+                             "hold the same keys (make them once with `pagedserve keys --out DIR`, copy DIR)")
+        directory = os.path.join(sock_dir, "zmq-curve")
+        create_keys(directory)
+    if directory:
+        for role in ("scheduler", "frontend", "executor") if layout.runs_scheduler else ("executor",):
+            load_keys(directory, role)
+    return directory
 
 
 def _build_groups(args, layout: GroupLayout, env: dict[str, str]) -> dict[str, list[Child]]:

@@ -15,14 +15,16 @@ import threading
 import zmq
 
 from shared.messages import Heartbeat, encode
+from shared.zmq_auth import CurveKeys, secure_client
 
 HEARTBEAT_INTERVAL_S = 1.0
 
 
 class HeartbeatThread:
     def __init__(self, context: zmq.Context, endpoint: str, rank: int, incarnation: int,
-                 interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+                 interval_s: float = HEARTBEAT_INTERVAL_S, curve: CurveKeys | None = None) -> None:
         self._context = context
+        self._curve = curve
         self._endpoint = endpoint
         self._frame = encode(Heartbeat(rank, incarnation, os.getpid()))
         self._interval_s = interval_s
@@ -43,6 +45,7 @@ class HeartbeatThread:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # no queue for a scheduler that is not there
         sock.setsockopt(zmq.SNDHWM, 4)
+        secure_client(sock, self._curve)
         sock.connect(self._endpoint)
         try:
             while True:

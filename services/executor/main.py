@@ -4,7 +4,8 @@ model and its KV pools, then runs every ``Step`` it is sent.
 Sockets (connected here): ``step`` SUB (scheduler -> all ranks), ``result`` PUSH (-> scheduler),
 and a second PUSH to ``result`` for the heartbeat thread (``heartbeat``), which beats from start-up.
 Rank 0 samples and replies with a ``StepResult``; the other ranks run the same steps and do not
-reply. The main loop also touches the rank's heartbeat file (``shared.heartbeat``, for container
+reply. With ``--zmq-curve`` all three are CURVE clients of the scheduler (``shared.zmq_auth``).
+The main loop also touches the rank's heartbeat file (``shared.heartbeat``, for container
 healthchecks) before and after every step.
 
 Handshake: once loaded, the rank says ``ExecutorReady`` unasked (epoch 0: a scheduler that knew an
@@ -39,6 +40,7 @@ from shared.logging import configure_logging
 from shared.messages import DecodeError, ExecutorReady, Hello, Shutdown, Step, StepResult, decode, encode
 from shared.model_source import resolve_model
 from shared.threads import configure_cpu_threads
+from shared.zmq_auth import load_keys, log_mode, secure_client
 
 if TYPE_CHECKING:  # the loader imports torch, which must wait for the thread settings
     from .loader import RunnerOptions
@@ -75,6 +77,7 @@ class ExecutorConfig:
     group_id: str | None = None  # shared memory: names the group's segments
     group_store: str | None = None  # shared memory: the file the ranks swap their handles through
     group_timeout_s: float = 60.0
+    zmq_curve: str | None = None  # --zmq-curve: the CURVE key directory; None: plain ZeroMQ
 
     def __post_init__(self) -> None:
         self.runner_options()  # validates the flags it shares with the offline engine
@@ -105,6 +108,8 @@ class ExecutorProcess:
         self.incarnation = secrets.randbits(62) + 1  # nonzero; new for every executor process
         self.epoch = 0  # of the scheduler this process answered last
         self._request_ids: dict[int, str] = {}  # seq_id -> request_id, for logs
+        self.curve = load_keys(config.zmq_curve, "executor") if config.zmq_curve else None
+        log_mode(self.log, self.curve)
 
     def _load(self):
         """Join the group (every rank must), then load this rank's shard; returns (comm, runner)."""
@@ -173,11 +178,13 @@ class ExecutorProcess:
         steps = ctx.socket(zmq.SUB)
         steps.setsockopt(zmq.LINGER, 0)
         steps.setsockopt(zmq.SUBSCRIBE, b"")
+        secure_client(steps, self.curve)
         steps.connect(cfg.endpoints.step)
         results = ctx.socket(zmq.PUSH)
         results.setsockopt(zmq.LINGER, 0)
+        secure_client(results, self.curve)
         results.connect(cfg.endpoints.result)
-        beats = HeartbeatThread(ctx, cfg.endpoints.result, cfg.rank, self.incarnation).start()
+        beats = HeartbeatThread(ctx, cfg.endpoints.result, cfg.rank, self.incarnation, curve=self.curve).start()
         heartbeat_file = HeartbeatFile(f"executor-{cfg.rank}")  # removes a stale file; beats once loaded
         comm = None
         try:

@@ -24,6 +24,7 @@ class FrontendConfig:
     engine requests waiting for their first output (more get a 503 with ``Retry-After``; ``None``:
     no cap). ``api_key``: when set, every route but /health needs ``Authorization: Bearer <key>``.
     ``playground``: serve the chat page at / and /v1/kv/events (``--no-playground``: not).
+    ``zmq_curve``: the ``--zmq-curve`` key directory (``shared.zmq_auth``; None: plain ZeroMQ).
     Keyword arguments only.
     """
 
@@ -39,6 +40,7 @@ class FrontendConfig:
     api_key: str | None = field(default=None, repr=False)
     heartbeat_timeout: float = 10.0
     playground: bool = True
+    zmq_curve: str | None = None
 
     def __post_init__(self) -> None:
         if self.served_model_name is not None and not self.served_model_name.strip():

@@ -7,6 +7,7 @@ outputs to the frontend that sent the request) and ``EngineStats`` (sent to ever
 0.5 s). One background task reads the socket and routes each output to its request's queue
 (``request_routes``); a second one says hello every second (the scheduler's sign that this
 frontend lives; a restarted scheduler learns of it that way) and watches the scheduler's silence.
+With ``--zmq-curve`` the DEALER is a CURVE client of the scheduler (``shared.zmq_auth``).
 
 The scheduler's liveness: silent for ``heartbeat_timeout_s`` it counts as lost (``scheduler_lost``:
 /health says 503, new requests get a 503); silent for ``silence_timeout_s`` every waiting request
@@ -33,6 +34,7 @@ import zmq
 import zmq.asyncio
 
 from shared.endpoints import Endpoints
+from shared.zmq_auth import CurveKeys, secure_client
 from services.frontend.request_routes import RequestRoutes
 from shared.messages import (
     AbortRequest, AddRequest, DecodeError, EngineStats, FrontendHello, KvSnapshot, KvWatch, RequestOutput, decode,
@@ -58,8 +60,9 @@ class EngineClient:
 
     def __init__(self, endpoints: Endpoints, context: zmq.asyncio.Context | None = None,
                  silence_timeout_s: float = SILENCE_TIMEOUT_S,
-                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, curve: CurveKeys | None = None) -> None:
         self._endpoints = endpoints
+        self._curve = curve
         self._own_context = context is None
         self._context = context or zmq.asyncio.Context()
         self.identity = f"frontend-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
@@ -109,12 +112,14 @@ class EngineClient:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, self.identity)
+        secure_client(sock, self._curve)
         sock.connect(self._endpoints.request)
         self._socket = sock
         self._hello()
         self._tasks = [asyncio.create_task(self._read_outputs(), name="engine-output-reader"),
                        asyncio.create_task(self._watch_silence(), name="engine-silence-watch")]
-        log.info("connected to the scheduler", endpoint=self._endpoints.request, identity=self.identity.decode())
+        log.info("connected to the scheduler", endpoint=self._endpoints.request, identity=self.identity.decode(),
+                 zmq_security="curve" if self._curve else "plain")
 
     async def close(self) -> None:
         """Stop the background tasks and close the socket at once (linger 0); idempotent."""

@@ -4,7 +4,8 @@ here that touches their sockets, and the supervisor's.
 Sockets: ``step`` PUB (bound: ``Step``, ``Hello``, ``Shutdown`` to every rank), ``result`` PULL
 (bound: ``StepResult``, ``ExecutorReady``, ``Heartbeat`` from the ranks), and, when a supervisor
 is given (``pagedserve serve``'s launcher), a PUSH to it for ``ProcessLost`` reports, so that it
-kills a hung process and starts a new one.
+kills a hung process and starts a new one. With ``--zmq-curve`` the step and result sockets
+accept the executors' keys only (``shared.zmq_auth``); the supervisor's ipc:// socket stays plain.
 
 While some rank has not answered, ``Hello`` goes out every ``HELLO_INTERVAL_S`` (a SUB socket
 joins late, and a restarted rank must learn our epoch), naming the processes of the groups lost
@@ -21,6 +22,7 @@ import zmq
 from shared.messages import (
     DecodeError, ExecutorReady, Heartbeat, Hello, ProcessLost, Shutdown, Step, StepResult, decode, encode,
 )
+from shared.zmq_auth import CurveKeys, secure_server
 
 from .liveness import ExecutorGroup, Loss
 
@@ -29,13 +31,15 @@ HELLO_INTERVAL_S = 0.1
 
 class ExecutorLink:
     def __init__(self, context: zmq.Context, step_endpoint: str, result_endpoint: str, group: ExecutorGroup,
-                 epoch: int, log: Any, supervisor_endpoint: str | None = None) -> None:
+                 epoch: int, log: Any, supervisor_endpoint: str | None = None, curve: CurveKeys | None = None) -> None:
         self.group = group
         self.epoch = epoch
         self.log = log
         self.steps = _socket(context, zmq.PUB)
+        secure_server(self.steps, curve, "executor")  # a step carries prompts: executors' keys only
         self.steps.bind(step_endpoint)
         self.results = _socket(context, zmq.PULL)
+        secure_server(self.results, curve, "executor")
         self.results.bind(result_endpoint)
         self.supervisor = None
         if supervisor_endpoint:

@@ -19,13 +19,16 @@ from typing import Any
 import zmq
 
 from shared.messages import AddRequest, DecodeError, EngineStats, KvWatch, RequestOutput, decode, encode
+from shared.zmq_auth import CurveKeys, secure_server
 
 
 class FrontendLink:
-    def __init__(self, context: zmq.Context, endpoint: str, log: Any, silence_timeout_s: float = 10.0) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, log: Any, silence_timeout_s: float = 10.0,
+                 curve: CurveKeys | None = None) -> None:
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        secure_server(self.socket, curve, "frontend")  # with --zmq-curve: frontends' keys only
         self.socket.bind(endpoint)
         self.log = log
         self.silence_timeout_s = silence_timeout_s

@@ -3,7 +3,8 @@
 Sockets (all bound here): ``request`` ROUTER (frontends' DEALERs: requests in; each request's
 outputs back to the frontend that sent it, stats to all; see ``frontends.py``), ``step`` PUB and
 ``result`` PULL (the executor ranks; see ``executors.py``), and a PUSH to the supervisor when one
-is given.
+is given. With ``--zmq-curve`` the three are CURVE servers behind a ZAP allow-list
+(``shared.zmq_auth``): only the frontends' and executors' keys get through.
 
 One loop, never blocked for long: it sends a step when the executors are ready and none is in
 flight, then waits on both sockets at once, so that while a step runs it still takes requests,
@@ -37,6 +38,7 @@ from shared.endpoints import Endpoints
 from shared.heartbeat import HeartbeatFile
 from shared.logging import configure_logging
 from shared.messages import AbortRequest, AddRequest, EngineStats, Shutdown, StepResult, Step
+from shared.zmq_auth import load_keys, log_mode, start_authenticator
 
 from .block_manager import BlockManager
 from .contiguous import ContiguousBlockManager
@@ -64,6 +66,7 @@ class SchedulerProcessConfig:
     step_timeout: float = 300.0  # seconds a step result may take
     heartbeat_timeout: float = 10.0  # seconds an executor rank or a frontend may be silent
     supervisor_endpoint: str | None = None  # where to report lost processes (pagedserve serve)
+    zmq_curve: str | None = None  # --zmq-curve: the CURVE key directory; None: plain ZeroMQ
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -82,12 +85,16 @@ class SchedulerProcess:
         self.config = config
         self.epoch = secrets.randbits(62) + 1  # nonzero; new for every scheduler process
         self.log = configure_logging("scheduler").bind(epoch=self.epoch)
+        keys = load_keys(config.zmq_curve, "scheduler") if config.zmq_curve else None
+        log_mode(self.log, keys)
         self.ctx = zmq.Context()
+        self.auth = start_authenticator(self.ctx, keys, self.log)  # before any socket binds
         ep = config.endpoints
-        self.frontends = FrontendLink(self.ctx, ep.request, self.log, silence_timeout_s=config.heartbeat_timeout)
+        self.frontends = FrontendLink(self.ctx, ep.request, self.log, silence_timeout_s=config.heartbeat_timeout,
+                                      curve=keys)
         group = ExecutorGroup(config.world_size, config.heartbeat_timeout, config.step_timeout)
         self.executors = ExecutorLink(self.ctx, ep.step, ep.result, group, self.epoch, self.log,
-                                      config.supervisor_endpoint)
+                                      config.supervisor_endpoint, curve=keys)
         self.kv_publisher = KvPublisher(self.frontends)  # the playground's map; idle while nobody watches
         self.poller = zmq.Poller()
         self.poller.register(self.frontends.socket, zmq.POLLIN)
@@ -114,6 +121,8 @@ class SchedulerProcess:
         finally:
             self.log.info("scheduler stopping")
             self.executors.shut_down("scheduler stopping")
+            if self.auth is not None:
+                self.auth.stop()
             self.ctx.destroy(linger=0)
 
     def _on_signal(self, signum, _frame) -> None:
