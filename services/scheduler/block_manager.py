@@ -58,12 +58,10 @@ class AllocStatus(Enum):
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
                  num_cpu_blocks: int = 0, enable_prefix_caching: bool = True) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        self.num_blocks, self.block_size = num_blocks, block_size
         # Blocks kept free at admission so a new prompt does not force an immediate preemption.
         self.watermark_blocks = int(watermark * num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
@@ -270,10 +268,9 @@ class BlockManager:
         needed = self._distinct(self.cpu_tables, seq_ids)
         if len(needed) > self.num_free_blocks:
             raise RuntimeError(f"cannot swap in {len(needed)} blocks: {self.num_free_blocks} free")
-        mapping = {}
-        for cpu_block in needed:
-            mapping[cpu_block] = self._take()
-            self.ref_counts[mapping[cpu_block]] = 0
+        mapping = {cpu_block: self._take() for cpu_block in needed}
+        for device_block in mapping.values():
+            self.ref_counts[device_block] = 0  # counted again from the tables below
         for seq_id in seq_ids:
             table = self.cpu_tables.pop(seq_id)
             self.block_tables[seq_id] = [mapping[b] for b in table]
