@@ -57,9 +57,10 @@ def entry_key(gguf_path: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def converted_directory(directory: str, gguf_file: str, name: str) -> str | None:
-    """A Hugging Face directory holding ``directory/gguf_file`` converted, made on first use; None
-    when the cache is off or cannot be written (then load from the GGUF file)."""
+def converted_directory(directory: str, gguf_file: str, name: str, create: bool = True) -> str | None:
+    """A Hugging Face directory holding ``directory/gguf_file`` converted, made on first use (with
+    ``create``); None when the cache is off, cannot be written, or has no entry and ``create`` is
+    false (then load from the GGUF file)."""
     root = cache_root()
     if root is None:
         return None
@@ -67,6 +68,8 @@ def converted_directory(directory: str, gguf_file: str, name: str) -> str | None
     target = os.path.join(root, f"{name}-{entry_key(gguf_path)}")
     if os.path.isfile(os.path.join(target, MARKER)):
         return target
+    if not create:
+        return None
     try:
         os.makedirs(root, exist_ok=True)
         with open(target + ".lock", "w") as lock:

