@@ -30,10 +30,9 @@ def gguf_source():
 
 
 @pytest.fixture(scope="module")
-def converted_source(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGEDSERVE_GGUF_CACHE", str(tmp_path_factory.mktemp("cache")))
-        source = resolve_model(None)
+def converted_source():
+    """The converted copy in the run's cache (``tests/conftest.py``): made here or by an earlier test."""
+    source = resolve_model(None)
     assert source.gguf_file is None and source.converted_from.endswith(".gguf")
     assert os.path.isfile(os.path.join(source.directory, MARKER))
     return source
