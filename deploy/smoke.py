@@ -19,7 +19,13 @@
 8. ``compose down``, and check that no container or network of the project is left.
 
 Along the way: only the frontend's port is published (on 127.0.0.1), the services run as a
-non-root user, and their logs are JSON lines.
+non-root user, and their logs are JSON lines. ``--curve DIR`` deploys with ``compose.curve.yaml``
+(CURVE on every ZeroMQ socket; keys made in DIR by ``pagedserve keys`` when it has none) and checks
+that every service logs ``zmq security`` with ``mode=curve``.
+
+The executor runs in float32 (``PAGEDSERVE_DTYPE``; ``--dtype``): the checks compare greedy texts
+exactly, across restarts and batch compositions, and only float32 makes that hold (in bfloat16 a
+prompt answered alone and the same prompt in a batch of 20 can round to different greedy tokens).
 """
 
 from __future__ import annotations
@@ -213,6 +219,28 @@ def check_restart_logs(report: SmokeReport, project: ComposeProject) -> None:
                  f"'converting gguf once' per service: {converted}, executor starts: {counts['model loaded']}")
 
 
+def curve_keys(key_dir: str) -> str:
+    """``key_dir`` made absolute, with CURVE keys made there first if it has none (readable by the
+    image's user, uid 10001, when we are root)."""
+    key_dir = os.path.abspath(key_dir)
+    if not os.path.exists(os.path.join(key_dir, "public", "scheduler.key")):
+        run([sys.executable, "-m", "services.cli", "keys", "--out", key_dir], 120)
+        say(f"made CURVE keys in {key_dir} (pagedserve keys)")
+    if os.geteuid() == 0:
+        for parent, _, names in os.walk(key_dir):
+            for path in [parent, *(os.path.join(parent, n) for n in names)]:
+                os.chown(path, 10001, 10001)
+    return key_dir
+
+
+def check_curve_logs(report: SmokeReport, project: ComposeProject) -> None:
+    modes = {service: sorted({json.loads(line).get("mode") for line in project.log_lines(service)
+                              if _is_json_object(line) and json.loads(line).get("event") == "zmq security"})
+             for service in SERVICES}
+    report.check("every service's ZeroMQ sockets use CURVE", all(m == ["curve"] for m in modes.values()),
+                 f"zmq security modes logged: {modes}")
+
+
 def check_api_key_secret(report: SmokeReport, project: ComposeProject) -> None:
     """Recreate the frontend with a key file as its compose secret: /v1/models needs the key."""
     key = secrets.token_hex(16)
@@ -250,7 +278,8 @@ def _http_status(url: str, key: str | None) -> int:
 
 
 def run_smoke(image: str = "pagedserve:cpu", do_build: bool = True, port: int | None = None,
-              num_frontends: int = 2, num_requests: int = 20) -> SmokeReport:
+              num_frontends: int = 2, num_requests: int = 20, curve_dir: str | None = None,
+              dtype: str = "float32") -> SmokeReport:
     report = SmokeReport(image)
     if do_build:
         try:
@@ -262,8 +291,11 @@ def run_smoke(image: str = "pagedserve:cpu", do_build: bool = True, port: int | 
     report.note(f"image {image}: {report.image_size}")
     port = port or _free_ports(num_frontends)
     ports = f"{port}-{port + num_frontends - 1}" if num_frontends > 1 else str(port)
-    project = ComposeProject(ROOT, "pagedserve-smoke", {"PAGEDSERVE_IMAGE": image, "PAGEDSERVE_PORT_RANGE": ports})
-    report.note(f"{' '.join(project.base)} up -d (project pagedserve-smoke, frontend ports 127.0.0.1:{ports})")
+    env = {"PAGEDSERVE_IMAGE": image, "PAGEDSERVE_PORT_RANGE": ports, "PAGEDSERVE_DTYPE": dtype}
+    if curve_dir is not None:
+        env["PAGEDSERVE_ZMQ_KEYS"] = curve_keys(curve_dir)
+    project = ComposeProject(ROOT, "pagedserve-smoke", env, ("compose.curve.yaml",) if curve_dir else ())
+    report.note(f"{' '.join(project.base)} up -d (project pagedserve-smoke, frontend ports 127.0.0.1:{ports}, executor --dtype {dtype})")
     try:
         start = time.monotonic()
         project.compose("up", "-d")  # compose itself waits for each dependency to be healthy
@@ -273,6 +305,8 @@ def run_smoke(image: str = "pagedserve:cpu", do_build: bool = True, port: int | 
         check_exposure(report, project)
         first = ask_and_check(report, project, "first answer")
         check_json_logs(report, project)
+        if curve_dir is not None:
+            check_curve_logs(report, project)
         watch_after_docker_kill(report, project)
         ask_and_check(report, project, "answer after docker kill + compose up -d", first)
         watch_after_crash(report, project)
@@ -329,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frontends", type=int, default=2,
                         help="scale the frontend to this many replicas for the concurrent-requests step (1: skip it)")
     parser.add_argument("--requests", type=int, default=20, help="concurrent requests over the scaled frontends")
+    parser.add_argument("--curve", metavar="DIR", default=None,
+                        help="add compose.curve.yaml with the CURVE keys in DIR (made there when missing)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "auto", "bfloat16", "float16"],
+                        help="the executor's --dtype (PAGEDSERVE_DTYPE; default float32: greedy texts compare exactly)")
     args = parser.parse_args(argv)
     if args.frontends < 1 or args.requests < 1:
         parser.error(f"--frontends ({args.frontends}) and --requests ({args.requests}) must be at least 1")
@@ -337,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"smoke: cannot run: {why}", file=sys.stderr)
         return 2
     report = run_smoke(args.image, do_build=not args.no_build, port=args.port, num_frontends=args.frontends,
-                       num_requests=args.requests)
+                       num_requests=args.requests, curve_dir=args.curve, dtype=args.dtype)
     print_summary(report)
     return 0 if report.passed else 1
 
