@@ -31,7 +31,6 @@ prompt answered alone and the same prompt in a batch of 20 can round to differen
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import shutil
@@ -47,10 +46,10 @@ from dataclasses import dataclass, field
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from deploy.compose import ComposeProject, compose_command, run  # noqa: E402
+from deploy.log_checks import SERVICES, check_curve_logs, check_json_logs, check_restart_logs  # noqa: E402
 from deploy.scaling import check_scaled_frontends, greedy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SERVICES = ("scheduler", "executor", "frontend")
 QUESTION = "What is the capital of France?"
 HEALTHY_TIMEOUT_S = 600.0
 OBSERVE_AFTER_KILL_S = 20.0
@@ -173,50 +172,12 @@ def check_exposure(report: SmokeReport, project: ComposeProject) -> None:
     report.check("the services run as a non-root user", "0" not in uids.values(), f"uids: {uids}")
 
 
-def check_json_logs(report: SmokeReport, project: ComposeProject) -> None:
-    counts, examples = {}, []
-    for service in SERVICES:
-        lines = project.log_lines(service)
-        not_json = [line for line in lines if not _is_json_object(line)]
-        counts[service] = f"{len(lines) - len(not_json)}/{len(lines)}"
-        examples += not_json[:1]
-    report.check("the logs are JSON lines", not examples,
-                 f"JSON lines per service: {counts}" + (f"; not JSON: {examples}" if examples else ""))
-
-
-def _is_json_object(line: str) -> bool:
-    try:
-        return isinstance(json.loads(line), dict)
-    except ValueError:
-        return False
-
-
 def frontend_port(project: ComposeProject) -> int:
     """The host port of the (first) frontend: Docker picks it from ``PAGEDSERVE_PORT_RANGE``."""
     ports = project.host_ports("frontend")
     if not ports:
         raise RuntimeError(f"the frontend publishes no port: {project.published_ports('frontend')}")
     return ports[0]
-
-
-def count_events(project: ComposeProject, service: str, event: str) -> int:
-    """How many of the service's JSON log lines (every start of its container) carry ``event``."""
-    return sum(1 for line in project.log_lines(service) if _is_json_object(line) and json.loads(line).get("event") == event)
-
-
-def check_restart_logs(report: SmokeReport, project: ComposeProject) -> None:
-    """Three executor processes (the first, after docker kill, after the crash): the scheduler saw
-    each one lost and each new one answer its Hello with the current epoch (``executor ready`` is
-    logged only then); the model was converted from GGUF at most once (the gguf-cache volume)."""
-    counts = {event: count_events(project, service, event) for service, event in (
-        ("executor", "model loaded"), ("scheduler", "executor lost; waiting for a new one"),
-        ("scheduler", "executor ready"))}
-    report.check("the scheduler handed every new executor its epoch", counts["model loaded"] >= 3
-                 and counts["executor lost; waiting for a new one"] >= 2 and counts["executor ready"] >= 3,
-                 f"events: {counts}")
-    converted = {service: count_events(project, service, "converting gguf once") for service in SERVICES}
-    report.check("the GGUF model converted at most once (gguf-cache volume)", sum(converted.values()) <= 1,
-                 f"'converting gguf once' per service: {converted}, executor starts: {counts['model loaded']}")
 
 
 def curve_keys(key_dir: str) -> str:
@@ -231,14 +192,6 @@ def curve_keys(key_dir: str) -> str:
             for path in [parent, *(os.path.join(parent, n) for n in names)]:
                 os.chown(path, 10001, 10001)
     return key_dir
-
-
-def check_curve_logs(report: SmokeReport, project: ComposeProject) -> None:
-    modes = {service: sorted({json.loads(line).get("mode") for line in project.log_lines(service)
-                              if _is_json_object(line) and json.loads(line).get("event") == "zmq security"})
-             for service in SERVICES}
-    report.check("every service's ZeroMQ sockets use CURVE", all(m == ["curve"] for m in modes.values()),
-                 f"zmq security modes logged: {modes}")
 
 
 def check_api_key_secret(report: SmokeReport, project: ComposeProject) -> None:
