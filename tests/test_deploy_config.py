@@ -38,7 +38,8 @@ def test_every_service_has_a_healthcheck_a_restart_policy_and_rotated_json_logs(
 def test_only_the_frontend_is_published_and_on_loopback_by_default(compose):
     services = compose["services"]
     assert "ports" not in services["scheduler"] and "ports" not in services["executor"]
-    assert services["frontend"]["ports"] == ["${PAGEDSERVE_BIND:-127.0.0.1}:${PAGEDSERVE_PORT:-8000}:8000"]
+    # A host port range, so that `--scale frontend=2` gives each frontend a port of its own
+    assert services["frontend"]["ports"] == ["${PAGEDSERVE_BIND:-127.0.0.1}:${PAGEDSERVE_PORT_RANGE:-8000-8001}:8000"]
 
 
 def test_start_order_waits_for_health(compose):
