@@ -46,10 +46,14 @@ class ComposeProject:
     def compose(self, *args: str, timeout_s: float = 600.0, check: bool = True) -> subprocess.CompletedProcess:
         return run([*self.argv, *args], timeout_s, env=self.env, check=check)
 
-    def container_id(self, service: str, include_stopped: bool = True) -> str | None:
+    def container_ids(self, service: str, include_stopped: bool = True) -> list[str]:
+        """The service's containers (several when it is scaled), oldest first."""
         argv = ["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={self.name}",
                 "--filter", f"label=com.docker.compose.service={service}"]
-        ids = run(argv + (["-a"] if include_stopped else []), 30).stdout.split()
+        return run(argv + (["-a"] if include_stopped else []), 30).stdout.split()[::-1]
+
+    def container_id(self, service: str, include_stopped: bool = True) -> str | None:
+        ids = self.container_ids(service, include_stopped)
         return ids[0] if ids else None
 
     def leftovers(self) -> list[str]:
@@ -59,24 +63,34 @@ class ComposeProject:
         networks = run(["docker", "network", "ls", "-q", "--filter", label], 30).stdout.split()
         return [f"container:{c}" for c in containers] + [f"network:{n}" for n in networks]
 
+    def inspect_all(self, service: str) -> list[dict]:
+        """``docker inspect`` of each of the service's containers, oldest first."""
+        ids = self.container_ids(service)
+        return json.loads(run(["docker", "inspect", *ids], 30).stdout) if ids else []
+
     def inspect(self, service: str) -> dict | None:
-        """``docker inspect`` of the service's container, or ``None`` when it has none."""
-        cid = self.container_id(service)
-        return None if cid is None else json.loads(run(["docker", "inspect", cid], 30).stdout)[0]
+        """``docker inspect`` of the service's (first) container, or ``None`` when it has none."""
+        infos = self.inspect_all(service)
+        return infos[0] if infos else None
 
     def state(self, service: str) -> dict:
-        """``{"status", "exit_code", "restart_count", "health"}`` of the service's container."""
-        info = self.inspect(service)
-        if info is None:
-            return {"status": "absent", "exit_code": None, "restart_count": 0, "health": None}
-        state = info["State"]
-        return {"status": state["Status"], "exit_code": state["ExitCode"], "restart_count": info["RestartCount"],
-                "health": (state.get("Health") or {}).get("Status")}
+        """``{"status", "exit_code", "restart_count", "health"}`` of the service's (first) container."""
+        return _state(self.inspect(service))
+
+    def states(self, service: str) -> list[dict]:
+        """``state`` of each of the service's containers (one absent state when it has none)."""
+        return [_state(info) for info in self.inspect_all(service)] or [_state(None)]
 
     def published_ports(self, service: str) -> list[str]:
-        """The service's ports published on the host, as ``host_ip:host_port->port``."""
-        ports = ((self.inspect(service) or {}).get("NetworkSettings") or {}).get("Ports") or {}
-        return [f"{b['HostIp']}:{b['HostPort']}->{port}" for port, bindings in ports.items() for b in bindings or ()]
+        """The ports of the service's containers published on the host, as ``host_ip:host_port->port``."""
+        return [f"{b['HostIp']}:{b['HostPort']}->{port}" for info in self.inspect_all(service)
+                for port, bindings in ((info.get("NetworkSettings") or {}).get("Ports") or {}).items()
+                for b in bindings or ()]
+
+    def host_ports(self, service: str, port: str = "8000/tcp") -> list[int]:
+        """The host port that each of the service's containers publishes ``port`` on, oldest first."""
+        return [int(b["HostPort"]) for info in self.inspect_all(service)
+                for b in ((info.get("NetworkSettings") or {}).get("Ports") or {}).get(port) or ()]
 
     def exec(self, service: str, *argv: str) -> str:
         return run(["docker", "exec", self.container_id(service, include_stopped=False), *argv], 60).stdout
@@ -87,11 +101,11 @@ class ComposeProject:
         return [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
 
     def wait_healthy(self, services: tuple[str, ...], timeout_s: float) -> float:
-        """Seconds until every service's container is running and healthy; raises after ``timeout_s``."""
+        """Seconds until every container of every service is running and healthy; raises after ``timeout_s``."""
         start = time.monotonic()
         while True:
-            states = {s: self.state(s) for s in services}
-            if all(st["status"] == "running" and st["health"] == "healthy" for st in states.values()):
+            states = {s: self.states(s) for s in services}  # every replica of a scaled service
+            if all(st["status"] == "running" and st["health"] == "healthy" for sts in states.values() for st in sts):
                 return time.monotonic() - start
             if time.monotonic() - start > timeout_s:
                 raise TimeoutError(f"not all of {services} healthy within {timeout_s:.0f} s: {states}")
@@ -116,3 +130,11 @@ class ComposeProject:
 
     def logs_tail(self, num_lines: int = 20) -> str:
         return self.compose("logs", "--no-color", "--tail", str(num_lines), check=False, timeout_s=60).stdout
+
+
+def _state(info: dict | None) -> dict:
+    if info is None:
+        return {"status": "absent", "exit_code": None, "restart_count": 0, "health": None}
+    state = info["State"]
+    return {"status": state["Status"], "exit_code": state["ExitCode"], "restart_count": info["RestartCount"],
+            "health": (state.get("Health") or {}).get("Status")}

@@ -3,7 +3,7 @@
 # down; prints each step, the times and the image size (deploy/smoke.py). Needs a Docker engine,
 # compose and the project's virtualenv (./dev setup) for the openai client. Exit 0: every check
 # passed; 1: one failed; 2: it could not run here (and says why).
-#   deploy/smoke.sh [--no-build] [--image pagedserve:cpu] [--port N]
+#   deploy/smoke.sh [--no-build] [--image pagedserve:cpu] [--port N] [--frontends 2] [--requests 20] [--curve zmq-keys]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}

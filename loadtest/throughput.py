@@ -75,16 +75,19 @@ def _get_json(url: str):
         return json.loads(resp.read())
 
 
-def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(flags: list[str], log_path: str = "/tmp/pagedserve-throughput-server.log"
+                 ) -> tuple[subprocess.Popen, str]:
+    """Start ``pagedserve serve`` on a free 127.0.0.1 port (its output in ``log_path``) and wait until
+    ``/health`` says ok; returns the process and its URL."""
     port = _free_port()
-    log = open("/tmp/pagedserve-throughput-server.log", "w")
+    log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--port", str(port), *flags],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     while True:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}; see /tmp/pagedserve-throughput-server.log")
+            raise SystemExit(f"server exited with {proc.returncode}; see {log_path}")
         try:
             if _get_json(f"{url}/health")["status"] == "ok":
                 break

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from shared.threads import set_thread_env
@@ -25,6 +26,21 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not reuse the KV blocks of earlier requests' identical prefixes")
     g.add_argument("--kv-policy", default=None, choices=["paged", "contiguous"],
                    help="paged (default) or the contiguous baseline that reserves prompt + max_tokens")
+
+
+def _add_liveness_arguments(p: argparse.ArgumentParser, supervisor: bool) -> None:
+    g = p.add_argument_group("failures")
+    g.add_argument("--step-timeout", type=float, default=None,
+                   help="seconds a step's result may take before the executor counts as hung (default 300)")
+    g.add_argument("--heartbeat-timeout", type=float, default=None,
+                   help="seconds a process may be silent before its peer counts it as lost: an executor rank "
+                        "or a frontend for the scheduler, the scheduler for a frontend (default 10)")
+    if supervisor:
+        g.add_argument("--max-restarts", type=int, default=None,
+                       help="restarts of one process (the executor ranks restart together and count as one) "
+                            "allowed within --restart-window-s; one more failure stops the server (default 5)")
+        g.add_argument("--restart-window-s", type=float, default=None,
+                       help="the window --max-restarts counts over, in seconds (default 600)")
 
 
 def _add_executor_arguments(p: argparse.ArgumentParser) -> None:
@@ -90,6 +106,30 @@ def _endpoints(args) -> Endpoints:
     return Endpoints(**{n: v or getattr(from_env, n) for n, v in values.items()})
 
 
+def _add_serve_http_arguments(g) -> None:
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--max-queue-len", type=int, default=None,
+                   help="most requests waiting for their first token; more get a 503 (default: no limit)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (or set "
+                        "PAGEDSERVE_API_KEY or PAGEDSERVE_API_KEY_FILE, which keep the key off the command "
+                        "lines; the frontend gets it in its environment)")
+    from services.frontend.http_limits import add_http_limit_arguments
+    from services.frontend.playground import add_playground_argument
+
+    add_http_limit_arguments(g)
+    add_playground_argument(g)
+
+
+def _add_keys_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="where to write public/<role>.key and private/<role>.key_secret for the scheduler, "
+                        "the frontend and the executor (ZeroMQ certificate files; secrets mode 0600)")
+    p.add_argument("--force", action="store_true", help="overwrite keys already in DIR")
+
+
 def _kwargs(args, names: list[str]) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
@@ -102,33 +142,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_executor_arguments(serve)
     _add_group_arguments(serve, serve=True)
     _add_engine_arguments(serve)
-    g = serve.add_argument_group("HTTP")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--max-queue-len", type=int, default=None,
-                   help="most requests waiting for their first token; more get a 503 (default: no limit)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health (or set "
-                        "PAGEDSERVE_API_KEY or PAGEDSERVE_API_KEY_FILE, which keep the key off the command "
-                        "lines; the frontend gets it in its environment)")
-    from services.frontend.http_limits import add_http_limit_arguments
+    _add_liveness_arguments(serve, supervisor=True)
+    _add_serve_http_arguments(serve.add_argument_group("HTTP"))
+    from shared.zmq_auth import add_curve_argument  # imports zmq, which `health` must not
 
-    add_http_limit_arguments(g)
-    from services.frontend.playground import add_playground_argument
-
-    add_playground_argument(g)
+    add_curve_argument(serve.add_argument_group("ZeroMQ security"), serve=True)
 
     sched = sub.add_parser("scheduler", help="the scheduler process alone")
     _add_engine_arguments(sched)
+    _add_liveness_arguments(sched, supervisor=False)
     sched.add_argument("--world-size", type=int, default=1, help="executor ranks to wait for")
+    sched.add_argument("--supervisor-endpoint", default=None,
+                       help="ZMQ endpoint of a supervisor to tell about lost executors, so that it replaces "
+                            "them (default: $PAGEDSERVE_SUPERVISOR_ENDPOINT; pagedserve serve sets it)")
     _add_endpoint_arguments(sched, Endpoints.names())
+    add_curve_argument(sched)
 
     ex = sub.add_parser("executor", help="one executor process alone")
     _add_executor_arguments(ex)
     ex.add_argument("--max-model-len", type=int, default=None)
     _add_group_arguments(ex, serve=False)
     _add_endpoint_arguments(ex, ("step", "result"))
+    add_curve_argument(ex)
+    _add_keys_arguments(sub.add_parser("keys", help="write CURVE keypairs for --zmq-curve"))
 
     sim = sub.add_parser("simulate", help="replay requests through the block manager under both KV policies")
     from services.scheduler.simulate import add_simulate_arguments
@@ -158,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             from services.launcher import serve
 
             return serve(args)
+        if args.command == "keys":
+            return _write_keys(args.out, args.force)
         if args.command == "simulate":
             from services.scheduler.simulate import run_simulate
 
@@ -167,13 +205,18 @@ def main(argv: list[str] | None = None) -> int:
 
                 print(f"\nwrote {write_replay_page(args)}: open it in a browser to replay both runs step by step")
             return code
+        from shared.zmq_auth import curve_dir
+
         if args.command == "scheduler":
             from services.scheduler.main import SchedulerProcessConfig, run_scheduler
 
             run_scheduler(SchedulerProcessConfig(
                 endpoints=_endpoints(args), world_size=args.world_size,
+                supervisor_endpoint=args.supervisor_endpoint or os.environ.get("PAGEDSERVE_SUPERVISOR_ENDPOINT"),
+                zmq_curve=curve_dir(args),
                 **_kwargs(args, ["max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                                 "preemption_mode", "kv_policy", "enable_prefix_caching"]),
+                                 "preemption_mode", "kv_policy", "enable_prefix_caching", "step_timeout",
+                                 "heartbeat_timeout"]),
             ))
         elif args.command == "executor":
             from services.executor.main import ExecutorConfig, run_executor
@@ -181,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             step, result = _endpoint_pair(args)
             return run_executor(ExecutorConfig(
                 endpoints=Endpoints(request="", step=step, result=result),
-                rank=args.rank, world_size=args.world_size,
+                rank=args.rank, world_size=args.world_size, zmq_curve=curve_dir(args),
                 **_kwargs(args, ["model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory",
                                  "swap_space", "max_model_len", "attention_backend", "num_threads",
                                  "seed", "all_reduce", "num_nodes", "dist_init_addr", "group_id",
@@ -197,9 +240,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _endpoint_pair(args) -> tuple[str, str]:
-    import os
+def _write_keys(out_dir: str, force: bool) -> int:
+    from shared.zmq_auth import create_keys
 
+    for path in create_keys(out_dir, force):
+        print(path)
+    print(f"every process needs {out_dir}/public/scheduler.key and its own private/<role>.key_secret; the "
+          f"scheduler also the clients' public/*.key.\nStart each with --zmq-curve {out_dir} "
+          "(or $PAGEDSERVE_ZMQ_CURVE).")
+    return 0
+
+
+def _endpoint_pair(args) -> tuple[str, str]:
     step = args.step_endpoint or os.environ.get("PAGEDSERVE_STEP_ENDPOINT")
     result = args.result_endpoint or os.environ.get("PAGEDSERVE_RESULT_ENDPOINT")
     if not step or not result:

@@ -4,9 +4,10 @@ For container healthchecks. The scheduler and the executors have no HTTP port: t
 heartbeat file in ``$PAGEDSERVE_HEALTH_DIR`` from their loops (``shared/heartbeat.py``; the image
 sets the variable) and the check compares its age with ``--max-age-s``. An executor touches it
 before and after every step, so only a single step longer than ``--max-age-s`` (default 30 s)
-reads as a failure; the scheduler touches it while starting and on every loop turn but not while
-it waits for a step's result, so a scheduler stuck on a lost executor reads as a failure too. The
-frontend is asked ``GET /health``, which answers 200 only once the scheduler reports ready.
+reads as a failure; the scheduler touches it on every turn of its loop, which never blocks on a
+step (it notices a lost executor by itself, and waits for a new one: the executor's own file tells
+whether that one is alive). The frontend is asked ``GET /health``, which answers 200 only once the
+scheduler reports ready and every executor rank answers its heartbeats.
 Imports nothing heavy: a healthcheck runs this every few seconds.
 """
 

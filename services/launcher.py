@@ -1,92 +1,71 @@
 """``pagedserve serve``: start the scheduler, the executor ranks and the frontend, and supervise them.
 
-Each service is its own process (``python -m services.cli <service> ...``) wired by ``ipc://``
-sockets in a private directory. With ``-tp N`` there are N executor ranks (``group_layout`` says
-which run on this host and with which flags). If any process exits, the others are stopped and
-``serve`` exits non-zero naming it and why; of several ranks that ended, the one that failed
-first is named, not those that stopped because it did. SIGTERM or Ctrl-C stops them all, removes
-the socket directory and any shared-memory segment of the group.
+Each service is its own process (``python -m services.cli <service> ...``, a ``children.Child``)
+wired by ``ipc://`` sockets in a private directory. With ``-tp N`` there are N executor ranks
+(``group_layout`` says which run on this host and with which flags).
+
+A process that dies is started again, its cause logged (how it ended and its last error line) and
+counted. The executor ranks restart together, as a new group: tensor-parallel ranks cannot go on
+without one of theirs, so when any rank ends the others are stopped, the old group's shared-memory
+segments and handle store are removed, and every rank starts again under a fresh group id (and a
+fresh local rendezvous port when serve chose the first). A hung executor is found by the scheduler
+(missed heartbeats, an overdue step), which reports it on the supervisor socket (``ProcessLost``):
+the launcher kills it, then restarts it as if it had died. More than ``--max-restarts`` restarts
+of one process (the ranks count as one) within ``--restart-window-s`` (``restarts.RestartBudget``),
+or a configuration error (exit code 2), stops everything, and ``serve`` exits non-zero naming the
+process and why; of several ranks that ended, the one that failed first is named, not those that
+stopped because it did. On a host without the scheduler (``--node-rank`` > 0), ranks that end
+cleanly were stopped by the scheduler: ``serve`` stops and exits 0. SIGTERM or Ctrl-C stops them
+all, removes the socket directory and any shared-memory segment of the group.
+
+``--zmq-curve DIR`` (or ``$PAGEDSERVE_ZMQ_CURVE``) hands every child the key directory in its
+environment (``shared.zmq_auth``); ``--zmq-curve`` alone makes throw-away keys in the private
+socket directory, which goes with it (one host only: across hosts every host needs the same keys).
 """
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
 
-from services.executor.main import EXIT_PEER_FAILED
-from services.group_layout import GroupLayout, check_model_split, layout_from_args
+import zmq
+
+from services.children import Child, stop_all
 from services.frontend.http_limits import HTTP_LIMIT_DESTS
+from services.group_layout import GroupLayout, check_model_split, layout_from_args
+from services.restarts import RestartBudget
 from shared.endpoints import Endpoints, make_private_socket_dir
 from shared.logging import configure_logging
+from shared.messages import DecodeError, ProcessLost, decode
+from shared.zmq_auth import ENV_VAR as CURVE_ENV_VAR, EPHEMERAL, create_keys, curve_dir, load_keys
 
-STOP_TIMEOUT_S = 5.0
-_PR_SET_PDEATHSIG = 1
 _SECRET_ENV = ("PAGEDSERVE_API_KEY", "PAGEDSERVE_API_KEY_FILE")  # only the frontend gets these
-CONFIG_ERROR_EXIT_CODE = 2  # the command line's code for a bad flag or model: ``serve`` passes it on
-
-
-def _child_setup() -> None:
-    """Own session (Ctrl-C reaches only the launcher) and die with the launcher if it is killed."""
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-class _Child:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], command: str | None = None) -> None:
-        self.name = name  # "executor rank 1" runs the command "executor"
-        self.tail: collections.deque[str] = collections.deque(maxlen=20)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", command or name, *argv], env=env, stdin=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, preexec_fn=_child_setup, text=True, errors="replace",
-        )
-        self._pump = threading.Thread(target=self._forward_stderr, daemon=True)
-        self._pump.start()
-
-    def _forward_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self.tail.append(line.rstrip("\n"))
-            sys.stderr.write(line)
-            sys.stderr.flush()
-
-    def why(self) -> str:
-        rc = self.proc.returncode
-        cause = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
-        if rc == EXIT_PEER_FAILED and self.name.startswith("executor"):
-            cause = "stopped because another rank of its group failed"
-        self._pump.join(timeout=1.0)
-        errors = [line for line in self.tail if "error" in line.lower() or line.startswith("pagedserve ")]
-        last = errors[-1] if errors else (self.tail[-1] if self.tail else "")
-        return f"{cause}; last output: {last.strip()[:500]}" if last else cause
+CONFIG_ERROR_EXIT_CODE = 2  # the command line's code for a bad flag or model: restarting will not help
 
 
 def serve(args) -> int:
-    """Run the services until a signal or a failure; returns the exit code."""
+    """Run the services until a signal or a failure that restarts cannot mend; returns the exit code."""
     sock_dir = make_private_socket_dir()
     try:  # bad group flags, or heads that do not split: a one-line error before anything starts
         layout = layout_from_args(args, sock_dir)
         if layout.world_size > 1:
             check_model_split(args.model, layout.world_size)
+        curve = zmq_curve_dir(args, layout, sock_dir)
     except BaseException:
         shutil.rmtree(sock_dir, ignore_errors=True)
         raise
     log = configure_logging("launcher")
-    if layout.world_size > 1:
-        log.info("executor group", world_size=layout.world_size, all_reduce=layout.all_reduce,
-                 num_nodes=layout.num_nodes, node_rank=layout.node_rank, ranks=list(layout.local_ranks),
-                 group_id=layout.group_id, dist_init_addr=layout.dist_init_addr)
-    endpoints = Endpoints.in_directory(sock_dir)
-    env = {**os.environ, **endpoints.to_env(), "PYTHONUNBUFFERED": "1"}
+    _log_group(layout, log)
+    log.info("zmq security", mode="curve" if curve else "plain", key_dir=curve,
+             ephemeral_keys=curve is not None and curve.startswith(sock_dir))
+    supervisor_endpoint = f"ipc://{os.path.join(sock_dir, 'supervisor.sock')}"
+    env = {**os.environ, **Endpoints.in_directory(sock_dir).to_env(), "PYTHONUNBUFFERED": "1",
+           "PAGEDSERVE_SUPERVISOR_ENDPOINT": supervisor_endpoint, **({CURVE_ENV_VAR: curve} if curve else {})}
     env.setdefault("PAGEDSERVE_LOG_FORMAT", "console" if sys.stderr.isatty() else "json")
     stop = threading.Event()
     received: list[str] = []
@@ -97,55 +76,158 @@ def serve(args) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    children: list[_Child] = []
-    failed: _Child | None = None
+    context = zmq.Context()
+    reports = context.socket(zmq.PULL)
+    reports.setsockopt(zmq.LINGER, 0)
+    reports.bind(supervisor_endpoint)
+    supervisor = _Supervisor(args, layout, sock_dir, env, reports, log)
+    code, failure = 0, None
     try:
-        _start_children(children, args, layout, env)
-        url = f"http://{args.host}:{args.port}"
-        announced = not layout.runs_scheduler
-        while not stop.is_set():
-            failed = _first_ended(children)
-            if failed is not None:
-                break
-            if not announced and _healthy(url):
-                announced = True
-                log.info("pagedserve ready", url=url, model=args.model or "SmolLM2-135M-Instruct")
-            stop.wait(0.2)
+        supervisor.start_all()
+        code, failure = supervisor.run(stop)
     finally:
         if received:
             log.info("stopping", signal=received[0])
-        _stop_all(children)
+        stop_all(list(supervisor.children()))
+        context.destroy(linger=0)
         shutil.rmtree(sock_dir, ignore_errors=True)
-        _remove_group_segments(layout, log)
-    if failed is not None and failed.proc.returncode == 0 and not layout.runs_scheduler:
-        log.info("the scheduler stopped the group", rank=failed.name)  # a Shutdown reached this host's ranks
-        return 0
-    if failed is not None:
-        message = f"pagedserve: the {failed.name} process {failed.why()}; stopped the others"
-        log.error("service died", service=failed.name, why=failed.why())
-        print(message, file=sys.stderr)
-        return CONFIG_ERROR_EXIT_CODE if failed.proc.returncode == CONFIG_ERROR_EXIT_CODE else 1
-    return 0
+        _remove_group_segments(supervisor.layout, log)
+    if failure is not None:
+        log.error("stopped", why=failure)
+        print(f"pagedserve: {failure}; stopped the others", file=sys.stderr)
+    return code
 
 
-def _start_children(children: list[_Child], args, layout: GroupLayout, env: dict[str, str]) -> None:
-    """Start this host's processes, appending each to ``children`` as it starts. Only the frontend
-    sees the API key (in its environment); the engine processes get none of the secrets."""
+class _Supervisor:
+    """This host's processes by group (``scheduler``, ``executor``: the local ranks, ``frontend``),
+    and what to do when one ends."""
+
+    def __init__(self, args, layout: GroupLayout, sock_dir: str, env: dict[str, str], reports: zmq.Socket,
+                 log) -> None:
+        self.args, self.layout, self.sock_dir, self.reports, self.log = args, layout, sock_dir, reports, log
+        self.budget = RestartBudget(_given(args, "max_restarts", 5), _given(args, "restart_window_s", 600.0))
+        self.groups = _build_groups(args, layout, env)
+
+    def children(self):
+        return (child for children in self.groups.values() for child in children)
+
+    def start_all(self) -> None:
+        for child in self.children():
+            child.start(self.log)
+
+    def run(self, stop: threading.Event) -> tuple[int, str | None]:
+        """Restart what ends until ``stop``; returns (exit code, why it gave up or None)."""
+        url = f"http://{self.args.host}:{self.args.port}"
+        announced = not self.layout.runs_scheduler
+        while not stop.is_set():
+            self._kill_reported()
+            for name, children in self.groups.items():
+                ended = first_ended(children)
+                if ended is not None and (verdict := self._restart(name, children, ended)) is not None:
+                    return verdict
+            if not announced and _healthy(url):
+                announced = True
+                self.log.info("pagedserve ready", url=url, model=self.args.model or "SmolLM2-135M-Instruct")
+            stop.wait(0.2)
+        return 0, None
+
+    def _restart(self, name: str, children: list[Child], ended: Child) -> tuple[int, str | None] | None:
+        """Restart ``ended``'s group whole; or, when that cannot help, (exit code, why)."""
+        why = ended.why()
+        code = ended.proc.returncode
+        if code == 0 and not ended.lost_cause and not self.layout.runs_scheduler:
+            self.log.info("the scheduler stopped the group", rank=ended.name)  # its Shutdown reached this host
+            return 0, None
+        if code == CONFIG_ERROR_EXIT_CODE and not ended.lost_cause:
+            return CONFIG_ERROR_EXIT_CODE, f"the {ended.name} process {why}"
+        last = why if len(children) == 1 else f"{ended.name} {why}"
+        if not self.budget.allow(name, time.monotonic()):
+            return 1, f"{self.budget.refusal(name)}; last: {last}"
+        self.log.warning("process restarted", service=name, rank=ended.rank, cause=last,
+                         num_restarts=self.budget.num_restarts[name])
+        stop_all([c for c in children if c.running])  # a group restarts whole
+        if name == "executor":
+            self._renew_group(children)
+        for child in children:
+            child.start(self.log)
+        return None
+
+    def _renew_group(self, ranks: list[Child]) -> None:
+        """The stopped ranks' leftovers go (segments of killed ranks, the handle store); the new
+        ranks meet as a new group, so nothing of the old one can be mistaken for theirs."""
+        if self.layout.world_size == 1:
+            return
+        _remove_group_segments(self.layout, self.log)
+        try:
+            os.unlink(self.layout.store_path)
+        except FileNotFoundError:
+            pass
+        self.layout = layout_from_args(self.args, self.sock_dir)
+        _log_group(self.layout, self.log)
+        for child in ranks:
+            child.argv = executor_argv(self.args) + self.layout.executor_argv(child.rank, self.args.num_threads)
+
+    def _kill_reported(self) -> None:
+        """Kill the processes the scheduler reported lost (hung), if they still run; ``run`` then
+        restarts them."""
+        while True:
+            try:
+                msg = decode(self.reports.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            except DecodeError:
+                continue
+            if not isinstance(msg, ProcessLost) or msg.process not in self.groups:
+                continue
+            for child in self.groups[msg.process]:
+                if child.rank == msg.rank and child.running and child.proc.pid == msg.pid:
+                    self.log.warning("killing a lost process", service=child.name, rank=msg.rank, child_pid=msg.pid,
+                                     cause=msg.cause)
+                    child.kill(msg.cause)
+
+
+def zmq_curve_dir(args, layout: GroupLayout, sock_dir: str) -> str | None:
+    """The CURVE key directory every child gets (None: plain ZeroMQ), its keys checked now: a
+    missing one stops serve before anything starts. ``--zmq-curve`` alone: fresh keys in ``sock_dir``."""
+    directory = curve_dir(args)
+    if directory == EPHEMERAL:
+        if layout.num_nodes > 1:
+            raise ValueError(f"--zmq-curve needs a key directory with --nnodes {layout.num_nodes}: every host must "
+                             "hold the same keys (make them once with `pagedserve keys --out DIR`, copy DIR)")
+        directory = os.path.join(sock_dir, "zmq-curve")
+        create_keys(directory)
+    if directory:
+        for role in ("scheduler", "frontend", "executor") if layout.runs_scheduler else ("executor",):
+            load_keys(directory, role)
+    return directory
+
+
+def _build_groups(args, layout: GroupLayout, env: dict[str, str]) -> dict[str, list[Child]]:
+    """This host's processes, not yet started. Only the frontend sees the API key (in its
+    environment); the engine processes get none of the secrets."""
     engine_env = {k: v for k, v in env.items() if k not in _SECRET_ENV}
-    if layout.runs_scheduler:
-        children.append(_Child("scheduler", scheduler_argv(args) + layout.scheduler_argv(), engine_env))
-    for rank in layout.local_ranks:
-        name = "executor" if layout.world_size == 1 else f"executor rank {rank}"
-        argv = executor_argv(args) + layout.executor_argv(rank, args.num_threads)
-        children.append(_Child(name, argv, engine_env, command="executor"))
-    if layout.runs_scheduler:
-        children.append(_Child("frontend", frontend_argv(args), frontend_env(args, env)))
+    ranks = [Child("executor" if layout.world_size == 1 else f"executor rank {rank}",
+                   executor_argv(args) + layout.executor_argv(rank, args.num_threads), engine_env,
+                   command="executor", rank=rank)
+             for rank in layout.local_ranks]
+    if not layout.runs_scheduler:
+        return {"executor": ranks}
+    return {"scheduler": [Child("scheduler", scheduler_argv(args) + layout.scheduler_argv(), engine_env)],
+            "executor": ranks,
+            "frontend": [Child("frontend", frontend_argv(args), frontend_env(args, env))]}
 
 
-def _first_ended(children: list[_Child]) -> _Child | None:
-    """A process that has ended, preferring one that did not stop because a peer rank failed."""
-    ended = [c for c in children if c.proc.poll() is not None]
-    return next((c for c in ended if c.proc.returncode != EXIT_PEER_FAILED), ended[0] if ended else None)
+def first_ended(children: list[Child]) -> Child | None:
+    """A process that has ended, preferring one that did not stop because another failed first."""
+    ended = [c for c in children if not c.running]
+    return next((c for c in ended if not c.followed), ended[0] if ended else None)
+
+
+def _log_group(layout: GroupLayout, log) -> None:
+    if layout.world_size > 1:
+        log.info("executor group", world_size=layout.world_size, all_reduce=layout.all_reduce,
+                 num_nodes=layout.num_nodes, node_rank=layout.node_rank, ranks=list(layout.local_ranks),
+                 group_id=layout.group_id, dist_init_addr=layout.dist_init_addr)
 
 
 def _remove_group_segments(layout: GroupLayout, log) -> None:
@@ -159,19 +241,6 @@ def _remove_group_segments(layout: GroupLayout, log) -> None:
         log.info("removed the group's shared-memory segments", names=removed)
 
 
-def _stop_all(children: list[_Child]) -> None:
-    for child in children:
-        if child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for child in children:
-        try:
-            child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.proc.kill()
-            child.proc.wait()
-
-
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=0.5) as resp:
@@ -180,10 +249,15 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _given(args, name: str, default):
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
 def _flags(args, names: list[str]) -> list[str]:
     argv = []
     for name in names:
-        value = getattr(args, name)
+        value = getattr(args, name, None)
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
     return argv
@@ -191,7 +265,7 @@ def _flags(args, names: list[str]) -> list[str]:
 
 def scheduler_argv(args) -> list[str]:
     argv = _flags(args, ["max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode",
-                         "kv_policy"])
+                         "kv_policy", "step_timeout", "heartbeat_timeout"])
     return argv + (["--no-prefix-caching"] if args.enable_prefix_caching is False else [])
 
 
@@ -202,7 +276,7 @@ def executor_argv(args) -> list[str]:
 
 def frontend_argv(args) -> list[str]:
     argv = _flags(args, ["model", "served_model_name", "host", "port", "max_model_len", "max_queue_len",
-                         *HTTP_LIMIT_DESTS])
+                         "heartbeat_timeout", *HTTP_LIMIT_DESTS])
     return argv + ([] if getattr(args, "playground", True) else ["--no-playground"])
 
 

@@ -18,7 +18,7 @@ class Endpoints:
     # request's RequestOutputs back to the frontend that sent it, EngineStats to every frontend
     request: str
     step: str  # scheduler PUB -> executors SUB (Step, Hello, Shutdown)
-    result: str  # executors PUSH -> scheduler PULL (StepResult, ExecutorReady, HelloAck)
+    result: str  # executors PUSH -> scheduler PULL (StepResult, ExecutorReady, Heartbeat)
 
     @classmethod
     def in_directory(cls, directory: str) -> "Endpoints":

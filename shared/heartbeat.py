@@ -6,7 +6,8 @@ from their loops, at most once per ``MIN_INTERVAL_S``; the check reads the file'
 ``PAGEDSERVE_HEALTH_DIR`` nothing is written (``pagedserve serve`` watches its children itself and
 leaves no file behind); the image sets it to a directory in the container's own /tmp. A process
 removes a stale file of its name when it starts, so a restarted process is not reported alive
-before its loop runs.
+before its loop runs. (Unrelated to the wire ``shared.messages.Heartbeat``, by which executor ranks
+tell the scheduler they live.)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def heartbeat_path(name: str, directory: str) -> str:
     return os.path.join(directory, f"{name}.heartbeat")
 
 
-class Heartbeat:
+class HeartbeatFile:
     """Touches ``<directory>/<name>.heartbeat`` (``directory``: default ``$PAGEDSERVE_HEALTH_DIR``;
     neither: does nothing). ``beat()`` is cheap enough to call on every loop turn."""
 

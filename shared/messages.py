@@ -85,6 +85,11 @@ class AddRequest:
     sampling: SamplingParams
     eos_token_ids: list[int]
     arrival_time: float
+    # A request resumed after a scheduler restart: the outputs it had already produced (and the
+    # frontend streamed) before, [num_resumed] int32. The scheduler continues after them as if it
+    # had generated them itself (max_tokens, min_tokens and penalties count them) and never sends
+    # them again. Only with n = 1 and neither best_of nor beam search.
+    resumed_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
 
 @dataclass
@@ -101,9 +106,9 @@ class RequestOutput:
 
     ``new_token_ids`` are the tokens generated since the previous delta. ``finish_reason`` is
     ``None`` while running, else ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (then
-    ``error`` says why and ``error_kind`` whose fault it is). ``request_finished`` is set on the request's last output, after every
-    choice has sent its own last one (best_of's held samples, all of beam search's hypotheses,
-    however few): nothing more comes for this request.
+    ``error`` says why and ``error_kind`` whose fault it is). ``request_finished`` is set on the
+    request's last output, after every choice has sent its own last one (best_of's held samples,
+    all of beam search's hypotheses, however few): nothing more comes for this request.
     """
 
     TAG: ClassVar[int] = 3
@@ -136,10 +141,11 @@ class RequestOutput:
 
 @dataclass
 class FrontendHello:
-    """frontend -> scheduler: "send my outputs and the engine's stats here".
+    """frontend -> scheduler: "send my outputs and the engine's stats here", and "I am alive".
 
-    Sent when a frontend connects, and again whenever it has heard nothing for a while (a restarted
-    scheduler learns of it that way). Every message a frontend sends names it as its sender too.
+    Sent when a frontend connects and then every second (a restarted scheduler learns of it that
+    way, and a scheduler that hears nothing from a frontend for its heartbeat timeout aborts that
+    frontend's requests). Every message a frontend sends names it as its sender too.
     """
 
     TAG: ClassVar[int] = 4
@@ -198,6 +204,9 @@ class Step:
     swap_out: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
     # [num_pairs, 2] int64 (cpu block, device block): copy in, applied after swap_out.
     swap_in: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+    # The epoch of the scheduler that sent it; an executor runs only its own scheduler's steps (a
+    # dead scheduler's last step may still wait in its socket when a new one says hello).
+    epoch: int = 0
     # Prompt scoring: the first ``num_scored_tokens[i]`` new tokens of sequence ``i`` need the
     # logprob of the token that follows each (the next prompt token) and the
     # ``num_prompt_top_logprobs`` most likely tokens at their positions. [S] int32, or empty when
@@ -232,7 +241,12 @@ class StepResult:
 
 @dataclass
 class ExecutorReady:
-    """executor -> scheduler after loading: the KV blocks this rank holds."""
+    """executor -> scheduler: this rank's KV pool, sent once loaded and in answer to every ``Hello``
+    of a scheduler it has not answered yet (then with that scheduler's ``epoch``; 0 when unasked).
+
+    ``incarnation`` is random per executor process: a new one for a rank tells the scheduler that
+    the rank was restarted. The pool's shape (model, block size, blocks, max_model_len, swap
+    blocks) must stay the same across restarts."""
 
     TAG: ClassVar[int] = 20
     rank: int
@@ -241,6 +255,10 @@ class ExecutorReady:
     block_size: int
     max_model_len: int
     num_cpu_blocks: int = 0  # swap space
+    model: str = ""  # the model's name, for the shape check
+    incarnation: int = 0
+    pid: int = 0  # for logs, /health and the supervisor
+    epoch: int = 0  # the scheduler epoch this answers (0: sent unasked, after loading)
     # Tensor parallelism: the group's all-reduce ("single", "shm", "cuda_ipc" or "torch") and the
     # bytes of this rank's device KV pool (only its KV heads).
     all_reduce: str = "single"
@@ -249,17 +267,28 @@ class ExecutorReady:
 
 @dataclass
 class Hello:
-    """scheduler -> executors, repeated until every rank acknowledged (PUB/SUB joins late)."""
+    """scheduler -> executors: "answer with ExecutorReady". Repeated (a SUB socket joins late)
+    while some rank has not answered this ``epoch``, which is random per scheduler process: an
+    executor that sees a new epoch drops every sequence it knew (a new scheduler knows none).
+
+    ``retired_incarnations``: the processes of the executor group this scheduler lost last. Such a
+    process, if it still runs, exits (``EXIT_RETIRED``) so that whoever supervises it (``serve`` on
+    its host, a container's restart policy) starts a new one: a lost group rejoins only whole."""
 
     TAG: ClassVar[int] = 21
-    nonce: int
+    epoch: int
+    retired_incarnations: list[int] = field(default_factory=list)
 
 
 @dataclass
-class HelloAck:
-    TAG: ClassVar[int] = 22
+class Heartbeat:
+    """executor rank -> scheduler, every second from a thread of its own (so it keeps beating
+    through a long step, and stops when the process dies or is stopped)."""
+
+    TAG: ClassVar[int] = 25
     rank: int
-    nonce: int
+    incarnation: int
+    pid: int
 
 
 @dataclass
@@ -268,6 +297,29 @@ class Shutdown:
 
     TAG: ClassVar[int] = 23
     reason: str = ""
+
+
+@dataclass
+class ProcessLost:
+    """scheduler -> supervisor (``pagedserve serve``'s launcher): a process stopped answering. The
+    supervisor kills it if it still runs (a hung process) and starts a new one."""
+
+    TAG: ClassVar[int] = 24
+    process: str  # "executor"
+    rank: int
+    pid: int
+    cause: str
+
+
+@dataclass
+class ExecutorHealth:
+    """One executor rank as the scheduler sees it (in ``EngineStats``)."""
+
+    rank: int
+    pid: int
+    status: str  # "ok", "starting" (not answered yet) or "lost" (being replaced)
+    seconds_since_heartbeat: float  # -1 before the first
+    num_restarts: int  # times this rank was lost and replaced under this scheduler
 
 
 @dataclass
@@ -295,6 +347,12 @@ class EngineStats:
     num_cached_blocks: int = 0  # unused blocks kept for their content (evictable)
     num_swap_outs: int = 0  # preemptions by swap
     num_recomputes: int = 0  # preemptions by recompute
+    # Liveness: the scheduler's epoch (random per scheduler process; a new one means it restarted)
+    # and pid, each executor rank, and how many frontends went away without a word.
+    epoch: int = 0
+    pid: int = 0
+    executors: list[ExecutorHealth] = field(default_factory=list)
+    num_frontends_lost: int = 0
     # The executor group (from the ranks' ExecutorReady): tensor-parallel size, all-reduce kind,
     # and per rank (indexed by rank) its device KV blocks and their bytes.
     world_size: int = 1
@@ -365,10 +423,10 @@ MESSAGE_TYPES: dict[int, type] = {
     cls.TAG: cls
     for cls in (
         AddRequest, AbortRequest, RequestOutput, FrontendHello, Step, StepResult, ExecutorReady, Hello,
-        HelloAck, Shutdown, EngineStats, KvWatch, KvSnapshot,
+        Heartbeat, Shutdown, ProcessLost, EngineStats, KvWatch, KvSnapshot,
     )
 }
-_NESTED = {"SamplingParams": SamplingParams, "NewSequence": NewSequence}
+_NESTED = {"SamplingParams": SamplingParams, "NewSequence": NewSequence, "ExecutorHealth": ExecutorHealth}
 
 
 # ---------------------------------------------------------------- codec

@@ -95,7 +95,7 @@ def model_shape(config: Mapping[str, Any], where: str) -> ModelShape:
 
 def load_hf_config(source: ModelSource) -> Any:
     """The model's ``transformers`` config, checked (``model_shape``), with remote code refused."""
-    where = f"--model {source.gguf_file or source.directory}"
+    where = f"--model {source.where}"
     if source.gguf_file is None:
         model_shape(read_config_json(source.directory), where)  # before transformers divides by zero
     from transformers import AutoConfig

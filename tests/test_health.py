@@ -12,7 +12,7 @@ import time
 import pytest
 
 from services.health import main as health_main
-from shared.heartbeat import Heartbeat, heartbeat_age_s
+from shared.heartbeat import HeartbeatFile, heartbeat_age_s
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def test_no_heartbeat_fails_and_names_the_file(health_dir, capsys):
 
 
 def test_fresh_heartbeat_passes_and_old_one_fails_with_the_flag_named(health_dir, capsys):
-    Heartbeat("scheduler").beat()
+    HeartbeatFile("scheduler").beat()
     assert health_main(["scheduler"]) == 0
     _age(str(health_dir / "scheduler.heartbeat"), 45)
     assert health_main(["scheduler"]) == 1
@@ -43,7 +43,7 @@ def test_fresh_heartbeat_passes_and_old_one_fails_with_the_flag_named(health_dir
 def test_without_a_health_dir_nothing_is_written_and_the_check_says_why(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("PAGEDSERVE_HEALTH_DIR", raising=False)
     monkeypatch.chdir(tmp_path)
-    beat = Heartbeat("scheduler")
+    beat = HeartbeatFile("scheduler")
     beat.beat()
     assert beat.path is None and list(tmp_path.iterdir()) == []
     assert health_main(["scheduler"]) == 1
@@ -51,13 +51,13 @@ def test_without_a_health_dir_nothing_is_written_and_the_check_says_why(tmp_path
 
 
 def test_executor_ranks_have_their_own_files(health_dir):
-    Heartbeat("executor-1").beat()
+    HeartbeatFile("executor-1").beat()
     assert health_main(["executor"]) == 1
     assert health_main(["executor", "--rank", "1"]) == 0
 
 
 def test_beats_are_rate_limited(health_dir):
-    beat = Heartbeat("scheduler", min_interval_s=3600)
+    beat = HeartbeatFile("scheduler", min_interval_s=3600)
     beat.beat()
     _age(beat.path, 100)
     beat.beat()  # within the interval: the file is not touched again
@@ -65,9 +65,9 @@ def test_beats_are_rate_limited(health_dir):
 
 
 def test_a_new_process_removes_a_stale_heartbeat(health_dir):
-    Heartbeat("executor-0").beat()
+    HeartbeatFile("executor-0").beat()
     assert heartbeat_age_s("executor-0", str(health_dir)) is not None
-    Heartbeat("executor-0")  # a restarted executor, still loading its model
+    HeartbeatFile("executor-0")  # a restarted executor, still loading its model
     assert heartbeat_age_s("executor-0", str(health_dir)) is None
     assert health_main(["executor"]) == 1
 
@@ -110,7 +110,7 @@ def test_frontend_not_listening_fails(capsys):
 
 
 def test_the_cli_runs_it_without_importing_the_services(health_dir):
-    Heartbeat("scheduler").beat()
+    HeartbeatFile("scheduler").beat()
     code = ("import sys; from services.cli import main; rc = main(['health', 'scheduler']);"
             "heavy = [m for m in ('torch', 'transformers', 'aiohttp', 'zmq') if m in sys.modules];"
             "print(heavy); sys.exit(rc)")

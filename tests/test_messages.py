@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from shared.messages import (
-    MESSAGE_TYPES, AbortRequest, AddRequest, DecodeError, EngineStats, ExecutorReady, FrontendHello, Hello,
-    HelloAck, KvEventKind, KvSnapshot, KvWatch, NewSequence, RequestOutput, SamplingParams, Shutdown, Step,
-    StepResult, decode, encode,
+    MESSAGE_TYPES, AbortRequest, AddRequest, DecodeError, EngineStats, ExecutorHealth, ExecutorReady, FrontendHello,
+    Heartbeat, Hello, KvEventKind, KvSnapshot, KvWatch, NewSequence, ProcessLost, RequestOutput, SamplingParams,
+    Shutdown, Step, StepResult, decode, encode,
 )
 
 SAMPLING = SamplingParams(n=2, temperature=0.7, top_k=5, seed=2**62, stop_token_ids=[3, 4], logprobs=2,
@@ -20,6 +20,8 @@ SAMPLING = SamplingParams(n=2, temperature=0.7, top_k=5, seed=2**62, stop_token_
 
 EXAMPLES = [
     AddRequest("r1", np.array([5, 6, 7], np.int32), SAMPLING, [2], 1234.5),
+    AddRequest("r1.r1.c0", np.array([5, 6], np.int32), SamplingParams(), [2], 1.5,
+               resumed_token_ids=np.array([9, 10, 11], np.int32)),
     AbortRequest("r1"),
     RequestOutput("r1", 1, [8, 9], "length", num_prompt_tokens=3, num_cached_tokens=2, num_preemptions=1,
                   logprobs=[-0.5, -1.0], top_token_ids=[[8, 1], [9, 1]], top_logprobs=[[-0.5, -2.0], [-1.0, -3.0]],
@@ -35,6 +37,7 @@ EXAMPLES = [
         new_seqs=[NewSequence(4, "r2", SAMPLING, np.array([5, 6, 7, 8], np.int32), 3)], finished_seq_ids=[1],
         block_copies=np.array([[1, 2]], np.int64), swap_out=np.array([[3, 0]], np.int64),
         swap_in=np.array([[0, 3]], np.int64), num_scored_tokens=np.array([0, 2], np.int32), num_prompt_top_logprobs=1,
+        epoch=99,
     ),
     StepResult(7, np.array([3], np.int64), np.array([11], np.int64), logprobs=np.array([-0.25], np.float32),
                top_token_ids=np.array([[11, 4]], np.int64), top_logprobs=np.array([[-0.25, -2.5]], np.float32),
@@ -42,14 +45,18 @@ EXAMPLES = [
                prompt_top_token_ids=np.array([[2], [6]], np.int64),
                prompt_top_logprobs=np.array([[-0.75], [-0.5]], np.float32)),
     StepResult(8, np.zeros(0, np.int64), np.zeros(0, np.int64), error="boom"),
-    ExecutorReady(0, 1, 100, 16, 2048, num_cpu_blocks=8),
+    ExecutorReady(0, 1, 100, 16, 2048, num_cpu_blocks=8, model="tiny", incarnation=2**62 + 5, pid=77, epoch=99),
     ExecutorReady(1, 3, 300, 16, 2048, num_cpu_blocks=8, all_reduce="shm", kv_cache_bytes=3 * 2**20),
     Hello(99),
-    HelloAck(0, 99),
+    Hello(100, retired_incarnations=[2**62 + 5, 7]),
+    Heartbeat(1, 2**62 + 5, 77),
     Shutdown("bye"),
+    ProcessLost("executor", 0, 77, "no heartbeat for 10.2 s"),
     EngineStats(1, 2, 100, 10, 30, 40, True, num_steps=5, sum_slots_used=9, num_swap_outs=1, num_recomputes=2,
                 world_size=2, all_reduce="torch", num_kv_blocks_per_rank=[100, 120],
                 kv_cache_bytes_per_rank=[2**20, 2**20 + 5]),
+    EngineStats(0, 0, 100, 0, 0, 0, False, epoch=2**40, pid=12, num_frontends_lost=1,
+                executors=[ExecutorHealth(0, 77, "ok", 0.25, 1), ExecutorHealth(1, 0, "starting", -1.0, 0)]),
     KvWatch(on=True),
     KvSnapshot(
         snapshot_id=3, block_size=4, num_blocks=4, num_cpu_blocks=2, used_block_ids=np.array([0, 2], np.int32),

@@ -139,6 +139,7 @@ def test_transformers_never_runs_model_code(monkeypatch, tmp_path):
     monkeypatch.setattr(transformers, "AutoConfig", Recorder(real_config))
     monkeypatch.setattr(transformers, "AutoTokenizer", Recorder(object()))
     monkeypatch.setattr(transformers, "AutoModelForCausalLM", Recorder(Model()))
+    monkeypatch.setenv("PAGEDSERVE_GGUF_CACHE", "off")  # the GGUF file itself (the cache's loads pin it too)
     gguf = resolve_model(None)
     served_model.load_tokenizer(gguf)
     served_model.model_max_len(gguf)

@@ -55,7 +55,7 @@ def test_outputs_go_to_their_frontend_stats_to_all_and_orphans_come_back(tmp_pat
         b.send(encode(_add("rb")))
         a.send(encode(_add("ra")))
         assert len(_receive(link, 3)) == 3
-        assert link.frontends == {b"frontend-a", b"frontend-b"}
+        assert set(link.frontends) == {b"frontend-a", b"frontend-b"}
         link.send_output(RequestOutput("rb", 0, [7]))
         link.send_output(RequestOutput("ra", 0, [8], "stop", request_finished=True))
         link.send_output(RequestOutput("ra", 0, [9]))  # after its end: nobody owns it, dropped
@@ -68,7 +68,7 @@ def test_outputs_go_to_their_frontend_stats_to_all_and_orphans_come_back(tmp_pat
             link.send_stats(STATS)  # the next send to b finds it gone
             orphans = link.take_orphans()
             time.sleep(0.02)
-        assert orphans == ["rb"] and link.frontends == {b"frontend-a"}
+        assert orphans == ["rb"] and set(link.frontends) == {b"frontend-a"} and link.num_lost == 1
         assert link.take_orphans() == []
     finally:
         a.close()
@@ -105,3 +105,29 @@ def test_engine_client_fails_its_requests_when_the_scheduler_falls_silent(tmp_pa
         ctx.term()
     assert output.finish_reason == "abort" and output.request_finished and num_pending == 0
     assert "the scheduler has not answered for" in output.error
+
+
+def test_a_silent_frontend_is_forgotten_its_requests_orphaned_and_it_is_told(tmp_path):
+    ctx = zmq.Context()
+    endpoint = Endpoints.in_directory(str(tmp_path)).request
+    link = FrontendLink(ctx, endpoint, structlog.get_logger(), silence_timeout_s=5.0)
+    a = _dealer(ctx, endpoint, b"frontend-a")
+    try:
+        a.send(encode(_add("ra")))
+        assert len(_receive(link, 1)) == 1
+        heard = link.frontends[b"frontend-a"]
+        link.forget_silent(heard + 4.0)
+        assert link.take_orphans() == [] and b"frontend-a" in link.frontends
+        link.excuse(3.0)  # the scheduler itself was stalled for 3 s: not the frontend's silence
+        link.forget_silent(heard + 7.5)
+        assert link.take_orphans() == [] and b"frontend-a" in link.frontends
+        link.forget_silent(heard + 8.5)
+        assert link.take_orphans() == ["ra"] and not link.frontends and link.num_lost == 1
+        told = _next(a)  # alive after all: its request must not wait forever
+        assert told.request_id == "ra" and told.finish_reason == "abort" and "heard nothing" in told.error
+        a.send(encode(FrontendHello(1)))  # it comes back
+        assert len(_receive(link, 1)) == 1 and b"frontend-a" in link.frontends
+    finally:
+        a.close()
+        link.socket.close()
+        ctx.term()

@@ -188,15 +188,16 @@ def test_sigterm_stops_all_and_removes_sockets(server):
     assert not [p for p in os.listdir(root) if p.startswith("pagedserve-")], "socket directory left behind"
 
 
-def test_dead_executor_stops_everything(tmp_path, tiny_model_dir):
-    proc, _ = _start(tmp_path, "--model", str(tiny_model_dir), "--kv-cache-memory", "16MiB")
+def test_dead_executor_stops_everything_without_restarts(tmp_path, tiny_model_dir):
+    proc, _ = _start(tmp_path, "--model", str(tiny_model_dir), "--kv-cache-memory", "16MiB", "--max-restarts", "0")
     try:
         children = _children(proc.pid)
         executor = next(pid for pid, name in children.items() if name == "executor")
         os.kill(executor, signal.SIGKILL)
         assert proc.wait(timeout=20) != 0
         log = (tmp_path / "serve.log").read_text()
-        assert "the executor process was killed by SIGKILL" in log
+        assert "the executor process failed 1 time within 600 s (--max-restarts 0" in log
+        assert "was killed by SIGKILL" in log
         for pid, name in children.items():
             if name != "executor":
                 assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"

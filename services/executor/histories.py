@@ -35,6 +35,10 @@ class TokenHistories:
         self._token_ids.pop(seq_id, None)
         self._num_prompt_tokens.pop(seq_id, None)
 
+    def clear(self) -> None:
+        self._token_ids.clear()
+        self._num_prompt_tokens.clear()
+
     def observe(self, step: Step) -> None:
         """Extend the scheduled sequences' histories with the step's tokens past their ends.
 

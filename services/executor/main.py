@@ -1,21 +1,33 @@
 """The executor process: one rank of the executor group. Joins the group, loads its shard of the
 model and its KV pools, then runs every ``Step`` it is sent.
 
-Sockets (connected here): ``step`` SUB (scheduler -> all ranks), ``result`` PUSH (-> scheduler).
+Sockets (connected here): ``step`` SUB (scheduler -> all ranks), ``result`` PUSH (-> scheduler),
+and a second PUSH to ``result`` for the heartbeat thread (``heartbeat``), which beats from start-up.
 Rank 0 samples and replies with a ``StepResult``; the other ranks run the same steps and do not
-reply. Every rank answers ``Hello`` and reports ``ExecutorReady`` (its KV blocks and their bytes).
+reply. With ``--zmq-curve`` all three are CURVE clients of the scheduler (``shared.zmq_auth``).
+The main loop also touches the rank's heartbeat file (``shared.heartbeat``, for container
+healthchecks) before and after every step.
+
+Handshake: once loaded, the rank says ``ExecutorReady`` unasked (epoch 0: a scheduler that knew an
+earlier process of this rank learns it was replaced), then answers the first ``Hello`` of every
+scheduler epoch with ``ExecutorReady`` again (its KV blocks and their bytes, model, pid). A new
+epoch is a new scheduler, which knows none of the sequences this process held: they are dropped,
+and so is any step of another epoch (a dead scheduler's). ``incarnation`` (random per process)
+tells the scheduler which process of the rank is talking.
 
 Failure in a group of more than one rank: a step that raises on one rank cannot be finished by the
 others (they wait in its collectives), so the rank aborts the group with the reason (its peers'
 collectives raise ``GroupError`` naming it) and exits with code 1; a rank whose communicator
-reports a failed peer exits with ``EXIT_PEER_FAILED``. With one rank a failed step only fails its
-requests. The communicator is closed on every way out.
+reports a failed peer exits with ``EXIT_PEER_FAILED``, and one that a scheduler's ``Hello`` names
+as retired (its group was lost) with ``EXIT_RETIRED``. The supervisor then restarts the whole
+group, and the scheduler starts every sequence over on it. With one rank a failed step only fails
+its requests. The communicator is closed on every way out.
 """
-
 from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import signal
 import time
 import traceback
@@ -23,17 +35,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shared.endpoints import Endpoints
-from shared.heartbeat import Heartbeat
+from shared.heartbeat import HeartbeatFile
 from shared.logging import configure_logging
-from shared.messages import DecodeError, ExecutorReady, Hello, HelloAck, Shutdown, Step, StepResult, decode, encode
+from shared.messages import DecodeError, ExecutorReady, Hello, Shutdown, Step, StepResult, decode, encode
 from shared.model_source import resolve_model
 from shared.threads import configure_cpu_threads
+from shared.zmq_auth import load_keys, log_mode, secure_client
 
 if TYPE_CHECKING:  # the loader imports torch, which must wait for the thread settings
     from .loader import RunnerOptions
     from .parallel.group import GroupConfig
 
 EXIT_PEER_FAILED = 3  # this rank stopped because another rank of its group failed
+EXIT_RETIRED = 4  # the scheduler gave this process up (its group was lost): a new one must replace it
 
 
 class StepFailed(Exception):
@@ -63,6 +77,7 @@ class ExecutorConfig:
     group_id: str | None = None  # shared memory: names the group's segments
     group_store: str | None = None  # shared memory: the file the ranks swap their handles through
     group_timeout_s: float = 60.0
+    zmq_curve: str | None = None  # --zmq-curve: the CURVE key directory; None: plain ZeroMQ
 
     def __post_init__(self) -> None:
         self.runner_options()  # validates the flags it shares with the offline engine
@@ -90,7 +105,11 @@ class ExecutorProcess:
         self.config = config
         self.log = configure_logging("executor").bind(rank=config.rank)
         self.stopping = False
+        self.incarnation = secrets.randbits(62) + 1  # nonzero; new for every executor process
+        self.epoch = 0  # of the scheduler this process answered last
         self._request_ids: dict[int, str] = {}  # seq_id -> request_id, for logs
+        self.curve = load_keys(config.zmq_curve, "executor") if config.zmq_curve else None
+        log_mode(self.log, self.curve)
 
     def _load(self):
         """Join the group (every rank must), then load this rank's shard; returns (comm, runner)."""
@@ -102,6 +121,7 @@ class ExecutorProcess:
 
         cfg = self.config
         source = resolve_model(cfg.model)
+        self._model_name = source.name
         choice = resolve_dtype(cfg.dtype, torch.device(cfg.device))
         self.log.info("dtype chosen", requested=cfg.dtype, dtype=str(choice.dtype), reason=choice.reason,
                       **choice.cpu)
@@ -130,12 +150,24 @@ class ExecutorProcess:
     def _ready(self, runner, comm) -> ExecutorReady:
         cfg = self.config
         return ExecutorReady(cfg.rank, cfg.world_size, runner.num_blocks, runner.block_size, runner.max_model_len,
-                             runner.num_cpu_blocks, all_reduce=comm.kind, kv_cache_bytes=runner.kv_cache_bytes)
+                             runner.num_cpu_blocks, model=self._model_name, incarnation=self.incarnation,
+                             pid=os.getpid(), epoch=self.epoch, all_reduce=comm.kind,
+                             kv_cache_bytes=runner.kv_cache_bytes)
+
+    def _answer_new_scheduler(self, runner, comm, epoch: int) -> ExecutorReady:
+        """A scheduler we have not answered: forget every sequence (it knows none), say ready."""
+        if self._request_ids or self.epoch:
+            self.log.info("new scheduler: dropping every sequence", epoch=epoch, num_sequences=len(self._request_ids))
+        runner.forget_sequences()
+        self._request_ids.clear()
+        self.epoch = epoch
+        return self._ready(runner, comm)
 
     def run(self) -> int:
         """Serve steps until Shutdown or a signal; returns the exit code."""
         import zmq
 
+        from .heartbeat import HeartbeatThread
         from .parallel.base import GroupError
 
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -149,17 +181,19 @@ class ExecutorProcess:
         steps = ctx.socket(zmq.SUB)
         steps.setsockopt(zmq.LINGER, 0)
         steps.setsockopt(zmq.SUBSCRIBE, b"")
+        secure_client(steps, self.curve)
         steps.connect(cfg.endpoints.step)
         results = ctx.socket(zmq.PUSH)
         results.setsockopt(zmq.LINGER, 0)
+        secure_client(results, self.curve)
         results.connect(cfg.endpoints.result)
-        heartbeat = Heartbeat(f"executor-{cfg.rank}")  # removes a stale file; beats once loaded
+        beats = HeartbeatThread(ctx, cfg.endpoints.result, cfg.rank, self.incarnation, curve=self.curve).start()
+        heartbeat_file = HeartbeatFile(f"executor-{cfg.rank}")  # removes a stale file; beats once loaded
         comm = None
         try:
             comm, runner = self._load()
             results.send(encode(self._ready(runner, comm)))
-            self._serve(runner, steps, results, heartbeat)
-            return 0
+            return self._serve(runner, comm, steps, results, heartbeat_file)
         except StepFailed as exc:
             comm.abort(str(exc))  # the peers' collectives now fail naming this rank
             self.log.error("executor group stopped: this rank's step failed", error=str(exc))
@@ -171,12 +205,15 @@ class ExecutorProcess:
             if comm is not None:
                 comm.close()
             self.log.info("executor stopping")
+            beats.stop()
             ctx.destroy(linger=0)
 
-    def _serve(self, runner, steps, results, heartbeat: Heartbeat) -> None:
+    def _serve(self, runner, comm, steps, results, heartbeat_file: HeartbeatFile) -> int:
+        """Run steps and answer schedulers until Shutdown or a signal (0), or until the scheduler
+        says it gave this process up (``EXIT_RETIRED``)."""
         cfg = self.config
         while not self.stopping:
-            heartbeat.beat()  # before and after every step: only one step longer than the max age fails
+            heartbeat_file.beat()  # before and after every step: only one step longer than the max age fails
             if not steps.poll(200):
                 continue
             try:
@@ -184,16 +221,21 @@ class ExecutorProcess:
             except DecodeError as exc:
                 self.log.warning("dropped a bad frame", error=str(exc))
                 continue
-            if isinstance(msg, Step):
+            if isinstance(msg, Step) and msg.epoch == self.epoch:
                 result = self._execute(runner, msg)
-                heartbeat.beat()
+                heartbeat_file.beat()
                 if cfg.rank == 0:
                     results.send(encode(result))
-            elif isinstance(msg, Hello):
-                results.send(encode(HelloAck(cfg.rank, msg.nonce)))
+            elif isinstance(msg, Hello) and self.incarnation in msg.retired_incarnations:
+                self.log.warning("the scheduler gave this process up (its group was lost); exiting to be replaced",
+                                 epoch=msg.epoch)
+                return EXIT_RETIRED
+            elif isinstance(msg, Hello) and msg.epoch != self.epoch:
+                results.send(encode(self._answer_new_scheduler(runner, comm, msg.epoch)))
             elif isinstance(msg, Shutdown):
                 self.log.info("shutdown requested", reason=msg.reason)
                 break
+        return 0
 
     def _execute(self, runner, step: Step) -> StepResult:
         for seq_id in step.finished_seq_ids:

@@ -68,6 +68,12 @@ class ModelRunner:
         """Positions the model was built for (its rotary table's length)."""
         return self.model.rotary.cos.shape[0]
 
+    def forget_sequences(self) -> None:
+        """Drop every sequence's sampling state and token history (a new scheduler knows none of
+        them; it announces each again)."""
+        self.sampler.clear()
+        self.histories.clear()
+
     def _move_blocks(self, step: Step) -> None:
         """Swap out, then swap in, then copy-on-write copies: all before the forward pass."""
         if len(step.swap_out):

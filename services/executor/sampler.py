@@ -68,6 +68,9 @@ class Sampler:
     def remove(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
 
+    def clear(self) -> None:
+        self._seqs.clear()
+
     def __len__(self) -> int:
         return len(self._seqs)
 

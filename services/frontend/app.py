@@ -57,7 +57,7 @@ def create_app(
     app = web.Application(client_max_size=max_body_bytes or model.body_limit_bytes,
                           middlewares=[connection_middleware, error_middleware, auth_middleware])
     app[HTTP_LIMITS] = http_limits or HttpLimits()
-    metrics = FrontendMetrics(lambda: client.latest_stats)
+    metrics = FrontendMetrics(lambda: client.latest_stats, client.process_restarts)
     app[STATE] = FrontendState(
         model, client, TokenizerPools(), metrics, TokenFormatter(model.tokenizer), max_queue_len=max_queue_len,
         api_key=api_key or None, shutdown_grace_s=shutdown_grace_s,

@@ -24,6 +24,7 @@ class FrontendConfig:
     engine requests waiting for their first output (more get a 503 with ``Retry-After``; ``None``:
     no cap). ``api_key``: when set, every route but /health needs ``Authorization: Bearer <key>``.
     ``playground``: serve the chat page at / and /v1/kv/events (``--no-playground``: not).
+    ``zmq_curve``: the ``--zmq-curve`` key directory (``shared.zmq_auth``; None: plain ZeroMQ).
     Keyword arguments only.
     """
 
@@ -37,7 +38,9 @@ class FrontendConfig:
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     max_queue_len: int | None = None
     api_key: str | None = field(default=None, repr=False)
+    heartbeat_timeout: float = 10.0
     playground: bool = True
+    zmq_curve: str | None = None
 
     def __post_init__(self) -> None:
         if self.served_model_name is not None and not self.served_model_name.strip():
@@ -54,6 +57,10 @@ class FrontendConfig:
             raise ValueError(f"--max-queue-len must be a positive integer, got {self.max_queue_len!r}")
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
             raise ValueError("--api-key must not be empty or start or end with spaces")
+        if isinstance(self.heartbeat_timeout, bool) or not isinstance(self.heartbeat_timeout, (int, float)) \
+                or not self.heartbeat_timeout > 0:
+            raise ValueError(f"--heartbeat-timeout must be a positive number of seconds, "
+                             f"got {self.heartbeat_timeout!r}")
         value = self.endpoints.request
         if not value:
             raise ValueError("--request-endpoint is required (or set PAGEDSERVE_REQUEST_ENDPOINT)")

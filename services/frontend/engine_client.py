@@ -3,15 +3,18 @@
 One DEALER socket connects to the scheduler's ROUTER (``endpoints.request``) under an identity
 unique to this frontend process. It carries ``FrontendHello``, ``AddRequest`` and ``AbortRequest``
 out, and brings back this frontend's ``RequestOutput`` deltas (the scheduler sends each request's
-outputs to the frontend that sent the request) and ``EngineStats`` (sent to every frontend). One
-background task reads the socket and routes each output to its request's queue; a second one says
-hello again while the scheduler is silent (a restarted scheduler learns of this frontend that way)
-and, once the scheduler has answered at all (before, it may still be loading the model), fails
-every waiting request when the scheduler has been silent for ``silence_timeout_s``.
+outputs to the frontend that sent the request) and ``EngineStats`` (sent to every frontend every
+0.5 s). One background task reads the socket and routes each output to its request's queue
+(``request_routes``); a second one says hello every second (the scheduler's sign that this
+frontend lives; a restarted scheduler learns of it that way) and watches the scheduler's silence.
+With ``--zmq-curve`` the DEALER is a CURVE client of the scheduler (``shared.zmq_auth``).
 
-A request is over at its output marked ``request_finished``, or at once on an ``"error"`` or
-``"abort"``. Beam search may return fewer than ``n`` hypotheses: the queue then gets ``None`` after
-the last output ("the other choices will not come").
+The scheduler's liveness: silent for ``heartbeat_timeout_s`` it counts as lost (``scheduler_lost``:
+/health says 503, new requests get a 503); silent for ``silence_timeout_s`` every waiting request
+fails. A new epoch in its stats means a new scheduler process: once it is ready every request in
+flight is handed to it (``RequestRoutes.resubmissions``) and continues where it was. Restarts are
+counted here: the scheduler's, and the executors' (reported by each scheduler; the counts of
+earlier schedulers are kept).
 
 For the playground, ``watch_kv`` asks the scheduler for block-pool snapshots (``KvWatch``), which
 arrive at ``on_kv_snapshot`` (``kv_stream.KvHub``).
@@ -23,7 +26,6 @@ import asyncio
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Callable
 
 import msgpack
@@ -32,6 +34,8 @@ import zmq
 import zmq.asyncio
 
 from shared.endpoints import Endpoints
+from shared.zmq_auth import CurveKeys, secure_client
+from services.frontend.request_routes import RequestRoutes
 from shared.messages import (
     AbortRequest, AddRequest, DecodeError, EngineStats, FrontendHello, KvSnapshot, KvWatch, RequestOutput, decode,
     encode,
@@ -39,17 +43,9 @@ from shared.messages import (
 
 log = structlog.get_logger()
 
-HELLO_INTERVAL_S = 1.0  # the scheduler sends stats every 0.5 s to the frontends it knows
-SILENCE_TIMEOUT_S = 60.0  # far longer than any step; the scheduler gives a step 600 s
-
-
-@dataclass
-class _Route:
-    """Where one request's outputs go, and which of its choices have ended."""
-
-    queue: asyncio.Queue[RequestOutput | None]
-    num_choices: int
-    finished: set[int] = field(default_factory=set)
+HELLO_INTERVAL_S = 1.0  # the scheduler sends stats every 0.5 s to the frontends it knows, even mid-step
+HEARTBEAT_TIMEOUT_S = 10.0  # silent this long, the scheduler is lost (restarting, we hope)
+SILENCE_TIMEOUT_S = 60.0  # silent this long, the requests waiting for it fail
 
 
 class EngineClient:
@@ -57,38 +53,73 @@ class EngineClient:
 
     Contract: ``add_request`` registers the request's queue before the request is sent, so no
     output can arrive unrouted. A queue receives every ``RequestOutput`` of its request, each
-    choice's last one with a ``finish_reason``, and possibly a final ``None`` (see the module
-    docstring). Once the request is over (or after ``abort``) it is unregistered and later outputs
-    for it are dropped. Must be used from one event loop.
+    choice's last one with a ``finish_reason``, and possibly a final ``None`` (see
+    ``request_routes``), across scheduler restarts. Once the request is over (or after ``abort``)
+    it is unregistered and later outputs for it are dropped. Must be used from one event loop.
     """
 
     def __init__(self, endpoints: Endpoints, context: zmq.asyncio.Context | None = None,
-                 silence_timeout_s: float = SILENCE_TIMEOUT_S) -> None:
+                 silence_timeout_s: float = SILENCE_TIMEOUT_S,
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S, curve: CurveKeys | None = None) -> None:
         self._endpoints = endpoints
+        self._curve = curve
         self._own_context = context is None
         self._context = context or zmq.asyncio.Context()
         self.identity = f"frontend-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
         self.silence_timeout_s = silence_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
-        self._routes: dict[str, _Route] = {}
+        self.routes = RequestRoutes()
         self._last_frame_time: float | None = None  # time.monotonic() of anything from the scheduler
         self._waiting_since = 0.0  # when the first of the registered requests was sent
+        self._lost_logged = False
         self.latest_stats: EngineStats | None = None
         self.latest_stats_time: float | None = None  # time.monotonic() when it arrived
-        self.num_dropped_frames = 0
+        self._num_dropped_frames = 0
+        self.scheduler_epoch: int | None = None
+        self._resubmit: set[str] | None = None  # a new scheduler: the requests to hand it once it is ready
+        self.num_scheduler_restarts = 0
+        self._executor_restarts_before = 0  # reported by the schedulers before this one
         self.on_kv_snapshot: Callable[[KvSnapshot], None] | None = None
+
+    @property
+    def num_dropped_frames(self) -> int:
+        return self._num_dropped_frames + self.routes.num_dropped
+
+    @property
+    def num_executor_restarts(self) -> int:
+        reported = sum(e.num_restarts for e in self.latest_stats.executors) if self.latest_stats else 0
+        return self._executor_restarts_before + reported
+
+    def process_restarts(self) -> dict[str, int]:
+        """Restarts seen so far, by process (see ``metrics``)."""
+        lost_frontends = self.latest_stats.num_frontends_lost if self.latest_stats else 0
+        return {"executor": self.num_executor_restarts, "scheduler": self.num_scheduler_restarts,
+                "frontend": lost_frontends}
+
+    def scheduler_silence_s(self) -> float | None:
+        """Seconds since the scheduler was last heard from (None: never)."""
+        return None if self._last_frame_time is None else time.monotonic() - self._last_frame_time
+
+    @property
+    def scheduler_lost(self) -> bool:
+        """Heard from once, silent for ``heartbeat_timeout_s`` since."""
+        silence = self.scheduler_silence_s()
+        return silence is not None and silence > self.heartbeat_timeout_s
 
     async def start(self) -> None:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, self.identity)
+        secure_client(sock, self._curve)
         sock.connect(self._endpoints.request)
         self._socket = sock
         self._hello()
         self._tasks = [asyncio.create_task(self._read_outputs(), name="engine-output-reader"),
                        asyncio.create_task(self._watch_silence(), name="engine-silence-watch")]
-        log.info("connected to the scheduler", endpoint=self._endpoints.request, identity=self.identity.decode())
+        log.info("connected to the scheduler", endpoint=self._endpoints.request, identity=self.identity.decode(),
+                 zmq_security="curve" if self._curve else "plain")
 
     async def close(self) -> None:
         """Stop the background tasks and close the socket at once (linger 0); idempotent."""
@@ -107,36 +138,33 @@ class EngineClient:
 
     @property
     def num_pending(self) -> int:
-        return len(self._routes)
+        return len(self.routes)
 
     def add_request(self, request: AddRequest) -> asyncio.Queue[RequestOutput | None]:
         """Register ``request`` and send it; returns the queue its outputs will arrive on."""
-        if request.request_id in self._routes:
-            raise ValueError(f"request id {request.request_id} is already running")
-        if not self._routes:
+        if not self.routes:
             self._waiting_since = time.monotonic()
-        queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
-        self._routes[request.request_id] = _Route(queue, max(1, request.sampling.n))
+        queue = self.routes.add(request)
         self._send(encode(request))
         return queue
 
     def abort(self, request_id: str) -> None:
         """Tell the scheduler to stop ``request_id`` and forget it here. Never blocks, never awaits,
         so it is safe in ``finally`` blocks of cancelled tasks."""
-        self._routes.pop(request_id, None)
-        if self._socket is not None:
-            self._send(encode(AbortRequest(request_id)))
+        self._abort_parts(self.routes.remove(request_id) or [request_id])
         log.info("request aborted", request_id=request_id)
 
     def abort_all(self, reason: str) -> int:
         """Abort every registered request at the scheduler and end each one's queue with a
         ``finish_reason="abort"`` output carrying ``reason`` (used at shutdown). Returns how many."""
-        request_ids = list(self._routes)
-        for request_id in request_ids:
-            queue = self._routes[request_id].queue
-            self.abort(request_id)
-            queue.put_nowait(RequestOutput(request_id, 0, [], "abort", error=reason, request_finished=True))
-        return len(request_ids)
+        num = len(self.routes)
+        self._abort_parts(self.routes.end_all(reason))
+        return num
+
+    def _abort_parts(self, parts: list[str]) -> None:
+        if self._socket is not None:
+            for part in parts:
+                self._send(encode(AbortRequest(part)))
 
     def _send(self, frame: bytes) -> None:
         if self._socket is None:
@@ -157,13 +185,15 @@ class EngineClient:
     async def _watch_silence(self) -> None:
         while True:
             await asyncio.sleep(HELLO_INTERVAL_S)
-            now = time.monotonic()
-            if self._last_frame_time is None or now - self._last_frame_time >= HELLO_INTERVAL_S:
-                self._hello()
-            if self._last_frame_time is None:
+            self._hello()  # also this frontend's heartbeat
+            silence = self.scheduler_silence_s()
+            if silence is None:
                 continue  # never heard from: the scheduler may still be starting
-            silent_s = now - max(self._last_frame_time, self._waiting_since)
-            if self._routes and silent_s > self.silence_timeout_s:
+            if self.scheduler_lost and not self._lost_logged:
+                log.error("scheduler lost: no stats", seconds=round(silence, 1), num_requests=len(self.routes))
+            self._lost_logged = self.scheduler_lost
+            silent_s = time.monotonic() - max(self._last_frame_time, self._waiting_since)
+            if self.routes and silent_s > self.silence_timeout_s:
                 num = self.abort_all(f"the scheduler has not answered for {silent_s:.0f} s")
                 log.error("scheduler silent; failed the waiting requests", seconds=round(silent_s),
                           num_requests=num)
@@ -176,14 +206,14 @@ class EngineClient:
             try:
                 self._handle(frame.bytes)
             except Exception:  # one bad frame must not stop the routing of all the others
-                self.num_dropped_frames += 1
+                self._num_dropped_frames += 1
                 log.exception("failed to handle a frame from the scheduler")
 
     def _handle(self, frame: bytes) -> None:
         try:
             message = decode(frame)
         except DecodeError as exc:
-            self.num_dropped_frames += 1
+            self._num_dropped_frames += 1
             request_id = _peek_request_id(frame)
             log.error("dropped an undecodable frame from the scheduler", error=str(exc), size=len(frame),
                       request_id=request_id)
@@ -194,39 +224,40 @@ class EngineClient:
         if isinstance(message, RequestOutput):
             self._route(message)
         elif isinstance(message, EngineStats):
-            if self.latest_stats is None or message.ready != self.latest_stats.ready:
-                log.info("scheduler readiness", ready=message.ready)
-            self.latest_stats = message
-            self.latest_stats_time = time.monotonic()
+            self._on_stats(message)
         elif isinstance(message, KvSnapshot):
             if self.on_kv_snapshot is not None:
                 self.on_kv_snapshot(message)
         else:
-            self.num_dropped_frames += 1
+            self._num_dropped_frames += 1
             log.error("dropped an unexpected message from the scheduler", type=type(message).__name__)
 
     def _route(self, output: RequestOutput) -> None:
-        route = self._routes.get(output.request_id)
-        if route is None:
-            log.debug("output for an unknown or finished request", request_id=output.request_id)
-            return
-        reason = output.finish_reason
-        if reason is not None and reason not in ("stop", "length"):
-            self._routes.pop(output.request_id)  # an error or abort ends every choice
-            route.queue.put_nowait(output)
-            return
-        if not 0 <= output.choice_idx < route.num_choices or output.choice_idx in route.finished:
-            self.num_dropped_frames += 1
-            log.error("dropped an output for a choice the request does not have", request_id=output.request_id,
-                      choice_idx=output.choice_idx, num_choices=route.num_choices)
-            return
-        if reason is not None:
-            route.finished.add(output.choice_idx)
-        route.queue.put_nowait(output)
-        if output.request_finished:
-            self._routes.pop(output.request_id)
-            if len(route.finished) < route.num_choices:
-                route.queue.put_nowait(None)  # a beam search found fewer hypotheses than n
+        self._abort_parts(self.routes.route(output))
+
+    def _on_stats(self, stats: EngineStats) -> None:
+        """Keep the latest stats; on a new scheduler epoch, count a restart and, once the new
+        scheduler is ready, hand it every request in flight."""
+        if self.latest_stats is None or stats.ready != self.latest_stats.ready:
+            log.info("scheduler readiness", ready=stats.ready)
+        if self.scheduler_epoch is not None and stats.epoch != self.scheduler_epoch:
+            self.num_scheduler_restarts += 1
+            self._executor_restarts_before = self.num_executor_restarts
+            # Requests sent from now on reach the new scheduler; those before may have been lost.
+            self._resubmit = (self._resubmit or set()) | self.routes.request_ids()
+            log.warning("the scheduler restarted", epoch=stats.epoch, scheduler_pid=stats.pid,
+                        num_requests=len(self.routes),
+                        num_restarts=self.num_scheduler_restarts)
+        self.scheduler_epoch = stats.epoch
+        self.latest_stats = stats
+        self.latest_stats_time = time.monotonic()
+        if self._resubmit is not None and stats.ready:
+            messages = self.routes.resubmissions(self._resubmit)
+            self._resubmit = None
+            for message in messages:
+                self._send(encode(message))
+            log.info("requests handed to the new scheduler", num_requests=len(self.routes),
+                     num_messages=len(messages))
 
 
 def _peek_request_id(frame: bytes) -> str | None:

@@ -21,6 +21,7 @@ from services.frontend.playground import add_playground_argument
 from services.frontend.served_model import ServedModel, load_served_model
 from shared.endpoints import Endpoints
 from shared.logging import configure_logging
+from shared.zmq_auth import CurveKeys, add_curve_argument, curve_dir, load_keys, log_mode
 
 log = structlog.get_logger()
 
@@ -33,10 +34,11 @@ HANDLER_SHUTDOWN_TIMEOUT_S = 1.0
 class FrontendServer:
     """The frontend application listening on ``config.host:config.port`` in the running loop."""
 
-    def __init__(self, config: FrontendConfig, model: ServedModel, shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> None:
+    def __init__(self, config: FrontendConfig, model: ServedModel, shutdown_grace_s: float = SHUTDOWN_GRACE_S,
+                 curve: CurveKeys | None = None) -> None:
         self.config = config
         self.model = model
-        self.client = EngineClient(config.endpoints)
+        self.client = EngineClient(config.endpoints, heartbeat_timeout_s=config.heartbeat_timeout, curve=curve)
         self.app = create_app(
             model, self.client, max_body_bytes=config.max_body_bytes, shutdown_grace_s=shutdown_grace_s,
             max_queue_len=config.max_queue_len, api_key=config.api_key, http_limits=config.http_limits,
@@ -69,12 +71,12 @@ class FrontendServer:
                 self._watchdog.cancel()
 
 
-async def serve_until_signal(config: FrontendConfig, model: ServedModel) -> None:
+async def serve_until_signal(config: FrontendConfig, model: ServedModel, curve: CurveKeys | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    server = FrontendServer(config, model)
+    server = FrontendServer(config, model, curve=curve)
     await server.start()
     try:
         await stop.wait()
@@ -90,10 +92,12 @@ def run_frontend(config: FrontendConfig) -> None:
     # Every line of this process says which process it came from (request ids are bound per task).
     structlog.contextvars.bind_contextvars(process="frontend", pid=os.getpid())
     log.info("starting frontend", model=config.model or "default", request_endpoint=config.endpoints.request)
+    curve = load_keys(config.zmq_curve, "frontend") if config.zmq_curve else None  # before the slow part
+    log_mode(log, curve)
     model = load_served_model(config)
     log.info("model ready", served_model_name=model.name, max_model_len=model.max_model_len,
              eos_token_ids=model.eos_token_ids, max_token_chars=model.max_token_chars)
-    uvloop.run(serve_until_signal(config, model))
+    uvloop.run(serve_until_signal(config, model, curve))
 
 
 def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: bool = True) -> None:
@@ -113,12 +117,16 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: b
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every route but /health (default: env "
                             "PAGEDSERVE_API_KEY, else the file named by PAGEDSERVE_API_KEY_FILE, else no key)")
+    group.add_argument("--heartbeat-timeout", type=float, default=None,
+                       help="seconds without a word from the scheduler before it counts as lost: /health and "
+                            "new requests answer 503 until it is back (default 10)")
     add_http_limit_arguments(group)
     add_playground_argument(group)
     if endpoint_flags:
         group.add_argument("--request-endpoint", default=os.environ.get("PAGEDSERVE_REQUEST_ENDPOINT"),
                            help="the scheduler's ZMQ endpoint for frontends: requests go there, their outputs "
                                 "come back from it (env PAGEDSERVE_REQUEST_ENDPOINT)")
+        add_curve_argument(group)
 
 
 def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | None = None) -> FrontendConfig:
@@ -141,6 +149,8 @@ def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | N
         api_key=getattr(args, "api_key", None) or api_key_from_env(),
         http_limits=http_limits_from_args(args),
         playground=getattr(args, "playground", True),
+        zmq_curve=curve_dir(args),
+        **({"heartbeat_timeout": args.heartbeat_timeout} if getattr(args, "heartbeat_timeout", None) else {}),
     )
 
 

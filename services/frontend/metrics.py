@@ -15,6 +15,11 @@ in ``request_success`` by its finish reason (as vLLM counts finished sequences).
 
 ``num_queued`` counts engine requests sent that have had no output yet (waiting at the
 scheduler or being prefilled): what ``--max-queue-len`` limits.
+
+``process_restarts_total{process}`` counts the processes that died or hung and were replaced, each
+where it is seen: the executor ranks by the scheduler (summed over the schedulers this frontend
+knew), the scheduler by this frontend (a new epoch), the frontends by the scheduler (frontends that
+went away or fell silent).
 """
 
 from __future__ import annotations
@@ -34,6 +39,20 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0)
+
+
+class _RestartsCollector(Collector):
+    """Restarts by process, from ``restarts()`` when scraped."""
+
+    def __init__(self, restarts: Callable[[], dict[str, int]]) -> None:
+        self._restarts = restarts
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(PREFIX + "process_restarts", "Processes that died or hung and were replaced.",
+                                     labels=["process"])
+        for process, num in sorted(self._restarts().items()):
+            family.add_metric([process], num)
+        yield family
 
 
 class _EngineStatsCollector(Collector):
@@ -94,9 +113,11 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 class FrontendMetrics:
     """The registry /metrics serves, and the ``GenerationObserver`` that feeds it."""
 
-    def __init__(self, latest_stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, latest_stats: Callable[[], EngineStats | None],
+                 restarts: Callable[[], dict[str, int]] = dict) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStatsCollector(latest_stats))
+        self.registry.register(_RestartsCollector(restarts))
         r = self.registry
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from services.frontend.logprobs import TokenFormatter, TokenLogprob
 
@@ -43,22 +43,19 @@ class Choice:
     prompt_logprobs: list[TokenLogprob] | None = None  # vLLM's extension, when asked
 
 
+@dataclass
 class ResponseShapes:
     """Builds the bodies of one request. ``include_usage``: streamed chunks carry ``"usage": null``
     and a last chunk with empty ``choices`` carries the usage. ``tokens`` formats logprobs."""
 
-    object_full = ""
-    object_chunk = ""
+    object_full: ClassVar[str] = ""
+    object_chunk: ClassVar[str] = ""
 
-    def __init__(
-        self, request_id: str, created: int, model: str, include_usage: bool = False,
-        tokens: TokenFormatter | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.created = created
-        self.model = model
-        self.include_usage = include_usage
-        self.tokens = tokens
+    request_id: str
+    created: int
+    model: str
+    include_usage: bool = False
+    tokens: TokenFormatter | None = None
 
     def full(self, choices: list[Choice], usage_: dict[str, int]) -> dict[str, Any]:
         return self._envelope(self.object_full, [self._full_choice(c) for c in choices]) | {"usage": usage_}

@@ -3,7 +3,6 @@ OpenAPI description."""
 
 from __future__ import annotations
 
-import time
 from importlib import metadata
 from typing import Any
 
@@ -11,6 +10,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.frontend.errors import APIError, bad_request, is_int, optional_bool
+from services.frontend.health import health_report
 from services.frontend.http_limits import read_body
 from services.frontend.input_limits import chat_chars, check_prompt_chars
 from services.frontend.openapi import openapi_spec
@@ -57,37 +57,9 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 when the scheduler's latest ``EngineStats`` says ready, else 503."""
-    client = request.app[STATE].client
-    stats = client.latest_stats
-    if stats is None:
-        return web.json_response({"status": "unavailable", "reason": "no stats from the scheduler yet"}, status=503)
-    body = {
-        "status": "ok" if stats.ready else "unavailable",
-        "seconds_since_stats": round(time.monotonic() - (client.latest_stats_time or 0.0), 3),
-        "num_running": stats.num_running,
-        "num_waiting": stats.num_waiting,
-        "num_blocks_total": stats.num_blocks_total,
-        "num_blocks_used": stats.num_blocks_used,
-        "num_preemptions": stats.num_preemptions,
-        "num_preemptions_by_mode": {"swap": stats.num_swap_outs, "recompute": stats.num_recomputes},
-        "num_cached_blocks": stats.num_cached_blocks,
-        "num_swapped": stats.num_swapped,
-        "max_num_running": stats.max_num_running,
-        # mean over all steps so far of slots holding tokens / slots allocated
-        "kv_slot_utilization": (
-            stats.sum_slots_used / stats.sum_slots_allocated if stats.sum_slots_allocated else None
-        ),
-        "group": _group(stats),
-    }
-    return web.json_response(body, status=200 if stats.ready else 503)
-
-
-def _group(stats) -> dict[str, Any]:
-    """The executor group: tensor-parallel size, all-reduce kind, KV blocks and bytes per rank."""
-    return {"world_size": stats.world_size, "all_reduce": stats.all_reduce,
-            "num_kv_blocks_per_rank": stats.num_kv_blocks_per_rank,
-            "kv_cache_bytes_per_rank": stats.kv_cache_bytes_per_rank}
+    """200 when every process answers and the scheduler is ready, else 503 (see ``health``)."""
+    status, body = health_report(request.app[STATE].client)
+    return web.json_response(body, status=status)
 
 
 async def metrics(request: web.Request) -> web.Response:

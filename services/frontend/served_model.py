@@ -58,7 +58,7 @@ def model_max_len(source: ModelSource) -> int:
 
 def load_served_model(config: FrontendConfig) -> ServedModel:
     """Resolve ``config.model``, load its tokenizer and settle the context length (slow: seconds)."""
-    source = resolve_model(config.model)
+    source = resolve_model(config.model, convert_gguf=False)  # the executors convert a GGUF file's weights
     if source.gguf_file is None:  # a broken config.json is one line, before the tokenizer trips on it
         model_shape(read_config_json(source.directory), f"--model {source.directory}")
     started = time.monotonic()

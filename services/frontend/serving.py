@@ -113,7 +113,14 @@ def _echo(prompt: PromptInput, options: GenerationOptions) -> _Echo:
 
 
 def _admit(state: FrontendState, num_requests: int) -> None:
-    """Refuse work beyond ``--max-queue-len`` engine requests waiting for their first output."""
+    """Refuse work while the scheduler is lost, and beyond ``--max-queue-len`` engine requests
+    waiting for their first output."""
+    if state.client.scheduler_lost:
+        raise APIError(
+            503, f"The engine is unavailable: the scheduler has not answered for "
+                 f"{state.client.scheduler_silence_s():.0f} s (it is being restarted); retry later.",
+            "server_error", code="engine_unavailable", headers={"Retry-After": "2"},
+        )
     limit = state.max_queue_len
     if limit is None:
         return

@@ -14,10 +14,13 @@ from .sequence import Sequence
 def refusal(request: AddRequest, config: SchedulerConfig, blocks: BlockManager) -> str | None:
     """Why ``request`` can never run here (the message for its error output), or None if it can."""
     num_prompt_tokens = len(request.prompt_token_ids)
+    num_resumed = len(request.resumed_token_ids)
     if not num_prompt_tokens:
         return "the prompt is empty"
-    if num_prompt_tokens >= config.max_model_len:
-        return f"the prompt has {num_prompt_tokens} tokens; the limit is {config.max_model_len - 1}"
+    if num_prompt_tokens + num_resumed >= config.max_model_len:
+        return f"the prompt has {num_prompt_tokens + num_resumed} tokens; the limit is {config.max_model_len - 1}"
+    if num_resumed and num_sequences(request.sampling) + request.sampling.use_beam_search > 1:
+        return "a resumed request (resumed_token_ids) must have n = 1, without best_of or beam search"
     if blocks.can_admit(num_prompt_tokens + 1, num_prompt_tokens + 1) is AllocStatus.NEVER:
         return (f"the prompt needs {blocks.blocks_needed(num_prompt_tokens + 1)} KV blocks; the pool has "
                 f"{blocks.num_blocks} ({blocks.watermark_blocks} kept as watermark)")

@@ -58,29 +58,30 @@ class AllocStatus(Enum):
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
                  num_cpu_blocks: int = 0, enable_prefix_caching: bool = True) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        self.num_blocks, self.block_size = num_blocks, block_size
         # Blocks kept free at admission so a new prompt does not force an immediate preemption.
         self.watermark_blocks = int(watermark * num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
-        self.free_queue: deque[int] = deque(range(num_blocks))
+        self.num_cpu_blocks = num_cpu_blocks
+        self.reset()
+        self.num_queried_tokens = self.num_hit_tokens = 0  # prefix-cache lookups, for the hit rate
+        self.events = KvEventLog()  # kept across ``reset``: whether it records is the publisher's choice
+
+    def reset(self) -> None:
+        """Both pools as new, as when the executors that held them were replaced (counters carry on)."""
+        self.ref_counts = [0] * self.num_blocks
+        self.block_hashes: list[BlockHash | None] = [None] * self.num_blocks
+        self.free_queue: deque[int] = deque(range(self.num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, count 0, oldest first
         self.cached: dict[BlockHash, int] = {}
         self.block_tables: dict[int, list[int]] = {}
         self.pending_copies: list[tuple[int, int]] = []
-        self.num_cpu_blocks = num_cpu_blocks
-        self.cpu_ref_counts = [0] * num_cpu_blocks
-        self.cpu_free_queue: deque[int] = deque(range(num_cpu_blocks))
+        self.cpu_ref_counts = [0] * self.num_cpu_blocks
+        self.cpu_free_queue: deque[int] = deque(range(self.num_cpu_blocks))
         self.cpu_tables: dict[int, list[int]] = {}  # swapped-out sequences
-        self.num_queried_tokens = 0
-        self.num_hit_tokens = 0
-        self.events = KvEventLog()
 
     # ------------------------------------------------------------------ queries
 
@@ -267,10 +268,9 @@ class BlockManager:
         needed = self._distinct(self.cpu_tables, seq_ids)
         if len(needed) > self.num_free_blocks:
             raise RuntimeError(f"cannot swap in {len(needed)} blocks: {self.num_free_blocks} free")
-        mapping = {}
-        for cpu_block in needed:
-            mapping[cpu_block] = self._take()
-            self.ref_counts[mapping[cpu_block]] = 0
+        mapping = {cpu_block: self._take() for cpu_block in needed}
+        for device_block in mapping.values():
+            self.ref_counts[device_block] = 0  # counted again from the tables below
         for seq_id in seq_ids:
             table = self.cpu_tables.pop(seq_id)
             self.block_tables[seq_id] = [mapping[b] for b in table]

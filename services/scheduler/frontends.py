@@ -4,9 +4,11 @@ Frontends connect DEALER sockets, each under an identity of its own, to ``endpoi
 Every message a frontend sends (``FrontendHello``, ``AddRequest``, ``AbortRequest``) makes it
 known. A request's outputs go to the frontend that sent the request, until the output marked
 ``request_finished``; ``EngineStats`` go to every known frontend; ``KvSnapshot`` to the frontends
-whose ``KvWatch`` is on (``kv_watchers``: renewal times, which ``kv_publisher`` lets lapse). The
-socket is ROUTER_MANDATORY, so sending to a frontend that has gone away fails: that frontend is
-forgotten, and the requests it still had wait in ``take_orphans`` for the scheduler to abort.
+whose ``KvWatch`` is on (``kv_watchers``: renewal times, which ``kv_publisher`` lets lapse). A
+frontend is forgotten when it has gone away (the socket is ROUTER_MANDATORY, so sending to it
+fails) or has sent nothing for ``silence_timeout_s`` (frontends say hello every second: one that is
+silent is hung); the requests it still had wait in ``take_orphans`` for the scheduler to abort,
+``num_lost`` counts it, and its watch ends.
 """
 
 from __future__ import annotations
@@ -17,16 +19,21 @@ from typing import Any
 import zmq
 
 from shared.messages import AddRequest, DecodeError, EngineStats, KvWatch, RequestOutput, decode, encode
+from shared.zmq_auth import CurveKeys, secure_server
 
 
 class FrontendLink:
-    def __init__(self, context: zmq.Context, endpoint: str, log: Any) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, log: Any, silence_timeout_s: float = 10.0,
+                 curve: CurveKeys | None = None) -> None:
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        secure_server(self.socket, curve, "frontend")  # with --zmq-curve: frontends' keys only
         self.socket.bind(endpoint)
         self.log = log
-        self.frontends: set[bytes] = set()
+        self.silence_timeout_s = silence_timeout_s
+        self.frontends: dict[bytes, float] = {}  # identity -> time.monotonic() of its last message
+        self.num_lost = 0  # frontends that went away or fell silent
         self._owners: dict[str, bytes] = {}  # request id -> identity of the frontend that sent it
         self._orphans: list[str] = []
         self.kv_watchers: dict[bytes, float] = {}  # identity -> time.monotonic() of its last KvWatch(on)
@@ -41,8 +48,8 @@ class FrontendLink:
             return None
         identity, frame = frames[0], frames[-1]
         if identity not in self.frontends:
-            self.frontends.add(identity)
             self.log.info("frontend connected", frontend=identity.decode(errors="replace"))
+        self.frontends[identity] = time.monotonic()
         try:
             message = decode(frame)
         except DecodeError as exc:
@@ -72,6 +79,19 @@ class FrontendLink:
         for identity in list(self.frontends):
             self._send(identity, frame)
 
+    def excuse(self, stall_s: float) -> None:
+        """The scheduler was stalled for ``stall_s``: that was not the frontends' silence."""
+        for identity in self.frontends:
+            self.frontends[identity] += stall_s
+
+    def forget_silent(self, now: float) -> None:
+        """Forget the frontends silent for longer than ``silence_timeout_s`` (``now``: monotonic)."""
+        for identity, last in list(self.frontends.items()):
+            if now - last > self.silence_timeout_s:
+                aborted = self._forget(identity, f"silent for {now - last:.1f} s")
+                for request_id in aborted:  # if it still lives, its requests must not wait forever
+                    self._send(identity, encode(error_output_for_lost_frontend(request_id, now - last)))
+
     def send_kv_snapshot(self, frame: bytes) -> None:
         """To every watching frontend; one that is busy misses this snapshot, not the next."""
         for identity in list(self.kv_watchers):
@@ -93,11 +113,25 @@ class FrontendLink:
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-        self.frontends.discard(identity)
+        if identity in self.frontends:
+            self._forget(identity, "gone")
+        return True
+
+    def _forget(self, identity: bytes, why: str) -> list[str]:
+        """Forget a frontend; its requests become orphans (returned too)."""
+        self.frontends.pop(identity, None)
+        self.num_lost += 1
         self.kv_watchers.pop(identity, None)
         gone = [rid for rid, owner in self._owners.items() if owner == identity]
         for request_id in gone:
             del self._owners[request_id]
         self._orphans += gone
-        self.log.info("frontend gone", frontend=identity.decode(errors="replace"), num_requests=len(gone))
-        return True
+        self.log.warning("frontend gone", frontend=identity.decode(errors="replace"), why=why,
+                         num_requests=len(gone))
+        return gone
+
+
+def error_output_for_lost_frontend(request_id: str, silence_s: float) -> RequestOutput:
+    return RequestOutput(request_id, 0, [], "abort", request_finished=True,
+                         error=f"the scheduler heard nothing from this frontend for {silence_s:.1f} s and "
+                               f"aborted the request (--heartbeat-timeout)")

@@ -91,6 +91,8 @@ class SequenceGroup:
                 prompt_token_ids=prompt, sampling=seq_sampling,
                 eos_token_ids=frozenset(request.eos_token_ids), arrival_time=request.arrival_time,
             ))
+        resumed = [int(t) for t in request.resumed_token_ids]  # sent before a scheduler restart
+        self.seqs[0].output_token_ids, self.seqs[0].num_output_sent = resumed, len(resumed)
         self.prompt_scores: PromptScores | None = None
         if request.sampling.prompt_logprobs is not None:
             self.prompt_scores = PromptScores(len(prompt), request.sampling.prompt_logprobs)

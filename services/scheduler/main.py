@@ -1,20 +1,33 @@
 """The scheduler process: a thin I/O shell around ``Scheduler``. The only place it touches sockets.
 
 Sockets (all bound here): ``request`` ROUTER (frontends' DEALERs: requests in; each request's
-outputs back to the frontend that sent it, stats to all; see ``frontends.py``), ``step`` PUB (us ->
-every executor rank), ``result`` PULL (executors -> us).
+outputs back to the frontend that sent it, stats to all; see ``frontends.py``), ``step`` PUB and
+``result`` PULL (the executor ranks; see ``executors.py``), and a PUSH to the supervisor when one
+is given. With ``--zmq-curve`` the three are CURVE servers behind a ZAP allow-list
+(``shared.zmq_auth``): only the frontends' and executors' keys get through.
 
-Start-up handshake: wait for ``ExecutorReady`` from every rank (each reports its KV blocks), then
-repeat ``Hello`` on the PUB socket until every rank acknowledged it (a SUB socket may miss early
-messages), then size the block manager from the smallest rank and report ready to the frontend.
-The ranks' reports (world size, all-reduce kind, KV blocks and bytes per rank) ride along in every
-``EngineStats`` for /health and /metrics.
+One loop, never blocked for long: it sends a step when the executors are ready and none is in
+flight, then waits on both sockets at once, so that while a step runs it still takes requests,
+aborts and heartbeats, and sends ``EngineStats`` every ``STATS_INTERVAL_S`` (the frontends' sign
+that the scheduler lives) and, while a playground watches, block-pool snapshots
+(``kv_publisher``). Every turn also touches the scheduler's heartbeat file
+(``shared.heartbeat``, for a container healthcheck), while a step is out too: the loop turning is
+the scheduler's health; an executor's is its own file and its heartbeats.
+
+Start-up and restarts: ``Hello`` (with this process's random epoch) goes out until every rank
+answered with ``ExecutorReady``; the block manager is sized from the first answers. When the
+executors are lost (``liveness``: a rank died, hung, stopped beating, or was replaced) the
+supervisor is told, the scheduler resets its executor state (every sequence starts over by
+recompute; ``recovery``), and the Hello loop runs again until the new ranks answer with the same
+pool shape. Requests keep arriving meanwhile and wait. The ranks' reports (world size, all-reduce
+kind, KV blocks and bytes per rank) ride along in every ``EngineStats`` for /health and /metrics.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import signal
 import time
 from dataclasses import dataclass
@@ -22,21 +35,22 @@ from dataclasses import dataclass
 import zmq
 
 from shared.endpoints import Endpoints
-from shared.heartbeat import Heartbeat
+from shared.heartbeat import HeartbeatFile
 from shared.logging import configure_logging
-from shared.messages import (
-    AbortRequest, AddRequest, DecodeError, ExecutorReady, Hello, HelloAck, Shutdown, Step, StepResult, decode,
-    encode,
-)
+from shared.messages import AbortRequest, AddRequest, EngineStats, Shutdown, StepResult, Step
+from shared.zmq_auth import load_keys, log_mode, start_authenticator
 
 from .block_manager import BlockManager
 from .contiguous import ContiguousBlockManager
+from .executors import ExecutorLink
 from .frontends import FrontendLink
 from .kv_publisher import KvPublisher
+from .liveness import ExecutorGroup, Loss
 from .scheduler import Scheduler, SchedulerConfig
 
 STATS_INTERVAL_S = 0.5
-STEP_TIMEOUT_S = 600.0
+IDLE_POLL_MS = 100
+STALL_S = 1.0  # a loop turn this much longer than its poll: the scheduler itself was stalled
 
 
 @dataclass(frozen=True)
@@ -49,10 +63,17 @@ class SchedulerProcessConfig:
     preemption_mode: str = "recompute"
     kv_policy: str = "paged"
     enable_prefix_caching: bool = True
+    step_timeout: float = 300.0  # seconds a step result may take
+    heartbeat_timeout: float = 10.0  # seconds an executor rank or a frontend may be silent
+    supervisor_endpoint: str | None = None  # where to report lost processes (pagedserve serve)
+    zmq_curve: str | None = None  # --zmq-curve: the CURVE key directory; None: plain ZeroMQ
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"--world-size must be at least 1, got {self.world_size}")
+        for flag, value in (("--step-timeout", self.step_timeout), ("--heartbeat-timeout", self.heartbeat_timeout)):
+            if not value > 0:
+                raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
 
 
 class _Stop(Exception):
@@ -62,135 +83,176 @@ class _Stop(Exception):
 class SchedulerProcess:
     def __init__(self, config: SchedulerProcessConfig) -> None:
         self.config = config
-        self.log = configure_logging("scheduler")
+        self.epoch = secrets.randbits(62) + 1  # nonzero; new for every scheduler process
+        self.log = configure_logging("scheduler").bind(epoch=self.epoch)
+        keys = load_keys(config.zmq_curve, "scheduler") if config.zmq_curve else None
+        log_mode(self.log, keys)
         self.ctx = zmq.Context()
+        self.auth = start_authenticator(self.ctx, keys, self.log)  # before any socket binds
         ep = config.endpoints
-        self.frontends = FrontendLink(self.ctx, ep.request, self.log)
+        self.frontends = FrontendLink(self.ctx, ep.request, self.log, silence_timeout_s=config.heartbeat_timeout,
+                                      curve=keys)
+        group = ExecutorGroup(config.world_size, config.heartbeat_timeout, config.step_timeout)
+        self.executors = ExecutorLink(self.ctx, ep.step, ep.result, group, self.epoch, self.log,
+                                      config.supervisor_endpoint, curve=keys)
         self.kv_publisher = KvPublisher(self.frontends)  # the playground's map; idle while nobody watches
-        self.steps = self._bind(zmq.PUB, ep.step)
-        self.results = self._bind(zmq.PULL, ep.result)
+        self.poller = zmq.Poller()
+        self.poller.register(self.frontends.socket, zmq.POLLIN)
+        self.poller.register(self.executors.results, zmq.POLLIN)
         self.stopping = False
         self.scheduler: Scheduler | None = None
-        self._last_stats = 0.0
-        # Beats while starting and on every loop turn, not while a step is out: a scheduler stuck
-        # on a lost executor's result turns unhealthy after `pagedserve health --max-age-s`.
-        self.heartbeat = Heartbeat("scheduler")
-        self._group: dict = {}  # the EngineStats fields describing the executor group
-
-    def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(endpoint)
-        return sock
+        self.in_flight: Step | None = None
+        self._held: list = []  # requests and aborts that came before the scheduler existed
+        self._last_stats = float("-inf")
+        self._last_turn = time.monotonic()
+        self.heartbeat_file = HeartbeatFile("scheduler")
 
     # ------------------------------------------------------------------ lifecycle
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        self.log.info("waiting for executors", world_size=self.config.world_size)
         try:
-            self._start_up()
             while not self.stopping:
                 self._loop_once()
         except _Stop:
             pass
         finally:
             self.log.info("scheduler stopping")
-            try:
-                self.steps.send(encode(Shutdown("scheduler stopping")), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            self.executors.shut_down("scheduler stopping")
+            if self.auth is not None:
+                self.auth.stop()
             self.ctx.destroy(linger=0)
 
     def _on_signal(self, signum, _frame) -> None:
         self.log.info("signal received", signal=signal.Signals(signum).name)
         self.stopping = True
 
-    def _start_up(self) -> None:
-        cfg = self.config
-        self.log.info("waiting for executors", world_size=cfg.world_size)
-        ready: dict[int, ExecutorReady] = {}
-        while len(ready) < cfg.world_size:
-            self.heartbeat.beat()
-            msg = self._recv(self.results, timeout_ms=200)
-            if isinstance(msg, ExecutorReady):
-                ready[msg.rank] = msg
-                self.log.info("executor ready", rank=msg.rank, num_blocks=msg.num_blocks)
-        nonce, acked = int(time.time() * 1000) & 0x7FFFFFFF, set()
-        while len(acked) < cfg.world_size:
-            self.heartbeat.beat()
-            self.steps.send(encode(Hello(nonce)))
-            msg = self._recv(self.results, timeout_ms=100)
-            if isinstance(msg, HelloAck) and msg.nonce == nonce:
-                acked.add(msg.rank)
-        first = next(iter(ready.values()))
-        self._group = group_stats(ready, cfg.world_size)
-        self.log.info("executor group ready", **self._group)
-        num_blocks = min(r.num_blocks for r in ready.values())
-        max_model_len = min(r.max_model_len for r in ready.values())
-        if cfg.max_model_len is not None:
-            max_model_len = min(max_model_len, cfg.max_model_len)
-        num_cpu_blocks = min(r.num_cpu_blocks for r in ready.values())
-        manager = ContiguousBlockManager if cfg.kv_policy == "contiguous" else BlockManager
-        self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len,
-                            cfg.preemption_mode, cfg.kv_policy),
-            manager(num_blocks, first.block_size, num_cpu_blocks=num_cpu_blocks,
-                    enable_prefix_caching=cfg.enable_prefix_caching),
-        )
-        self.log.info("scheduler ready", num_blocks=num_blocks, block_size=first.block_size,
-                      max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs,
-                      num_cpu_blocks=num_cpu_blocks, preemption_mode=cfg.preemption_mode,
-                      kv_policy=cfg.kv_policy, prefix_caching=cfg.enable_prefix_caching)
-        self._send_stats(force=True)
-
     # ------------------------------------------------------------------ main loop
 
     def _loop_once(self) -> None:
-        sched = self.scheduler
-        self.heartbeat.beat()
-        # Sleep on the request socket when idle; only drain it when there is work.
-        self._drain_requests(timeout_ms=0 if sched.has_work() else 100)
-        step = sched.schedule() if sched.has_work() else None
-        self._send_outputs()
-        if step is not None:
-            self.steps.send(encode(step))
-            sched.update(self._wait_result(step))
-            self._send_outputs()
-        self._send_stats()
-        self.kv_publisher.publish(sched, time.monotonic())
+        self.heartbeat_file.beat()
+        stepped = self._maybe_step()
+        if not stepped:
+            self.poller.poll(self._poll_timeout_ms())
+        now = time.monotonic()
+        self._excuse_own_stall(now)
+        self._drain_requests()
+        results, loss = self.executors.receive(now)
+        for result in results:
+            self._apply_result(result)
+        loss = loss or self.executors.group.check(now)
+        if loss is not None:
+            self._lose_executors(loss)
+        self._start_when_ready()
+        self.executors.say_hello(now)
+        self.frontends.forget_silent(now)
+        if self.scheduler is not None:
+            self.kv_publisher.publish(self.scheduler, now)
         for request_id in self.frontends.take_orphans():
             self.log.info("request aborted: its frontend is gone", request_id=request_id)
-            sched.abort_request(request_id)
+            self._handle(AbortRequest(request_id))
+        self._send_stats(now)
 
-    def _drain_requests(self, timeout_ms: int) -> None:
-        msg = self.frontends.recv(timeout_ms)
+    def _excuse_own_stall(self, now: float) -> None:
+        """A turn of this loop takes milliseconds; a long gap is a stall of ours (a SIGSTOP, a
+        starved CPU), not the silence of our peers: their clocks move on by as much. Messages that
+        waited meanwhile may still be on their way through ZeroMQ's I/O thread."""
+        stall_s = now - self._last_turn - IDLE_POLL_MS / 1000
+        self._last_turn = now
+        if stall_s > STALL_S:
+            self.log.warning("the scheduler was stalled; peers' silence excused", seconds=round(stall_s, 1))
+            self.executors.group.excuse(stall_s)
+            self.frontends.excuse(stall_s)
+
+    def _maybe_step(self) -> bool:
+        """Send the next step if the executors are ready and none is in flight; True if one went."""
+        sched = self.scheduler
+        if sched is None or self.in_flight is not None or not self.executors.group.ready:
+            return False
+        self._drain_requests()  # what came since this turn's poll joins this step, as it would have then
+        if not sched.has_work():
+            return False
+        step = sched.schedule()
+        self._send_outputs()
+        if step is None:
+            return False
+        self.executors.send_step(step, time.monotonic())
+        self.in_flight = step
+        return True
+
+    def _poll_timeout_ms(self) -> int:
+        if self.in_flight is not None or not self.executors.group.ready:
+            return 20  # a result, or an executor's answer, may come any moment; stats keep going
+        return IDLE_POLL_MS
+
+    def _apply_result(self, result: StepResult) -> None:
+        if self.in_flight is None or result.step_id != self.in_flight.step_id:
+            return  # a step lost with its executors, answered late
+        self.in_flight = None
+        self.executors.group.step_done()
+        if result.error:
+            self.log.error("step failed", step_id=result.step_id, error=result.error)
+        self.scheduler.update(result)
+        self._send_outputs()
+
+    def _lose_executors(self, loss: Loss) -> None:
+        """Replace the executor group: tell the supervisor, start every sequence over."""
+        group = self.executors.group
+        replaced = group.lose(loss)
+        self.log.error("executor lost; waiting for a new one", rank=loss.rank, cause=loss.cause,
+                       executor_pids=[pid for _, pid in replaced], num_restarts=group.ranks[loss.rank].num_restarts)
+        self.executors.report_lost(replaced, loss.cause)
+        self.in_flight = None
+        if self.scheduler is not None:
+            self.scheduler.reset_executor_state(loss.cause)
+            self._send_outputs()
+
+    def _start_when_ready(self) -> None:
+        """Build the scheduler when the first executor group is complete, and let the requests
+        held until then in."""
+        group = self.executors.group
+        if self.scheduler is not None or not group.ready:
+            return
+        cfg, shape = self.config, group.shape
+        max_model_len = min(shape.max_model_len, cfg.max_model_len or shape.max_model_len)
+        manager = ContiguousBlockManager if cfg.kv_policy == "contiguous" else BlockManager
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, cfg.preemption_mode,
+                            cfg.kv_policy),
+            manager(shape.num_blocks, shape.block_size, num_cpu_blocks=shape.num_cpu_blocks,
+                    enable_prefix_caching=cfg.enable_prefix_caching),
+        )
+        self.log.info("scheduler ready", num_blocks=shape.num_blocks, block_size=shape.block_size,
+                      max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs,
+                      num_cpu_blocks=shape.num_cpu_blocks, preemption_mode=cfg.preemption_mode,
+                      kv_policy=cfg.kv_policy, prefix_caching=cfg.enable_prefix_caching)
+        held, self._held = self._held, []
+        for msg in held:
+            self._handle(msg)
+        self._send_stats(time.monotonic(), force=True)
+
+    def _drain_requests(self) -> None:
+        msg = self.frontends.recv(0)
         while msg is not None:
-            if isinstance(msg, AddRequest):
-                self.log.info("request added", request_id=msg.request_id,
-                              num_prompt_tokens=len(msg.prompt_token_ids), max_tokens=msg.sampling.max_tokens)
-                self.scheduler.add_request(msg)
-                self._send_outputs()
-            elif isinstance(msg, AbortRequest):
-                self.log.info("request aborted", request_id=msg.request_id)
-                self.scheduler.abort_request(msg.request_id)
-            elif isinstance(msg, Shutdown):
-                raise _Stop()
-            msg = self.frontends.recv(0)
-
-    def _wait_result(self, step: Step) -> StepResult:
-        deadline = time.monotonic() + STEP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.stopping:
-                raise _Stop()
-            msg = self._recv(self.results, timeout_ms=200)
-            if isinstance(msg, StepResult) and msg.step_id == step.step_id:
-                if msg.error:
-                    self.log.error("step failed", step_id=step.step_id, error=msg.error)
-                return msg
             if isinstance(msg, Shutdown):
                 raise _Stop()
-        raise RuntimeError(f"no result for step {step.step_id} within {STEP_TIMEOUT_S:.0f} s")
+            if isinstance(msg, (AddRequest, AbortRequest)):
+                self._handle(msg)
+            msg = self.frontends.recv(0)
+
+    def _handle(self, msg: AddRequest | AbortRequest) -> None:
+        if self.scheduler is None:
+            self._held.append(msg)
+        elif isinstance(msg, AddRequest):
+            self.log.info("request added", request_id=msg.request_id, num_prompt_tokens=len(msg.prompt_token_ids),
+                          num_resumed_tokens=len(msg.resumed_token_ids), max_tokens=msg.sampling.max_tokens)
+            self.scheduler.add_request(msg)
+            self._send_outputs()
+        else:
+            self.log.info("request aborted", request_id=msg.request_id)
+            self.scheduler.abort_request(msg.request_id)
 
     def _send_outputs(self) -> None:
         for out in self.scheduler.take_outputs():
@@ -199,43 +261,16 @@ class SchedulerProcess:
                               finish_reason=out.finish_reason, error=out.error)
             self.frontends.send_output(out)
 
-    def _send_stats(self, force: bool = False) -> None:
-        now = time.monotonic()
+    def _send_stats(self, now: float, force: bool = False) -> None:
         if not force and now - self._last_stats < STATS_INTERVAL_S:
             return
         self._last_stats = now
-        self.frontends.send_stats(dataclasses.replace(self.scheduler.engine_stats(), **self._group))
-
-    def _recv(self, sock: zmq.Socket, timeout_ms: int):
-        """One decoded message, or None on timeout. Bad frames are logged and dropped."""
-        if timeout_ms and not sock.poll(timeout_ms):
-            return None
-        try:
-            frame = sock.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return None
-        try:
-            return decode(frame)
-        except DecodeError as exc:
-            self.log.warning("dropped a bad frame", error=str(exc), num_bytes=len(frame))
-            return None
-
-
-def group_stats(ready: dict[int, ExecutorReady], world_size: int) -> dict:
-    """The ``EngineStats`` fields that describe the group, from every rank's ``ExecutorReady``.
-
-    Raises ``ValueError`` when the ranks disagree with the scheduler or each other about the group."""
-    ranks = [ready[r] for r in sorted(ready)]
-    for r in ranks:
-        if r.world_size != world_size:
-            raise ValueError(f"executor rank {r.rank} reports --world-size {r.world_size}; the scheduler has "
-                             f"--world-size {world_size}")
-        if r.block_size != ranks[0].block_size:
-            raise ValueError(f"executor rank {r.rank} has --block-size {r.block_size}, rank {ranks[0].rank} "
-                             f"{ranks[0].block_size}")
-    return {"world_size": world_size, "all_reduce": ranks[0].all_reduce,
-            "num_kv_blocks_per_rank": [r.num_blocks for r in ranks],
-            "kv_cache_bytes_per_rank": [r.kv_cache_bytes for r in ranks]}
+        group = self.executors.group
+        stats = self.scheduler.engine_stats() if self.scheduler is not None else EngineStats(0, 0, 0, 0, 0, 0, False)
+        stats.ready = self.scheduler is not None and group.ready
+        stats.epoch, stats.pid, stats.num_frontends_lost = self.epoch, os.getpid(), self.frontends.num_lost
+        stats.executors = group.health(now)
+        self.frontends.send_stats(dataclasses.replace(stats, **group.stats))
 
 
 def run_scheduler(config: SchedulerProcessConfig) -> None:

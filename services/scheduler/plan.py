@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .sequence import Sequence
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
 from .step_builder import Scheduled
 
 
@@ -31,6 +32,8 @@ class Plan:
     """What one ``schedule`` call has decided so far."""
 
     token_budget: int
+    only: str | None = None  # the one request allowed to run (a crash suspect), or None: any but...
+    suspects: frozenset[str] = frozenset()  # ... the crash suspects
     scheduled: list[Scheduled] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -41,6 +44,9 @@ class Plan:
         """Nothing to send: no sequence to run and no block to move."""
         return not (self.scheduled or self.swap_out or self.swap_in)
 
+    def allows(self, seq: Sequence) -> bool:
+        return seq.request_id == self.only if self.only is not None else seq.request_id not in self.suspects
+
     def add(self, seq: Sequence, num_new: int) -> None:
         self.scheduled.append(Scheduled(seq, num_new))
         self.token_budget -= num_new
@@ -50,3 +56,24 @@ class Plan:
         keep = [s for s in self.scheduled if s.seq not in group]
         self.token_budget += sum(s.num_new_tokens for s in self.scheduled if s.seq in group)
         self.scheduled = keep
+
+    def fork_children(self, parent: Sequence, num_new: int, blocks: BlockManager) -> list[Sequence]:
+        """When ``parent`` finishes its prompt in this step, its siblings start sharing its blocks;
+        returns them, now running, for the caller to queue.
+
+        Each child joins the step with no new token, right after the parent, so its first token
+        is sampled from the parent's last hidden state.
+        """
+        if (not parent.pending_children or parent.num_computed_tokens + num_new < parent.num_tokens
+                or parent.sampling.max_tokens == 0):  # nothing to sample: they end with the parent
+            return []
+        self.scheduled[-1].is_fork_parent = True
+        children, parent.pending_children = parent.pending_children, []
+        for child in children:
+            blocks.fork(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = parent.num_computed_tokens + num_new
+            child.block_hashes = list(parent.block_hashes)
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = SequenceStatus.RUNNING
+            self.scheduled.append(Scheduled(child, 0))
+        return children

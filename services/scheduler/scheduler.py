@@ -8,7 +8,8 @@ while a group is swapped out. A long prompt is prefilled in chunks of at most th
 budget. When a running sequence cannot get a block, the most recently arrived group is preempted,
 all its sequences together: swapped to the CPU pool (``preemption_mode="swap"``, when there is
 room) or freed and re-queued at the head to be prefilled again with its generated tokens
-(recompute). ``update`` applies a step's sampled tokens.
+(recompute). ``update`` applies a step's sampled tokens. ``reset_executor_state`` starts every
+sequence over when the executors lost their state (``recovery``).
 
 The scheduler owns where each sequence is (its queues, the block manager); each request's
 ``SequenceGroup`` owns what its sequences say, and answers events with fork/finish/output
@@ -28,6 +29,8 @@ from .block_manager import AllocStatus, BlockManager
 from .groups import GroupUpdate, SequenceGroup, new_group
 from .outputs import Sample, error_output
 from .plan import Plan, SchedulerConfig
+from .prefix import cache_computed_blocks, prefix_hits
+from .recovery import CrashLedger, crash_message, requeue_all
 from .sequence import ErrorKind, Sequence, SequenceStatus
 from .stats import SchedulerStats
 from .step_builder import Scheduled, build_step
@@ -49,6 +52,7 @@ class Scheduler:
         self._freed_seq_ids: list[int] = []  # announced sequences the executors may forget
         self._in_flight: dict[int, list[Scheduled]] = {}
         self._outbox: list[RequestOutput] = []
+        self.crashes = CrashLedger()  # requests that were in a step lost with its executors
 
     # ------------------------------------------------------------------ requests in, outputs out
 
@@ -93,11 +97,12 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> Step | None:
-        """Pick the next batch and reserve its slots; None when nothing can run."""
-        plan = Plan(self.config.max_num_batched_tokens)
-        self._schedule_running(plan)
-        self._schedule_swapped(plan)
-        self._schedule_waiting(plan)
+        """Pick the next batch and reserve its slots; None when nothing can run. While requests are
+        suspected of crashing the executors, the first runs alone every other step (``recovery``)."""
+        for only in self.crashes.turns(self.groups):  # the next turn first; the other if it is empty
+            plan = self._plan(only)
+            if not plan.empty:
+                break
         self.stats.max_num_running = max(self.stats.max_num_running, len(self.running))
         if plan.empty:
             return None
@@ -108,19 +113,31 @@ class Scheduler:
         self._in_flight[step.step_id] = plan.scheduled
         return step
 
+    def _plan(self, only: str | None) -> Plan:
+        """Running, then swapped, then waiting sequences, those the plan allows (``only``: that
+        request alone; None: any but the suspects)."""
+        plan = Plan(self.config.max_num_batched_tokens, only, frozenset(self.crashes.suspects))
+        if plan.suspects:  # the waiting sequences this plan allows go first
+            self.waiting = deque(sorted(self.waiting, key=lambda s: not plan.allows(s)))
+        self._schedule_running(plan)
+        self._schedule_swapped(plan)
+        self._schedule_waiting(plan)
+        return plan
+
     def _schedule_running(self, plan: Plan) -> None:
         """Running sequences, oldest first; the newest groups are preempted when blocks run out."""
         idx = 0
         while idx < len(self.running) and plan.token_budget > 0:
             seq = self.running[idx]
-            if seq.num_pending_tokens == 0:  # a beam waiting for its group's decision
+            if seq.num_pending_tokens == 0 or not plan.allows(seq):  # a beam waiting for its group's decision
                 idx += 1
                 continue
             num_new = min(seq.num_pending_tokens, plan.token_budget)
             if not self._make_room(seq, num_new, plan):
                 break  # seq itself was preempted, and with it every newer sequence
             plan.add(seq, num_new)
-            self._fork_children(seq, num_new, plan)
+            for child in plan.fork_children(seq, num_new, self.blocks):
+                self._insert_running(child)
             idx += 1
 
     def _schedule_swapped(self, plan: Plan) -> None:
@@ -128,7 +145,7 @@ class Scheduler:
         while not plan.preempted and self.swapped and len(self.running) < self.config.max_num_seqs:
             group = self.swapped[0]
             ids = [s.seq_id for s in group]
-            if not self.blocks.can_swap_in(ids):
+            if not plan.allows(group[0]) or not self.blocks.can_swap_in(ids):
                 break
             self.swapped.popleft()
             plan.swap_in.extend(self.blocks.swap_in(ids))
@@ -142,10 +159,10 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: Plan) -> None:
         """Waiting sequences, first come first served, while budgets and blocks allow."""
-        while (not self.swapped and self.waiting and plan.token_budget > 0
+        while (not self.swapped and self.waiting and plan.token_budget > 0 and plan.allows(self.waiting[0])
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            cached = self._prefix_hits(seq)
+            cached = prefix_hits(self.blocks, seq)
             num_computed = len(cached) * self.blocks.block_size
             num_new = min(seq.num_tokens - num_computed, plan.token_budget)
             reserve = admission_tokens(seq, num_computed + num_new, self.config)
@@ -166,13 +183,17 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
             plan.add(seq, num_new)
-            self._fork_children(seq, num_new, plan)
+            for child in plan.fork_children(seq, num_new, self.blocks):
+                self._insert_running(child)
 
     def update(self, result: StepResult) -> None:
-        """Apply a step's sampled tokens: each sequence's group decides what follows."""
-        scheduled = self._in_flight.pop(result.step_id)
+        """Apply a step's sampled tokens: each sequence's group decides what follows. A result for a
+        step that is not in flight (lost with its executors) is ignored."""
+        scheduled = self._in_flight.pop(result.step_id, None)
+        if scheduled is None:
+            return
         if result.error is not None:
-            self._fail_step(scheduled, result.error)
+            self._fail([s.seq.request_id for s in scheduled], f"the executor failed: {result.error}")
             return
         rows = {seq_id: row for row, seq_id in enumerate(result.seq_ids.tolist())}
         for s in scheduled:
@@ -182,13 +203,29 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step was in flight
             seq.num_computed_tokens += s.num_new_tokens
-            self._cache_computed_blocks(seq)
+            cache_computed_blocks(self.blocks, seq)
             row = rows.get(seq.seq_id)
             group = self.groups[seq.request_id]
             if row is not None:
                 self._apply(group, group.on_sample(seq, Sample.from_result(result, row)))
             elif seq.num_pending_tokens == 0:  # its prompt is in and max_tokens is 0: nothing to sample
                 self._apply(group, group.on_prompt_done(seq))
+        self.crashes.release_caught_up(self.groups)
+
+    def reset_executor_state(self, cause: str) -> None:
+        """The executors lost their KV pools and sequences (a rank died, hung or was replaced).
+
+        Every group is preempted by recompute (swap space died too) and every sequence goes back to
+        the waiting queue unannounced; all blocks are freed and the prefix cache emptied. The steps
+        in flight are forgotten and each of their requests counts a crash; one in its second fails
+        with ``cause`` (see ``recovery``). Sequences keep their tokens: nothing sent is sent again."""
+        lost = [s.seq.request_id for scheduled in self._in_flight.values() for s in scheduled]
+        self._in_flight.clear()
+        self._freed_seq_ids = []
+        self.waiting = requeue_all(self.running, self.swapped, self.waiting, self.stats)
+        self.running, self.swapped = [], deque()
+        self.blocks.reset()
+        self._fail(self.crashes.record(lost), crash_message(cause))
 
     # ------------------------------------------------------------------ applying decisions
 
@@ -217,30 +254,13 @@ class Scheduler:
             self.swapped = deque(kept for g in self.swapped if (kept := [s for s in g if s is not seq]))
             self.blocks.free_swapped(seq.seq_id)
 
-    def _fail_step(self, scheduled: list[Scheduled], error: str) -> None:
-        for request_id in dict.fromkeys(s.seq.request_id for s in scheduled):
+    def _fail(self, request_ids: list[str], message: str) -> None:
+        for request_id in dict.fromkeys(request_ids):
             group = self.groups.get(request_id)
             if group is not None:
-                self._apply(group, group.fail(f"the executor failed: {error}", ErrorKind.ENGINE))
+                self._apply(group, group.fail(message, ErrorKind.ENGINE))
 
     # ------------------------------------------------------------------ blocks and queues
-
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Cached blocks that hold this sequence's leading tokens (at least one token is left)."""
-        if not self.blocks.enable_prefix_caching or (seq.prompt_scores is not None and not seq.prompt_scores.complete):
-            return []  # a prompt to score is computed whole: a cached block is never computed
-        limit = (seq.num_tokens - 1) // self.blocks.block_size
-        if len(seq.block_hashes) < limit:
-            self.blocks.prefix_hashes(seq.token_ids, limit, seq.block_hashes)
-        return self.blocks.match_prefix(seq.block_hashes, seq.num_tokens)
-
-    def _cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register the sequence's blocks that are now full of computed tokens."""
-        full = seq.num_computed_tokens // self.blocks.block_size
-        if self.blocks.enable_prefix_caching and full > 0:
-            if len(seq.block_hashes) < full:
-                self.blocks.prefix_hashes(seq.token_ids, full, seq.block_hashes)
-            self.blocks.cache_full_blocks(seq.seq_id, seq.block_hashes[:full])
 
     def _make_room(self, seq: Sequence, num_new: int, plan: Plan) -> bool:
         """Allocate ``seq``'s slots, preempting the newest groups as needed; False if ``seq`` went."""
@@ -275,26 +295,6 @@ class Scheduler:
             seq.beam_candidates = None  # the re-prefill samples them again
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
-
-    def _fork_children(self, parent: Sequence, num_new: int, plan: Plan) -> None:
-        """When ``parent`` finishes its prompt in this step, its siblings start sharing its blocks.
-
-        Each child joins the step with no new token, right after the parent, so its first token
-        is sampled from the parent's last hidden state.
-        """
-        if (not parent.pending_children or parent.num_computed_tokens + num_new < parent.num_tokens
-                or parent.sampling.max_tokens == 0):  # nothing to sample: they end with the parent
-            return
-        plan.scheduled[-1].is_fork_parent = True
-        for child in parent.pending_children:
-            self.blocks.fork(parent.seq_id, child.seq_id)
-            child.num_computed_tokens = parent.num_computed_tokens + num_new
-            child.block_hashes = list(parent.block_hashes)
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.status = SequenceStatus.RUNNING
-            self._insert_running(child)
-            plan.scheduled.append(Scheduled(child, 0))
-        parent.pending_children = []
 
     def _insert_running(self, seq: Sequence) -> None:
         bisect.insort(self.running, seq, key=lambda s: (s.arrival_time, s.seq_id))

@@ -17,7 +17,9 @@
 
   const tip = document.getElementById("tip");
   const sides = Object.entries(data.runs).map(([policy, run]) => {
-    const root = document.getElementById(`side-${policy}`);
+    const root = document.getElementById(`side-${policy}`);  // both sides from one template
+    root.append(document.getElementById("side-template").content.cloneNode(true));
+    root.querySelector("h2").textContent = root.dataset.title;
     const map = new KvMap({
       device: root.querySelector("canvas"), palette, showSlots: true, maxCell: 80, maxHeight: 420,
       columns: Math.max(1, Math.round(data.max_model_len / data.block_size)),

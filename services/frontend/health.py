@@ -1,0 +1,79 @@
+"""/health: whether the server can answer now, and how each of its processes is.
+
+200 only when the scheduler has been heard from within its heartbeat timeout, its latest stats
+say ready, and every executor rank is ``ok`` (answering its heartbeats); else 503 with the reason.
+The body reports each process (this frontend; the scheduler: epoch, pid, seconds since its last
+stats, restarts this frontend saw; every executor rank: status, pid, seconds since its heartbeat,
+restarts) and the executor group (tensor-parallel size, all-reduce kind, KV blocks and bytes per
+rank) beside the engine's counters.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from services.frontend.engine_client import EngineClient
+
+
+def health_report(client: EngineClient) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, body)."""
+    stats = client.latest_stats
+    if stats is None:
+        return 503, {"status": "unavailable", "reason": "no stats from the scheduler yet",
+                     "processes": {"frontend": _frontend()}}
+    silence = client.scheduler_silence_s() or 0.0
+    lost = [e for e in stats.executors if e.status != "ok"]
+    reason = None
+    if client.scheduler_lost:
+        reason = f"the scheduler has not answered for {silence:.1f} s"
+    elif lost:
+        reason = "executor " + ", ".join(f"rank {e.rank} is {e.status}" for e in lost)
+    elif not stats.ready:
+        reason = "the scheduler is not ready"
+    body: dict[str, Any] = {"status": "ok" if reason is None else "unavailable"}
+    if reason is not None:
+        body["reason"] = reason
+    body.update({
+        "seconds_since_stats": round(silence, 3),
+        "num_running": stats.num_running,
+        "num_waiting": stats.num_waiting,
+        "num_blocks_total": stats.num_blocks_total,
+        "num_blocks_used": stats.num_blocks_used,
+        "num_preemptions": stats.num_preemptions,
+        "num_preemptions_by_mode": {"swap": stats.num_swap_outs, "recompute": stats.num_recomputes},
+        "num_cached_blocks": stats.num_cached_blocks,
+        "num_swapped": stats.num_swapped,
+        "max_num_running": stats.max_num_running,
+        # this moment: tokens the running sequences hold, and the slots of every block table
+        "num_slots_used": stats.num_slots_used,
+        "num_slots_allocated": stats.num_slots_allocated,
+        # mean over all steps so far of slots holding tokens / slots allocated
+        "kv_slot_utilization": stats.sum_slots_used / stats.sum_slots_allocated if stats.sum_slots_allocated else None,
+        "group": _group(stats),
+        "processes": {
+            "frontend": _frontend(),
+            "scheduler": {"status": "lost" if client.scheduler_lost else "ok", "pid": stats.pid,
+                          "epoch": stats.epoch, "seconds_since_stats": round(silence, 3),
+                          "num_restarts": client.num_scheduler_restarts},
+            "executors": [{"rank": e.rank, "status": e.status, "pid": e.pid,
+                           "seconds_since_heartbeat": e.seconds_since_heartbeat, "num_restarts": e.num_restarts}
+                          for e in stats.executors],
+        },
+    })
+    return (200 if reason is None else 503), body
+
+
+def _group(stats) -> dict[str, Any]:
+    """The executor group: tensor-parallel size, all-reduce kind, KV blocks and bytes per rank."""
+    return {"world_size": stats.world_size, "all_reduce": stats.all_reduce,
+            "num_kv_blocks_per_rank": stats.num_kv_blocks_per_rank,
+            "kv_cache_bytes_per_rank": stats.kv_cache_bytes_per_rank}
+
+
+_STARTED = time.monotonic()
+
+
+def _frontend() -> dict[str, Any]:
+    return {"status": "ok", "pid": os.getpid(), "uptime_s": round(time.monotonic() - _STARTED, 1)}

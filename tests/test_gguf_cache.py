@@ -1,0 +1,88 @@
+"""The GGUF conversion cache (``shared.gguf_cache``): the converted directory gives the same
+weights, config and tokenizer as the GGUF file read by ``transformers``, is made once, follows the
+file, and is skipped (the GGUF file read as before) when off or unwritable."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from services.executor.weights import load_state_dict
+from shared.gguf_cache import MARKER, converted_directory, entry_key
+from shared.model_check import load_hf_config
+from shared.model_source import ModelSource, eos_token_ids, load_tokenizer, resolve_model
+
+pytestmark = pytest.mark.slow
+
+TEXTS = ["The capital of France is", "def fibonacci(n):\n    return n", "  spaces, émojis 🙂 and <|im_end|> tags"]
+
+
+@pytest.fixture(scope="module")
+def gguf_source():
+    """The embedded model read straight from its GGUF file (no cache)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDSERVE_GGUF_CACHE", "off")
+        source = resolve_model(None)
+    assert source.gguf_file is not None and source.converted_from is None
+    return source
+
+
+@pytest.fixture(scope="module")
+def converted_source():
+    """The converted copy in the run's cache (``tests/conftest.py``): made here or by an earlier test."""
+    source = resolve_model(None)
+    assert source.gguf_file is None and source.converted_from.endswith(".gguf")
+    assert os.path.isfile(os.path.join(source.directory, MARKER))
+    return source
+
+
+def test_converted_copy_equals_the_gguf_file(gguf_source, converted_source):
+    expected, got = load_state_dict(gguf_source), load_state_dict(converted_source)
+    tied = set(expected) - set(got)
+    assert tied <= {"lm_head.weight"}  # a tied LM head is stored once, as transformers saves it
+    for name, tensor in got.items():
+        assert torch.equal(tensor, expected[name]), name
+    old, new = load_hf_config(gguf_source).to_dict(), load_hf_config(converted_source).to_dict()
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "rope_parameters"):
+        assert new[key] == old[key], key
+    assert "quantization_config" not in new
+    tok_old, tok_new = load_tokenizer(gguf_source), load_tokenizer(converted_source)
+    for text in TEXTS:
+        assert tok_new(text)["input_ids"] == tok_old(text)["input_ids"]
+    chat = [{"role": "user", "content": "Hi"}]
+    assert (tok_new.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == tok_old.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    assert eos_token_ids(tok_new, converted_source)[0] == eos_token_ids(tok_old, gguf_source)[0]
+
+
+def test_made_once_and_follows_the_file(tmp_path, monkeypatch, converted_source):
+    """A second lookup reuses the entry; a changed file has another key; a file that does not
+    convert leaves no entry behind and is read as before."""
+    monkeypatch.setenv("PAGEDSERVE_GGUF_CACHE", os.path.dirname(converted_source.directory))
+    assert resolve_model(None).directory == converted_source.directory  # no second conversion
+    assert resolve_model(None, convert_gguf=False).directory == converted_source.directory  # found, not made
+    monkeypatch.setenv("PAGEDSERVE_GGUF_CACHE", str(tmp_path / "empty-cache"))
+    assert resolve_model(None, convert_gguf=False).gguf_file is not None  # nothing made: the GGUF file itself
+    assert not (tmp_path / "empty-cache").exists()
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"not a gguf file")
+    key = entry_key(str(gguf))
+    os.utime(gguf, ns=(1_000_000_000, 1_000_000_000))
+    assert entry_key(str(gguf)) != key
+    monkeypatch.setenv("PAGEDSERVE_GGUF_CACHE", str(tmp_path / "cache"))
+    assert converted_directory(str(tmp_path), "broken.gguf", "broken") is None  # falls back, no entry left
+    assert not [n for n in os.listdir(tmp_path / "cache") if not n.endswith(".lock")]
+    source = resolve_model(str(gguf))
+    assert source == ModelSource("broken", str(tmp_path), "broken.gguf")  # read as before: its own error there
+
+
+def test_off_or_unwritable_reads_the_gguf_file(tmp_path, monkeypatch, gguf_source):
+    monkeypatch.setenv("PAGEDSERVE_GGUF_CACHE", "off")
+    assert resolve_model(None) == gguf_source
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("PAGEDSERVE_GGUF_CACHE", str(blocker / "cache"))  # cannot be created
+    assert resolve_model(None) == gguf_source

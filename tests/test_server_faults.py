@@ -1,0 +1,366 @@
+"""Processes that die or hang under ``pagedserve serve`` (a tiny random Llama): the supervisor
+replaces them, requests in flight continue where they were, /health and /metrics tell the truth,
+and nothing is left behind.
+
+Every check is on behaviour (texts, counts, what is left); the timeouts only guard against hangs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.test_server import _children, _free_port, _wait_healthy
+from tests.test_server_api import metrics, wait_until_idle
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+PROMPTS = [f"Story number {i}: once upon a time" for i in range(8)]
+GREEDY = dict(model=MODEL, max_tokens=120, temperature=0, extra_body={"ignore_eos": True})
+POISON_DIR = Path(__file__).parent / "poison_executor"
+POISON_TOKEN_ID = 49151  # tests/poison_executor/sitecustomize.py kills the executor on it
+RECOVERY_S = 240.0  # a guard against hangs only
+
+
+def _client(url: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=RECOVERY_S)
+
+
+def _serve(root: Path, model_dir: Path, *flags: str, env: dict | None = None,
+           wait: bool = True) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    log = open(root / "serve.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--model", str(model_dir),
+         "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-memory", "16MiB", *flags],
+        env={**os.environ, "TMPDIR": str(root), **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    if wait:
+        _wait_healthy(url, proc)
+    return proc, url
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def _child(proc: subprocess.Popen, name: str) -> int:
+    """The pid of ``serve``'s ``name`` process (waits for it to exist)."""
+    deadline = time.monotonic() + RECOVERY_S
+    while time.monotonic() < deadline:
+        pids = [pid for pid, service in _children(proc.pid).items() if service == name]
+        if pids:
+            return pids[0]
+        time.sleep(0.05)
+    raise TimeoutError(f"no {name} process")
+
+
+def _restarts(url: str) -> dict[str, float]:
+    m = metrics(url)
+    return {p: m[f'pagedserve:process_restarts_total{{process="{p}"}}'] for p in ("executor", "scheduler", "frontend")}
+
+
+def _health(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _wait_for(predicate, what: str, timeout: float = RECOVERY_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except OSError:  # the frontend is restarting
+            value = None
+        if value:
+            return value
+        time.sleep(0.1)
+    raise TimeoutError(what)
+
+
+def _started_pids(root: Path) -> set[int]:
+    """Every process the launcher started, from its log."""
+    pids = set()
+    for line in (root / "serve.log").read_text().splitlines():
+        if line.startswith("{") and '"process started"' in line:
+            pids.add(json.loads(line)["child_pid"])
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Streams:
+    """Greedy streams of ``PROMPTS`` in threads; ``midway()`` waits until each has had a few chunks."""
+
+    def __init__(self, url: str, prompts: list[str] = PROMPTS) -> None:
+        self.client = _client(url)
+        self.prompts = prompts
+        self.texts = [""] * len(prompts)
+        self.num_chunks = [0] * len(prompts)
+        self.finish_reasons: list[str | None] = [None] * len(prompts)
+        self.errors: list[BaseException | None] = [None] * len(prompts)
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(len(prompts))]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, i: int) -> None:
+        try:
+            for chunk in self.client.completions.create(prompt=self.prompts[i], stream=True, **GREEDY):
+                if chunk.choices:
+                    self.texts[i] += chunk.choices[0].text
+                    self.num_chunks[i] += 1
+                    self.finish_reasons[i] = chunk.choices[0].finish_reason or self.finish_reasons[i]
+        except BaseException as exc:  # noqa: BLE001 - recorded for the test to assert on
+            self.errors[i] = exc
+
+    def midway(self) -> None:
+        _wait_for(lambda: min(self.num_chunks) >= 5 or any(self.errors), "streams did not start")
+        assert not any(self.errors), self.errors
+        assert not any(self.finish_reasons), "a stream finished before the fault: the test would prove nothing"
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(timeout=RECOVERY_S)
+            assert not thread.is_alive(), "a stream hung"
+
+
+def _reference(url: str, prompts: list[str] = PROMPTS) -> list[str]:
+    client = _client(url)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: client.completions.create(prompt=p, **GREEDY).choices[0].text, prompts))
+
+
+# ---------------------------------------------------------------- one server, one fault after another
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir  # the session's (conftest.py): the servers only read it
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir):
+    """A step is overdue after 5 s; heartbeats (30 s) give the step timeout the first word."""
+    root = tmp_path_factory.mktemp("serve-faults")
+    proc, url = _serve(root, model_dir, "--step-timeout", "5", "--heartbeat-timeout", "30", "--max-restarts", "20")
+    yield proc, url, root, _reference(url)
+    _stop(proc)
+
+
+@pytest.mark.parametrize("victim", ["executor", "scheduler"])
+def test_killed_process_is_replaced_and_streams_continue_identically(server, victim):
+    proc, url, root, reference = server
+    before = _restarts(url)
+    streams = Streams(url)
+    streams.midway()
+    os.kill(_child(proc, victim), signal.SIGKILL)
+    streams.join()
+    assert streams.errors == [None] * len(PROMPTS)
+    assert streams.texts == reference  # no token lost or repeated: every stream as if uninterrupted
+    assert streams.finish_reasons == ["length"] * len(PROMPTS)
+    after = _restarts(url)
+    assert after[victim] == before[victim] + 1
+    wait_until_idle(url, RECOVERY_S)  # every block free again
+    status, health = _health(url)
+    assert status == 200 and health["num_blocks_used"] == 0
+
+
+def test_stopped_executor_is_killed_after_the_step_timeout(server):
+    proc, url, root, reference = server
+    before = _restarts(url)
+    streams = Streams(url)
+    streams.midway()
+    stopped = _child(proc, "executor")
+    os.kill(stopped, signal.SIGSTOP)
+    streams.join()
+    assert streams.errors == [None] * len(PROMPTS) and streams.texts == reference
+    assert not _alive(stopped)
+    assert _restarts(url)["executor"] == before["executor"] + 1
+    assert "a step is overdue" in (root / "serve.log").read_text()
+    wait_until_idle(url, RECOVERY_S)
+
+
+def test_scheduler_restart_resumes_sampled_and_grouped_requests(server):
+    """n > 1 continues choice by choice, best_of (nothing sent yet) runs again; lengths are exact."""
+    proc, url, _, _ = server
+    client = _client(url)
+    sampled = dict(model=MODEL, prompt="Tell me a story", max_tokens=100, temperature=1.0, seed=7,
+                   extra_body={"ignore_eos": True})
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        n_stream = pool.submit(lambda: list(client.completions.create(
+            n=2, stream=True, stream_options={"include_usage": True}, **sampled)))
+        best_of = pool.submit(client.completions.create, n=1, best_of=2, **sampled)
+        streams = Streams(url, PROMPTS[:2])
+        streams.midway()
+        os.kill(_child(proc, "scheduler"), signal.SIGKILL)
+        chunks = n_stream.result(timeout=RECOVERY_S)
+        streams.join()
+        assert best_of.result(timeout=RECOVERY_S).usage.completion_tokens == 100
+    ends = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert ends == {0: "length", 1: "length"}
+    usage = chunks[-1].usage  # the original prompt's tokens, and exactly max_tokens for each choice
+    num_prompt_tokens = client.completions.create(model=MODEL, prompt="Tell me a story", max_tokens=1).usage.prompt_tokens
+    assert usage.completion_tokens == 200 and usage.prompt_tokens == num_prompt_tokens
+    assert streams.errors == [None, None]
+    wait_until_idle(url, RECOVERY_S)
+
+
+def test_killed_frontend_is_replaced_and_its_requests_are_freed(server):
+    proc, url, _, _ = server
+    streams = Streams(url)
+    streams.midway()
+    os.kill(_child(proc, "frontend"), signal.SIGKILL)
+    streams.join()
+    assert all(e is not None for e in streams.errors)  # the connections dropped, as with any server
+    _wait_for(lambda: _health(url)[0] == 200, "the frontend did not come back")
+    wait_until_idle(url, RECOVERY_S)  # nothing left allocated for the dead frontend's requests
+    assert _restarts(url)["frontend"] >= 1
+    assert _client(url).completions.create(prompt="Hello", **GREEDY).usage.completion_tokens == 120
+
+
+# ---------------------------------------------------------------- a request that kills the executor
+
+
+def test_poison_request_is_failed_alone_and_idle_hang_shows_in_health(tmp_path, model_dir):
+    proc, url = _serve(tmp_path, model_dir, "--heartbeat-timeout", "3", "--max-restarts", "10",
+                       env={"PYTHONPATH": os.pathsep.join([str(POISON_DIR), os.getcwd()])})
+    try:
+        innocent = PROMPTS[:7]
+        reference = _reference(url, innocent)
+        assert _restarts(url)["executor"] == 0
+        streams = Streams(url, innocent)
+        streams.midway()
+        with pytest.raises(Exception) as failure:
+            _client(url).completions.create(prompt=[5, 6, POISON_TOKEN_ID, 7], **GREEDY)
+        assert "executor crashes" in str(failure.value)
+        streams.join()
+        assert streams.errors == [None] * 7 and streams.texts == reference
+        assert _restarts(url)["executor"] == 2  # the two crashes that convicted it
+        wait_until_idle(url, RECOVERY_S)
+        # Idle, the executor stops (SIGSTOP): /health says so within the heartbeat timeout, and the
+        # supervisor replaces it.
+        stopped = _child(proc, "executor")
+        os.kill(stopped, signal.SIGSTOP)
+        status, body = _wait_for(lambda: (s := _health(url))[0] == 503 and s, "/health stayed 200")
+        assert body["processes"]["executors"][0]["status"] != "ok"
+        _wait_for(lambda: _health(url)[0] == 200, "the executor did not come back")
+        assert not _alive(stopped) and _restarts(url)["executor"] == 3
+    finally:
+        _stop(proc)
+
+
+# ---------------------------------------------------------------- nothing left behind
+
+
+def _shm_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("psv-")}
+
+
+def test_restarts_and_a_kill_during_start_up_leave_nothing_behind(tmp_path, model_dir):
+    shm_before = _shm_segments()
+    proc, url = _serve(tmp_path, model_dir, "--heartbeat-timeout", "3", wait=False)
+    try:
+        os.kill(_child(proc, "executor"), signal.SIGKILL)  # while it loads
+        _wait_healthy(url, proc)
+        for victim in ("executor", "executor", "scheduler", "frontend"):  # restarts in a row
+            killed = _child(proc, victim)
+            os.kill(killed, signal.SIGKILL)
+            _wait_for(lambda: _health(url)[0] == 200 and _child(proc, victim) != killed, f"no new {victim}")
+        assert _client(url).completions.create(prompt="Hello", **GREEDY).usage.completion_tokens == 120
+    finally:
+        assert _stop(proc) == 0
+    started = _started_pids(tmp_path)
+    assert len(started) == 3 + 5  # the first three, and five restarts
+    assert not [pid for pid in started if _alive(pid)], "orphan processes"
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("pagedserve-")], "socket directory left behind"
+    assert _shm_segments() <= shm_before, "shared memory left behind"
+    log = (tmp_path / "serve.log").read_text()
+    assert log.count('"process restarted"') == 5 and "was killed by SIGKILL" in log
+
+
+def test_sigterm_during_start_up_stops_everything(tmp_path, model_dir):
+    proc, _ = _serve(tmp_path, model_dir, wait=False)
+    _child(proc, "frontend")
+    _child(proc, "executor")
+    assert _stop(proc) == 0
+    started = _started_pids(tmp_path)
+    assert len(started) == 3 and not [pid for pid in started if _alive(pid)]
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("pagedserve-")]
+
+
+def test_too_many_restarts_stop_the_server_with_a_clear_message(tmp_path, model_dir):
+    proc, url = _serve(tmp_path, model_dir, "--max-restarts", "1", "--restart-window-s", "600")
+    try:
+        os.kill(_child(proc, "executor"), signal.SIGKILL)
+        _wait_for(lambda: _restarts(url)["executor"] == 1 and _health(url)[0] == 200, "no restart")
+        os.kill(_child(proc, "executor"), signal.SIGKILL)
+        assert proc.wait(timeout=RECOVERY_S) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = (tmp_path / "serve.log").read_text()
+    assert ("pagedserve: the executor process failed 2 times within 600 s (--max-restarts 1, "
+            "--restart-window-s 600); last: was killed by SIGKILL") in log
+    assert not [pid for pid in _started_pids(tmp_path) if _alive(pid)]
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("pagedserve-")]
+
+
+def test_a_silent_scheduler_makes_health_and_new_requests_answer_503(tmp_path, model_dir):
+    """A stopped scheduler: /health and new requests say 503 (with Retry-After) within the heartbeat
+    timeout; the stream in flight waits, and finishes once the scheduler runs again."""
+    proc, url = _serve(tmp_path, model_dir, "--heartbeat-timeout", "2")
+    try:
+        reference = _reference(url, PROMPTS[:1])
+        streams = Streams(url, PROMPTS[:1])
+        streams.midway()
+        scheduler = _child(proc, "scheduler")
+        os.kill(scheduler, signal.SIGSTOP)
+        try:
+            status, body = _wait_for(lambda: (h := _health(url))[0] == 503 and h, "/health stayed 200")
+            assert "the scheduler has not answered" in body["reason"]
+            assert body["processes"]["scheduler"]["status"] == "lost"
+            request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(
+                {"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode(), headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=30)
+            assert refused.value.code == 503 and refused.value.headers["Retry-After"]
+            assert json.loads(refused.value.read())["error"]["code"] == "engine_unavailable"
+        finally:
+            os.kill(scheduler, signal.SIGCONT)
+        streams.join()
+        assert streams.errors == [None] and streams.texts == reference
+        _wait_for(lambda: _health(url)[0] == 200, "/health did not come back")
+        assert _restarts(url)["scheduler"] == 0  # the same process: nothing was restarted
+    finally:
+        _stop(proc)
