@@ -57,6 +57,8 @@ def _add_executor_arguments(p: argparse.ArgumentParser) -> None:
                    help="GiB of CPU memory for swapped-out KV blocks (default 1)")
     g.add_argument("--attention-backend", default=None, choices=["auto", "torch", "numba", "cuda"],
                    help="paged-attention kernels (default auto: numba on CPU, cuda on GPUs)")
+    g.add_argument("--linear-kernel", default=None, choices=["auto", "onednn", "torch"],
+                   help="the model's matmuls (default auto: oneDNN-packed weights on CPUs in float32/bfloat16)")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch and numba")
     g.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
 
@@ -226,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                 endpoints=Endpoints(request="", step=step, result=result),
                 rank=args.rank, world_size=args.world_size, zmq_curve=curve_dir(args),
                 **_kwargs(args, ["model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory",
-                                 "swap_space", "max_model_len", "attention_backend", "num_threads",
-                                 "seed", "all_reduce", "num_nodes", "dist_init_addr", "group_id",
+                                 "swap_space", "max_model_len", "attention_backend", "linear_kernel",
+                                 "num_threads", "seed", "all_reduce", "num_nodes", "dist_init_addr", "group_id",
                                  "group_store", "group_timeout_s"]),
             ))
         elif args.command == "frontend":

@@ -271,7 +271,8 @@ def scheduler_argv(args) -> list[str]:
 
 def executor_argv(args) -> list[str]:
     return _flags(args, ["model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory",
-                         "swap_space", "max_model_len", "attention_backend", "num_threads", "seed"])
+                         "swap_space", "max_model_len", "attention_backend", "linear_kernel", "num_threads",
+                         "seed"])
 
 
 def frontend_argv(args) -> list[str]:

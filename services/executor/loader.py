@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import select_backend
+from .linear import LINEAR_KERNELS, pack_linears, use_onednn
 from .model import ModelConfig
 from .model_check import MemoryPlan, plan_memory
 from .parallel.base import Communicator
@@ -48,6 +49,7 @@ class RunnerOptions:
     swap_space: float = 1.0
     max_model_len: int | None = None
     attention_backend: str = "auto"
+    linear_kernel: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -58,6 +60,8 @@ class RunnerOptions:
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"--max-model-len must be greater than 1, got {self.max_model_len}")
         parse_bytes(self.kv_cache_memory)
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"--linear-kernel must be one of {', '.join(LINEAR_KERNELS)}, got {self.linear_kernel!r}")
         if self.swap_space < 0:
             raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
 
@@ -102,6 +106,8 @@ def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: Runner
     device = torch.device(options.device)
     dtype = _dtype(options)
     model = build_model(hf_config, state_dict, dtype, device, plan.max_model_len, shard, comm)
+    if use_onednn(options.linear_kernel, device, dtype):
+        pack_linears(model)  # oneDNN's blocked weights (linear.py)
     kv_cfg = model.kv_cache_config  # only this rank's KV heads
     kv = allocate_kv_cache(kv_cfg, plan.num_blocks, options.block_size, dtype, device)
     cpu_kv = allocate_kv_cache(kv_cfg, plan.num_cpu_blocks, options.block_size, dtype, torch.device("cpu"))

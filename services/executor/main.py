@@ -66,6 +66,7 @@ class ExecutorConfig:
     swap_space: float = 1.0  # GiB of CPU memory for swapped-out blocks
     max_model_len: int | None = None
     attention_backend: str = "auto"
+    linear_kernel: str = "auto"
     rank: int = 0
     world_size: int = 1
     num_threads: int | None = None
@@ -96,7 +97,7 @@ class ExecutorConfig:
         return RunnerOptions(
             dtype=self.dtype, device=self.device, block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
             kv_cache_memory=self.kv_cache_memory, swap_space=self.swap_space, max_model_len=self.max_model_len,
-            attention_backend=self.attention_backend, seed=self.seed,
+            attention_backend=self.attention_backend, linear_kernel=self.linear_kernel, seed=self.seed,
         )
 
 
@@ -140,9 +141,11 @@ class ExecutorProcess:
             comm.abort(f"rank {cfg.rank} could not load the model: {exc!r}")
             comm.close()
             raise
+        from .linear import linear_kernel_name  # torch is imported by now
+
         self.log.info("model loaded", seconds=round(time.monotonic() - t0, 1), num_blocks=runner.num_blocks,
                       kv_cache_mib=round(runner.kv_cache_bytes / 2**20, 1), attention_backend=runner.backend.name,
-                      max_model_len=runner.max_model_len, num_cpu_blocks=runner.num_cpu_blocks,
+                      linear_kernel=linear_kernel_name(runner.model), max_model_len=runner.max_model_len, num_cpu_blocks=runner.num_cpu_blocks,
                       world_size=comm.world_size, all_reduce=comm.kind,
                       num_kv_heads=runner.model.plan.num_local_kv_heads, num_heads=runner.model.plan.num_local_heads)
         return comm, runner
