@@ -203,6 +203,8 @@ def scenarios(args) -> list[tuple[str, int, int]]:
 
 def measure(args) -> tuple[dict, list]:
     """Run every scenario; returns (header facts, [(label, parts, roofline)])."""
+    from services.executor.linear import linear_kernel_name
+
     from .profile_costs import matmul_roofline, median_parts
 
     cols = scenarios(args)
@@ -218,12 +220,13 @@ def measure(args) -> tuple[dict, list]:
             samples = run_scenario(bench, label, num_decodes, args.context, num_prefill, args.warmup, args.steps)
             say(f"  {label}: matmul roofline")
             roof = matmul_roofline(runner.model.config, choice.dtype, num_decodes + num_prefill,
-                                   num_decodes + (1 if num_prefill else 0), args.roofline_repeats, clock)
+                                   num_decodes + (1 if num_prefill else 0), args.roofline_repeats, clock,
+                                   packed=linear_kernel_name(runner.model) == "onednn")
             results.append((label, median_parts(samples), roof))
     finally:
         bench.close()
     facts = {"model": source.name, "dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason,
-             "source": source, "backend": runner.backend.name}
+             "source": source, "backend": runner.backend.name, "linear": linear_kernel_name(runner.model)}
     return facts, results
 
 
@@ -245,7 +248,8 @@ def format_table(facts: dict, results: list, args) -> str:
         row(indent + name, [f"{parts.get(key, 0) / 1e6:8.2f} ({100 * parts.get(key, 0) / 1e6 / t:3.0f}%)"
                             for (_, parts, _), t in zip(results, totals)])
     row("step (sum of the medians)", [f"{t:8.2f}       " for t in totals])
-    row(f"matmuls alone: F.linear, HF shapes, best of {args.roofline_repeats}",
+    kernel = "oneDNN-packed" if facts.get("linear") == "onednn" else "F.linear"
+    row(f"matmuls alone: {kernel}, HF shapes, best of {args.roofline_repeats}",
         [f"{r.total_s * 1e3:8.2f}       " for _, _, r in results])
     row("  of which the LM head", [f"{r.lm_head_s * 1e3:8.2f}       " for _, _, r in results])
     row("step / matmul roofline", [f"x{t / (r.total_s * 1e3):.2f}       " for t, (_, _, r) in zip(totals, results)])

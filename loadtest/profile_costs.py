@@ -1,7 +1,7 @@
 """Yardsticks for ``loadtest.profile``: the matmul roofline of a step, and the frontend's CPU cost
 per output token.
 
-- ``matmul_roofline``: the time of one step's matmuls alone, ``torch.nn.functional.linear`` on the
+- ``matmul_roofline``: the time of one step's matmuls alone, ``nn.Linear`` (or oneDNN-packed) on the
   Hugging Face shapes (q, k, v, o, gate, up, down per layer, then the LM head on the sampled rows)
   in the model's dtype, each layer with weights of its own (as in the model, they do not stay in
   cache from one layer to the next); best of ``repeats`` runs of the whole chain.
@@ -53,23 +53,29 @@ def layer_shapes(cfg) -> list[tuple[int, int]]:
 
 
 def matmul_roofline(cfg, dtype: torch.dtype, num_tokens: int, num_sampled: int,
-                    repeats: int = 5, clock=time.perf_counter_ns) -> MatmulRoofline:
+                    repeats: int = 5, clock=time.perf_counter_ns, packed: bool = False) -> MatmulRoofline:
     """One step's matmuls alone: ``num_tokens`` rows through every layer, ``num_sampled`` rows
-    through the LM head; ``clock`` in ns (wall, or CPU time)."""
-    linear = torch.nn.functional.linear
-    weights = [[torch.randn(out_f, in_f, dtype=dtype) * 0.02 for in_f, out_f in layer_shapes(cfg)]
-               for _ in range(cfg.num_layers)]
-    inputs = {n: torch.randn(num_tokens, n, dtype=dtype) for n in {s[0] for s in layer_shapes(cfg)}}
-    head = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=dtype) * 0.02
-    head_in = torch.randn(num_sampled, cfg.hidden_size, dtype=dtype)
+    through the LM head; ``clock`` in ns (wall, or CPU time). ``packed``: on oneDNN-packed weights
+    (``--linear-kernel``, ``services/executor/linear.py``), as the engine multiplies then."""
+    from torch import nn
 
-    def layers() -> None:
-        for layer in weights:
-            for w in layer:
-                linear(inputs[w.shape[1]], w)
+    from services.executor.linear import PackedLinear
+
+    def make(in_f: int, out_f: int) -> nn.Module:
+        linear = nn.Linear(in_f, out_f, bias=False, dtype=dtype)
+        return PackedLinear(linear) if packed else linear
 
     with torch.inference_mode():
-        return MatmulRoofline(_best_of(layers, repeats, clock), _best_of(lambda: linear(head_in, head), repeats, clock))
+        layers_ = [[make(in_f, out_f) for in_f, out_f in layer_shapes(cfg)] for _ in range(cfg.num_layers)]
+        inputs = {n: torch.randn(num_tokens, n, dtype=dtype) for n in {s[0] for s in layer_shapes(cfg)}}
+        head, head_in = make(cfg.hidden_size, cfg.vocab_size), torch.randn(num_sampled, cfg.hidden_size, dtype=dtype)
+
+        def layers() -> None:
+            for layer in layers_:
+                for linear in layer:
+                    linear(inputs[linear.in_features])
+
+        return MatmulRoofline(_best_of(layers, repeats, clock), _best_of(lambda: head(head_in), repeats, clock))
 
 
 def _best_of(fn, repeats: int, clock) -> float:

@@ -75,11 +75,12 @@ class RegionTimer:
 
 def install(runner, timer: RegionTimer) -> Callable[[], None]:
     """Wrap ``runner``'s model, backend and sampler; returns the function that removes it all."""
-    from services.executor.model import RMSNorm  # imported here: torch after the thread settings
+    from services.executor.linear import PackedLinear  # imported here: torch after the thread settings
+    from services.executor.model import RMSNorm
 
     model = runner.model
     for module in model.model.layers.modules():
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, PackedLinear)):
             timer.wrap(module, "forward", "matmul")
     for module in model.modules():
         if isinstance(module, RMSNorm):
