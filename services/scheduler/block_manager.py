@@ -27,6 +27,7 @@ Contract:
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict, deque
 from enum import Enum
 from typing import NewType, Sequence
@@ -90,16 +91,18 @@ class BlockManager:
         """Blocks an allocation can take: free plus cached-but-unused (evictable)."""
         return len(self.free_queue) + len(self.evictable)
 
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
     @property
     def num_used_blocks(self) -> int:
+        """Blocks some sequence holds (a count of one or more)."""
         return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
+        """Blocks no sequence holds that keep their content for the prefix cache (evictable)."""
         return len(self.evictable)
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
 
     def num_new_blocks(self, seq_id: int, num_tokens: int) -> int:
         """Blocks ``seq_id`` still needs to hold ``num_tokens`` tokens in total."""
@@ -136,13 +139,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         limit = (num_prompt_tokens - 1) // self.block_size
-        blocks = []
-        for h in hashes[:limit]:
-            block_id = self.cached.get(h)
-            if block_id is None:
-                break
-            blocks.append(block_id)
-        return blocks
+        found = (self.cached.get(h) for h in hashes[:limit])
+        return list(itertools.takewhile(lambda block_id: block_id is not None, found))
 
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted prompt's lookup for the hit rate."""
