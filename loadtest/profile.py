@@ -173,7 +173,7 @@ def run_scenario(bench: StepBench, label: str, num_decodes: int, context: int, n
     return samples
 
 
-def build(model: str | None, dtype_name: str, num_blocks: int, max_model_len: int):
+def build(model: str | None, dtype_name: str, num_blocks: int, max_model_len: int, linear_kernel: str = "auto"):
     """(runner, dtype choice, model source) with the KV pool filled with noise."""
     import torch
 
@@ -185,7 +185,7 @@ def build(model: str | None, dtype_name: str, num_blocks: int, max_model_len: in
     choice = resolve_dtype(dtype_name, torch.device("cpu"))
     say(f"loading {source.name} in {choice.dtype} ({choice.reason})")
     options = RunnerOptions(dtype=choice.dtype, num_kv_blocks=num_blocks, num_cpu_blocks=0,
-                            max_model_len=max_model_len)
+                            max_model_len=max_model_len, linear_kernel=linear_kernel)
     runner = build_runner(load_hf_config(source), load_state_dict(source), options)
     for key_cache, value_cache in runner.kv_caches:
         key_cache.normal_()
@@ -211,7 +211,8 @@ def measure(args) -> tuple[dict, list]:
     max_seqs = max(n + (1 if p else 0) for _, n, p in cols)
     per_seq = -(-(args.context + args.warmup + args.steps + 2) // 16)
     num_blocks = max_seqs * per_seq + -(-args.prefill // 16) + 8
-    runner, choice, source = build(args.model, args.dtype, num_blocks, args.context + args.prefill + 64)
+    runner, choice, source = build(args.model, args.dtype, num_blocks, args.context + args.prefill + 64,
+                                   args.linear_kernel)
     clock = time.process_time_ns if args.clock == "cpu" else time.perf_counter_ns
     bench = StepBench(runner, max_seqs, max(2048, args.prefill + args.prefill_decodes), clock)
     results = []
@@ -308,6 +309,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="as the server's --model (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--linear-kernel", default="auto", choices=["auto", "onednn", "torch"],
+                    help="the engine's --linear-kernel (services/executor/linear.py)")
     ap.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 16, 64],
                     help="decode batch sizes, comma-separated (default 1,16,64)")
     ap.add_argument("--context", type=int, default=256, help="tokens in each decoding sequence's cache")

@@ -45,7 +45,9 @@ def test_which_kernel_runs():
     assert not use_onednn("torch", CPU, torch.float32)
     assert not use_onednn("auto", CPU, torch.float16)  # oneDNN packing here only for fp32 and bf16
     assert not use_onednn("auto", torch.device("meta"), torch.float32)  # not a CPU
-    assert use_onednn("auto", CPU, torch.float32) == onednn_supported(CPU, torch.float32)
+    assert not use_onednn("auto", CPU, torch.float32)  # float32 stays token-identical to transformers
+    assert use_onednn("auto", CPU, torch.bfloat16) == onednn_supported(CPU, torch.bfloat16)
+    assert use_onednn("onednn", CPU, torch.float32) == onednn_supported(CPU, torch.float32)
     with pytest.raises(ValueError, match="--linear-kernel onednn needs a CPU"):
         use_onednn("onednn", CPU, torch.float16)
     with pytest.raises(ValueError, match="--linear-kernel must be one of auto, onednn, torch, got 'fast'"):

@@ -9,9 +9,12 @@ float32 at 16 rows 0.24-0.43x the time of ``F.linear`` (the LM head ``[16, 576] 
 14.6 -> 3.5 ms), at 64 rows 0.33-0.48x; bfloat16 0.66-0.84x. Results differ from ``F.linear`` by
 float32 rounding only (another summation order).
 
-- ``auto`` (the default): oneDNN on CPUs where torch has it and the dtype is float32 or bfloat16;
-  ``F.linear`` elsewhere (GPUs, float16). ``torch``: ``F.linear`` always. ``onednn``: required,
-  an error where it cannot run.
+- ``auto`` (the default): oneDNN on CPUs where torch has it, in bfloat16; ``F.linear`` in float32
+  (the mode whose greedy output equals ``transformers`` token for token: ``F.linear`` is the kernel
+  transformers multiplies with, so every sum is the same, where oneDNN's other order can flip a
+  near-tie; a tiny random model's n = 3 greedy samples did in one test run), float16 and on GPUs.
+  ``onednn``: required, also in float32 (about 1.7x the float32 throughput here, not bit-identical
+  to transformers); an error where it cannot run. ``torch``: ``F.linear`` always.
 - The packed weight replaces the plain one (no second copy); a tied LM head gets its own packed
   copy, the embedding table stays for the lookups.
 """
@@ -51,7 +54,7 @@ def use_onednn(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
     if kernel == "onednn" and not supported:
         raise ValueError(f"--linear-kernel onednn needs a CPU with torch's oneDNN and float32 or bfloat16; "
                          f"got {device.type} and {dtype}")
-    return kernel != "torch" and supported
+    return kernel == "onednn" or (kernel == "auto" and supported and dtype == torch.bfloat16)
 
 
 def pack_linears(model: nn.Module) -> int:
