@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 # Many sequences at once (8 requests of n = 16), so that each snapshot lists 128 block tables (about
 # 15 KB of JSON) and a client that reads nothing fills its small socket buffers within seconds.
 BATCH = 8
-N = 8
+N = 16
 MAX_TOKENS = 24
 
 

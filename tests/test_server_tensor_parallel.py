@@ -127,7 +127,7 @@ def _check_runs_features(run: dict) -> None:
     assert run["d_cached_tokens"] == len(PREFIX), "D did not reuse C's prefix blocks"
     assert run["a_decoded_during_b_prefill"], "A finished before B's chunked prefill: no mixed step"
     assert len(run["choices"]["E"]) == 2 and run["choices"]["E"][0]["tokens"] != run["choices"]["E"][1]["tokens"]
-    assert run["health"]["num_preemptions_by_mode"]["swap"] > 0, "no group was swapped out"
+    assert run["health"]["num_preemptions_by_mode"]["swap"] > 0, f"no group was swapped out: {run['health']}"
     assert all(len(c["tokens"]) == n for name, n in (("A", 120), ("B", 20), ("F", 124), ("G", 124)) for c in run["choices"][name])
 
 
