@@ -116,6 +116,9 @@ def run_workload(url: str, model: str) -> dict:
     out = {name: _choices(reply) for name, reply in replies.items()}
     out["A"] = [{"tokens": a.tokens, "logprobs": a.logprobs, "text": "".join(a.tokens)}]
     out["B"] = [{"tokens": b.tokens, "logprobs": b.logprobs, "text": "".join(b.tokens)}]
+    # the scheduler's stats reach /health every 0.5 s: read them once they show the run ended (a
+    # fast run is over within one interval, and /health right away showed the run's beginning)
+    wait_until_idle(url, 120)
     health = json.loads(_get(f"{url}/health"))
     return {"choices": out, "health": health, "d_cached_tokens": d.usage.prompt_tokens_details.cached_tokens,
             "a_decoded_during_b_prefill": a.times[-1] > b.times[0],
