@@ -214,6 +214,7 @@ def measure(args) -> tuple[dict, list]:
     runner, choice, source = build(args.model, args.dtype, num_blocks, args.context + args.prefill + 64,
                                    args.linear_kernel)
     clock = time.process_time_ns if args.clock == "cpu" else time.perf_counter_ns
+    packed = linear_kernel_name(runner.model) == "onednn"  # the roofline times the engine's kernel
     bench = StepBench(runner, max_seqs, max(2048, args.prefill + args.prefill_decodes), clock)
     results = []
     try:
@@ -222,12 +223,12 @@ def measure(args) -> tuple[dict, list]:
             say(f"  {label}: matmul roofline")
             roof = matmul_roofline(runner.model.config, choice.dtype, num_decodes + num_prefill,
                                    num_decodes + (1 if num_prefill else 0), args.roofline_repeats, clock,
-                                   packed=linear_kernel_name(runner.model) == "onednn")
+                                   packed=packed)
             results.append((label, median_parts(samples), roof))
     finally:
         bench.close()
     facts = {"model": source.name, "dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason,
-             "source": source, "backend": runner.backend.name, "linear": linear_kernel_name(runner.model)}
+             "source": source, "backend": runner.backend.name, "linear": "onednn" if packed else "torch"}
     return facts, results
 
 

@@ -46,10 +46,14 @@ def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def use_onednn(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``--linear-kernel kernel`` packs the weights for this device and dtype."""
+def check_linear_kernel(kernel: str) -> None:
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"--linear-kernel must be one of {', '.join(LINEAR_KERNELS)}, got {kernel!r}")
+
+
+def use_onednn(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``--linear-kernel kernel`` packs the weights for this device and dtype."""
+    check_linear_kernel(kernel)
     supported = onednn_supported(device, dtype)
     if kernel == "onednn" and not supported:
         raise ValueError(f"--linear-kernel onednn needs a CPU with torch's oneDNN and float32 or bfloat16; "

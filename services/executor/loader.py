@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import select_backend
-from .linear import LINEAR_KERNELS, pack_linears, use_onednn
+from .linear import check_linear_kernel, pack_linears, use_onednn
 from .model import ModelConfig
 from .model_check import MemoryPlan, plan_memory
 from .parallel.base import Communicator
@@ -60,8 +60,7 @@ class RunnerOptions:
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"--max-model-len must be greater than 1, got {self.max_model_len}")
         parse_bytes(self.kv_cache_memory)
-        if self.linear_kernel not in LINEAR_KERNELS:
-            raise ValueError(f"--linear-kernel must be one of {', '.join(LINEAR_KERNELS)}, got {self.linear_kernel!r}")
+        check_linear_kernel(self.linear_kernel)
         if self.swap_space < 0:
             raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
 
