@@ -30,6 +30,7 @@ import urllib.request
 
 import aiohttp
 
+from loadtest.procs import child_argvs
 from loadtest.soak_clients import GREEDY_PROMPTS, Outcome, Soak, greedy_tokens, one_request
 from loadtest.throughput import _get_json, say, start_server
 
@@ -38,18 +39,8 @@ SERVICES = ("scheduler", "executor", "frontend")
 
 def children(pid: int) -> dict[str, int]:
     """``serve``'s service name -> pid, read from /proc."""
-    found = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if ppid == pid and b"services.cli" in argv:
-            found[argv[argv.index(b"services.cli") + 1].decode()] = int(entry)
-    return found
+    return {argv[argv.index("services.cli") + 1]: child for child, argv in child_argvs(pid).items()
+            if "services.cli" in argv[:-1]}
 
 
 def rss_mib(pid: int) -> float:

@@ -1,5 +1,6 @@
-"""Test helpers: a tiny random Hugging Face Llama, and the product's offline ``EngineCore`` over it
-with every message round-tripped through the wire codec and the block manager checked each step."""
+"""Test helpers: a tiny random Hugging Face Llama, SmolLM2's greedy reference from ``transformers``,
+and the product's offline ``EngineCore`` over a model with every message round-tripped through the
+wire codec and the block manager checked each step."""
 
 from __future__ import annotations
 
@@ -25,6 +26,30 @@ def tiny_llama(seed: int = 0, **overrides):
     kwargs.update(overrides)
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+
+
+def smollm2_greedy_reference(prompts: list[str], max_new_tokens: int, dtype: torch.dtype = torch.float32):
+    """SmolLM2 (the embedded default model) in ``transformers`` at ``dtype`` and its greedy
+    continuation of each prompt, exactly ``max_new_tokens`` long (EOS ignored):
+    ``(tokenizer, model, prompt ids, reference ids)``. The weights are loaded in float32, then cast."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shared.model_source import resolve_model
+
+    src = resolve_model(None)
+    tok = AutoTokenizer.from_pretrained(src.directory, **src.pretrained_kwargs())
+    model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=torch.float32, **src.pretrained_kwargs())
+    model = model.to(dtype).eval()
+    prompt_ids = [tok(p)["input_ids"] for p in prompts]
+    refs = []
+    for ids in prompt_ids:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=None)
+        refs.append(out[0, len(ids):].tolist())
+        assert len(refs[-1]) == max_new_tokens
+    return tok, model, prompt_ids, refs
 
 
 class InProcessEngine(EngineCore):

@@ -31,6 +31,7 @@ import urllib.request
 
 import pytest
 
+from loadtest.procs import child_argvs
 from tests.test_server import _openai, _start, save_tiny_model, stop
 from tests.test_server_api import wait_until_idle
 
@@ -219,18 +220,8 @@ def test_two_hosts_over_torch_distributed(tmp_path, tiny_gqa_dir, tp1_run):
 
 def _rank_pids(launcher_pid: int) -> dict[int, int]:
     """Executor rank -> pid, from the launcher's children's command lines."""
-    ranks = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().decode().split("\0")
-        except OSError:
-            continue
-        if ppid == launcher_pid and "executor" in argv:
-            ranks[int(argv[argv.index("--rank") + 1])] = int(entry)
-    return ranks
+    return {int(argv[argv.index("--rank") + 1]): child for child, argv in child_argvs(launcher_pid).items()
+            if "executor" in argv and "--rank" in argv}
 
 
 def _group_ids(log_path) -> list[str]:

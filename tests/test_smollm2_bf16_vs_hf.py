@@ -21,8 +21,7 @@ against transformers bf16 on 244-246 (77%). float32 stays token-identical
 import pytest
 import torch
 
-from shared.model_source import resolve_model
-from tests.harness import InProcessEngine
+from tests.harness import InProcessEngine, smollm2_greedy_reference
 
 pytestmark = pytest.mark.slow
 
@@ -44,23 +43,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2_bf16():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = resolve_model(None)
-    tok = AutoTokenizer.from_pretrained(src.directory, **src.pretrained_kwargs())
-    model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=torch.float32,
-                                                 **src.pretrained_kwargs())
-    model = model.to(torch.bfloat16).eval()
-    prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    refs = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW,
-                                 do_sample=False, eos_token_id=None)
-        refs.append(out[0, len(ids):].tolist())
-        assert len(refs[-1]) == MAX_NEW
-    return tok, model, prompts, refs
+    return smollm2_greedy_reference(PROMPTS, MAX_NEW, torch.bfloat16)
 
 
 def test_smollm2_bf16_greedy_agrees_with_transformers_bf16(smollm2_bf16):

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from shared.model_source import resolve_model
-from tests.harness import InProcessEngine
+from tests.harness import InProcessEngine, smollm2_greedy_reference
 
 pytestmark = pytest.mark.slow
 
@@ -18,22 +17,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = resolve_model(None)
-    tok = AutoTokenizer.from_pretrained(src.directory, **src.pretrained_kwargs())
-    model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=torch.float32, **src.pretrained_kwargs())
-    model.eval()
-    prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    refs = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW,
-                                 do_sample=False, eos_token_id=None)
-        refs.append(out[0, len(ids):].tolist())
-        assert len(refs[-1]) == MAX_NEW
-    return tok, model, prompts, refs
+    return smollm2_greedy_reference(PROMPTS, MAX_NEW, torch.float32)
 
 
 @pytest.mark.parametrize("backend", ["torch", "numba"])

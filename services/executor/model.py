@@ -19,29 +19,25 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shared.model_check import ModelShape, model_shape
+
 from .attention import AttentionMetadata, paged_attention
 from .parallel.base import Communicator, SingleRank
 from .parallel.sharding import ShardPlan
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+class ModelConfig(ModelShape):
+    """The checked sizes (``shared.model_check.ModelShape``) plus what the forward pass needs."""
+
     rms_norm_eps: float
     rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
     attention_bias: bool
 
     @classmethod
     def from_hf(cls, hf) -> "ModelConfig":
-        """Build from a transformers config (v4 ``rope_theta`` or v5 ``rope_parameters``)."""
+        """Build from a transformers config (v4 ``rope_theta`` or v5 ``rope_parameters``); the sizes
+        are read and checked by ``model_shape``, as every process reads them."""
         if hf.model_type not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"model type {hf.model_type!r} is not supported (llama, mistral, qwen2)")
         rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
@@ -49,19 +45,11 @@ class ModelConfig:
         if rope_type != "default":
             raise ValueError(f"rope type {rope_type!r} is not supported yet")
         theta = rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        num_heads = hf.num_attention_heads
+        shape = model_shape(hf.to_dict(), f"model {hf.model_type}")
         return cls(
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+            **dataclasses.asdict(shape),
             rms_norm_eps=hf.rms_norm_eps,
             rope_theta=float(theta),
-            max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)) or hf.model_type == "qwen2",
         )
 
