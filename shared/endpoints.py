@@ -11,6 +11,8 @@ import os
 import tempfile
 from dataclasses import dataclass
 
+import zmq
+
 
 @dataclass(frozen=True)
 class Endpoints:
@@ -41,6 +43,18 @@ class Endpoints:
         return ("request", "step", "result")
 
 
+# the longest socket file name the launcher puts in its directory, and the longest path a Unix
+# socket may have (sockaddr_un.sun_path, less its terminating NUL)
+LONGEST_SOCKET_NAME = "supervisor.sock"
+IPC_PATH_MAX = getattr(zmq, "IPC_PATH_MAX_LEN", 107) or 107
+
+
 def make_private_socket_dir() -> str:
-    """A fresh 0700 directory for ipc:// socket files (mkdtemp creates it with mode 0700)."""
-    return tempfile.mkdtemp(prefix="pagedserve-")
+    """A fresh 0700 directory for ipc:// socket files (mkdtemp creates it with mode 0700): in the
+    temporary directory ($TMPDIR), or in /tmp when a deep $TMPDIR would make the socket paths
+    longer than a Unix socket's path may be."""
+    path = tempfile.mkdtemp(prefix="pagedserve-")
+    if len(os.path.join(path, LONGEST_SOCKET_NAME)) <= IPC_PATH_MAX:
+        return path
+    os.rmdir(path)
+    return tempfile.mkdtemp(prefix="pagedserve-", dir="/tmp")

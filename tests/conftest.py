@@ -16,17 +16,23 @@ from shared.endpoints import Endpoints
 from tests.frontend_doubles import FakeScheduler, FrontendThread, default_served_model
 
 
-_GGUF_CACHE = tempfile.mkdtemp(prefix="pagedserve-gguf-cache-")
+_made_gguf_cache: str | None = None  # the directory this process made, and removes at the end
 
 
 def pytest_configure(config):
     """One converted copy of the embedded GGUF model for the whole run (``shared.gguf_cache``), in
-    a directory of its own: every process the tests start inherits it; removed at the end."""
-    os.environ.setdefault("PAGEDSERVE_GGUF_CACHE", _GGUF_CACHE)
+    a directory of its own: every process the tests start inherits it, pytest-xdist's workers
+    too (they start after this ran in the controller, and keep its directory); removed at the end
+    by the process that made it."""
+    global _made_gguf_cache
+    if "PAGEDSERVE_GGUF_CACHE" not in os.environ:
+        _made_gguf_cache = tempfile.mkdtemp(prefix="pagedserve-gguf-cache-")
+        os.environ["PAGEDSERVE_GGUF_CACHE"] = _made_gguf_cache
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(_GGUF_CACHE, ignore_errors=True)
+    if _made_gguf_cache is not None:
+        shutil.rmtree(_made_gguf_cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,46 @@
+"""The launcher's private socket directory: its ipc:// paths always fit a Unix socket's path."""
+
+import os
+import shutil
+import stat
+
+import zmq
+
+from shared.endpoints import LONGEST_SOCKET_NAME, Endpoints, make_private_socket_dir
+
+
+def _bind_all(directory: str) -> None:
+    ctx = zmq.Context()
+    try:
+        for endpoint in [*vars(Endpoints.in_directory(directory)).values(),
+                         f"ipc://{os.path.join(directory, LONGEST_SOCKET_NAME)}"]:
+            sock = ctx.socket(zmq.PULL)
+            sock.bind(endpoint)  # raises ZMQError when the path is too long
+            sock.close(linger=0)
+    finally:
+        ctx.term()
+
+
+def test_a_deep_tmpdir_falls_back_to_tmp(tmp_path, monkeypatch):
+    deep = tmp_path / ("d" * 60) / ("e" * 40)
+    deep.mkdir(parents=True)
+    monkeypatch.setenv("TMPDIR", str(deep))
+    monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR
+    directory = make_private_socket_dir()
+    try:
+        assert not directory.startswith(str(deep)) and directory.startswith("/tmp/pagedserve-")
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        assert os.listdir(deep) == []  # the too-deep attempt was removed
+        _bind_all(directory)
+    finally:
+        shutil.rmtree(directory)
+
+
+def test_a_short_tmpdir_is_used(tmp_path, monkeypatch):
+    short = tmp_path / "t"
+    short.mkdir()
+    monkeypatch.setenv("TMPDIR", str(short))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    directory = make_private_socket_dir()
+    assert os.path.dirname(directory) == str(short)
+    _bind_all(directory)
