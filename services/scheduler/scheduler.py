@@ -81,8 +81,7 @@ class Scheduler:
         self.groups[req.request_id] = group
 
     def abort_request(self, request_id: str) -> None:
-        """Drop a request wherever it is and free its blocks (once no step in flight computes for
-        it); nothing is sent for it."""
+        """Drop a request wherever it is, sending nothing; its blocks are freed (``in_flight``: maybe later)."""
         group = self.groups.get(request_id)
         if group is not None:
             self._apply(group, group.abort())
@@ -150,9 +149,7 @@ class Scheduler:
             num_new = min(seq.num_pending_tokens, plan.token_budget)
             if not self._make_room(seq, num_new, plan):
                 break  # seq itself was preempted, and with it every newer sequence
-            plan.add(seq, num_new)
-            for child in plan.fork_children(seq, num_new, self.blocks):
-                self._insert_running(child)
+            self._add_to_plan(plan, seq, num_new)
             idx += 1
 
     def _schedule_swapped(self, plan: Plan) -> None:
@@ -170,7 +167,7 @@ class Scheduler:
                 num_new = min(seq.num_pending_tokens, plan.token_budget)
                 if num_new and self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new,
                                                           seq.num_computed_tokens):
-                    plan.add(seq, num_new)
+                    self._add_to_plan(plan, seq, num_new)
 
     def _schedule_waiting(self, plan: Plan) -> None:
         """Waiting sequences, first come first served, while budgets and blocks allow."""
@@ -188,9 +185,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
-            plan.add(seq, num_new)
-            for child in plan.fork_children(seq, num_new, self.blocks):
-                self._insert_running(child)
+            self._add_to_plan(plan, seq, num_new)
 
     def update(self, result: StepResult) -> None:
         """Apply a step's sampled tokens (each group decides what follows), then free the blocks that
@@ -289,11 +284,17 @@ class Scheduler:
                 self.running.remove(s)
             if preempt_group(group, plan, self.blocks, self.config.preemption_mode, self.stats):
                 self.swapped.append(group)
-            else:  # back to wait at the head
-                self.waiting.extendleft(reversed(group))
+            else:
+                self.waiting.extendleft(reversed(group))  # to wait at the head, in order
             if seq in group:
                 return False
         return True
+
+    def _add_to_plan(self, plan: Plan, seq: Sequence, num_new: int) -> None:
+        """``seq`` computes ``num_new`` tokens; the samples waiting for its prompt fork if it completes."""
+        plan.add(seq, num_new)
+        for child in plan.fork_children(seq, num_new, self.blocks):
+            self._insert_running(child)
 
     def _insert_running(self, seq: Sequence) -> None:
         bisect.insort(self.running, seq, key=lambda s: (s.arrival_time, s.seq_id))
