@@ -79,12 +79,12 @@ class EngineCore:
 
         Raises ``RuntimeError`` if requests wait but nothing can be scheduled (it would never end)."""
         had_work = self.scheduler.has_work()
-        step = self.scheduler.schedule()  # with async scheduling, planned while the step before "runs"
+        step = self.scheduler.schedule()  # with async scheduling, before the step before is applied
         unapplied, self._unapplied = self._unapplied, None
+        result = self.execute(step) if step is not None else None  # the process applies meanwhile
         if unapplied is not None:
             self.scheduler.update(unapplied)
-        if step is not None:
-            result = self.execute(step)
+        if result is not None:
             if self.async_scheduling and self.scheduler.can_schedule_ahead():
                 self._unapplied = result
             else:

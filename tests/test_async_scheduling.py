@@ -362,3 +362,75 @@ def test_a_group_swapped_out_mid_prompt_forks_its_samples_when_it_comes_back():
         expected.append(_next_token([20, 21, 22, 23, 24, *expected], 0))
     assert outputs[("pair", 0)] == outputs[("pair", 1)] == expected
     assert sched.blocks.num_free_blocks == 4
+
+
+# ---------------------------------------------------------------------- executor crashes
+
+
+@pytest.fixture(scope="module")
+def crash_model():
+    return tiny_llama(seed=5)
+
+
+@pytest.fixture(scope="module")
+def crash_workload(crash_model):
+    from tests.test_recovery import _add_all, _run, _workload
+
+    prompts, max_new = _workload()
+    engine = InProcessEngine(crash_model, num_blocks=256)
+    _add_all(engine, prompts, max_new)
+    return prompts, max_new, _run(engine)
+
+
+def _crashing_engine(model, **kwargs):
+    """``test_recovery``'s crashing engine, overlapped; records how many steps were in flight at
+    each crash."""
+    from tests.test_recovery import CrashingEngine
+
+    engine = CrashingEngine(model, async_scheduling=True, **kwargs)
+    engine.in_flight_at_crash = []
+    reset = engine.scheduler.reset_executor_state
+
+    def counting_reset(cause):
+        engine.in_flight_at_crash.append(len(engine.scheduler._in_flight))
+        reset(cause)
+
+    engine.scheduler.reset_executor_state = counting_reset
+    return engine
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("crash_after", [1, 6, 25])
+def test_a_crash_with_two_steps_in_flight_recovers_as_in_lock_step(crash_model, crash_workload, mode, crash_after):
+    from tests.test_recovery import _add_all, _run
+
+    prompts, max_new, expected = crash_workload
+    engine = _crashing_engine(crash_model, num_blocks=40, preemption_mode=mode,
+                              num_cpu_blocks=64 if mode == "swap" else 0)
+    _add_all(engine, prompts, max_new)
+    for _ in range(crash_after):
+        engine.step()
+    engine.crash_next = True
+    assert _run(engine) == expected
+    assert engine.in_flight_at_crash == [2]  # the step that died, and the one planned while it ran
+    assert all(out[-1].finish_reason == "length" for out in engine.outputs.values())
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert len(engine.blocks.cpu_free_queue) == engine.blocks.num_cpu_blocks
+
+
+def test_a_request_that_crashes_the_executor_every_time_is_failed_alone_overlapped(crash_model, crash_workload):
+    from tests.test_recovery import _add_all, _run
+
+    prompts, max_new, expected = crash_workload
+    engine = _crashing_engine(crash_model, num_blocks=256, poison=frozenset({"poison"}))
+    _add_all(engine, prompts, max_new)
+    engine.step()
+    engine.add("poison", [9, 8, 7, 6, 5], temperature=0.0, max_tokens=20, ignore_eos=True)
+    tokens = _run(engine)
+    [failure] = engine.outputs["poison"]
+    assert failure.finish_reason == "error" and "executor crashes" in failure.error
+    assert {k: v for k, v in tokens.items() if k != "poison"} == expected
+    assert engine.in_flight_at_crash == [2, 1]  # the second crash: the suspect alone, lock-step
+    crashed = [held for held in engine.step_requests if "poison" in held]
+    assert len(crashed) == 2 and crashed[-1] == {"poison"}
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
