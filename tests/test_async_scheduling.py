@@ -183,6 +183,8 @@ def _fill_on_ranks(rank, world_size, report, spec):
     sampled = SampledTokens()
     if rank == 0:  # only rank 0 samples
         sampled.record(_step_feeding([1, 2], [[5], [6]], [[3], [8]]), np.array([1, 2]), np.array([49151, 17]))
+    with torch.inference_mode():  # the group's buffers become inference tensors, as in a forward pass
+        comm.all_reduce_(torch.zeros(4))
     step = _step_feeding([2, 1, 3], [[PH], [PH], [7, 8]], [[9], [4], [0, 1]])
     sampled.fill(step, comm, CPU)
     comm.close()

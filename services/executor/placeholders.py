@@ -62,8 +62,9 @@ class SampledTokens:
             return
         token_ids = self._tokens_at(step, idx) if comm.rank == 0 else np.zeros(len(idx), np.int64)
         if comm.world_size > 1:
-            shared = torch.from_numpy(token_ids.astype(np.float32)).to(device)  # [P]
-            token_ids = np.rint(comm.all_reduce_(shared).cpu().numpy()).astype(np.int64)
+            with torch.inference_mode():  # as the forward pass: the group's buffers are inference tensors
+                shared = torch.from_numpy(token_ids.astype(np.float32)).to(device)  # [P]
+                token_ids = np.rint(comm.all_reduce_(shared).cpu().numpy()).astype(np.int64)
         step.input_token_ids[idx] = token_ids
 
     def _tokens_at(self, step: Step, idx: np.ndarray) -> np.ndarray:
