@@ -254,6 +254,7 @@ def test_overlapped_loop_gives_the_same_streams_and_recovers_with_two_steps_in_f
         assert _restarts(url)["executor"] == 2
         log = (tmp_path / "serve.log").read_text()
         assert '"async_scheduling": true' in log and "a step is overdue" in log
+        assert '"num_steps_lost": 2' in log  # (the stopped one had the next step waiting, at least)
         wait_until_idle(url, RECOVERY_S)
         assert _health(url)[1]["num_blocks_used"] == 0
     finally:

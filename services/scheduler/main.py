@@ -208,6 +208,7 @@ class SchedulerProcess:
         group = self.executors.group
         replaced = group.lose(loss)
         self.log.error("executor lost; waiting for a new one", rank=loss.rank, cause=loss.cause,
+                       num_steps_lost=len(self.in_flight),
                        executor_pids=[pid for _, pid in replaced], num_restarts=group.ranks[loss.rank].num_restarts)
         self.executors.report_lost(replaced, loss.cause)
         self.in_flight = []
