@@ -49,6 +49,7 @@ class ModelRunner:
         self.histories = TokenHistories()
         self.sampler = Sampler(seed, self.histories)
         self.sampled = SampledTokens()
+        self.comm = model.comm  # the group's, through which the ranks agree on placeholders
 
     @property
     def num_blocks(self) -> int:
@@ -103,7 +104,7 @@ class ModelRunner:
         for new in step.new_seqs:
             self.sampler.add(new.seq_id, new.sampling)
             self.histories.add(new)
-        self.sampled.fill(step, self.model.comm, self.device)  # before the histories see its tokens
+        self.sampled.fill(step, self.comm, self.device)  # before the histories see its tokens
         self.histories.observe(step)
         self._move_blocks(step)
         if len(step.seq_ids) == 0:
