@@ -10,9 +10,12 @@ counts each crash against the steps in flight; one step at a time keeps the coun
 was before).
 
 A sequence that ends while a later step in flight still computes for it (it stopped in step N, and
-step N + 1 already feeds it the token it stopped on) keeps its device blocks until that step is
-done (``hold``, then ``release`` with that step's result): the pool's books never give a block to
-another sequence while a step in flight writes it for this one.
+step N + 1 already feeds it the token it stopped on; or it was aborted) keeps its device blocks
+until that step is done (``hold``, then ``release`` with that step's result), so that the pool's
+books (and the playground's map) show them as its own while they are written for it. Safety does
+not depend on it: the executors run steps in the order sent, so a block freed while a step in
+flight writes it (as a recompute preemption does, at once) is written by that step before any
+later step that is given the block.
 """
 
 from __future__ import annotations
