@@ -266,7 +266,10 @@ def _flags(args, names: list[str]) -> list[str]:
 def scheduler_argv(args) -> list[str]:
     argv = _flags(args, ["max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode",
                          "kv_policy", "step_timeout", "heartbeat_timeout"])
-    return argv + (["--no-prefix-caching"] if args.enable_prefix_caching is False else [])
+    argv += ["--no-prefix-caching"] if args.enable_prefix_caching is False else []
+    if args.async_scheduling is not None:
+        argv.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
+    return argv
 
 
 def executor_argv(args) -> list[str]:

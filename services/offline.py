@@ -10,7 +10,9 @@
 ``EngineCore`` is the loop: requests in (``AddRequest``), one scheduler step and one model step per
 ``step()``, ``RequestOutput`` deltas out. ``LLM`` adds a tokenizer and ``generate``. A request runs
 here exactly as it does behind the server's frontend: same scheduler, block manager, model runner
-and sampler, so greedy outputs are the same token for token.
+and sampler, so greedy outputs are the same token for token. With ``async_scheduling`` the loop
+plans each step before it applies the result of the one before, as the scheduler process does
+while its executors compute (nothing runs at the same time here: it is the same order of events).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class SchedulingOptions:
     preemption_mode: str = "recompute"
     kv_policy: str = "paged"
     enable_prefix_caching: bool = True
+    async_scheduling: bool = False
 
 
 class EngineCore:
@@ -59,6 +62,8 @@ class EngineCore:
                             options.preemption_mode, options.kv_policy),
             self.blocks,
         )
+        self.async_scheduling = options.async_scheduling
+        self._unapplied: StepResult | None = None  # the result of the step before, with async scheduling
 
     def add_request(self, request: AddRequest) -> None:
         self.scheduler.add_request(request)
@@ -67,18 +72,25 @@ class EngineCore:
         self.scheduler.abort_request(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._unapplied is not None
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; returns every output decided since the previous call.
 
         Raises ``RuntimeError`` if requests wait but nothing can be scheduled (it would never end)."""
         had_work = self.scheduler.has_work()
-        step = self.scheduler.schedule()
-        if step is not None:
-            self.scheduler.update(self.execute(step))
+        step = self.scheduler.schedule()  # with async scheduling, before the step before is applied
+        unapplied, self._unapplied = self._unapplied, None
+        result = self.execute(step) if step is not None else None  # the process applies meanwhile
+        if unapplied is not None:
+            self.scheduler.update(unapplied)
+        if result is not None:
+            if self.async_scheduling and self.scheduler.can_schedule_ahead():
+                self._unapplied = result
+            else:
+                self.scheduler.update(result)
         outputs = self.scheduler.take_outputs()
-        if had_work and step is None and not outputs:
+        if had_work and step is None and unapplied is None and not outputs:
             raise RuntimeError(f"the engine cannot make progress: {len(self.scheduler.waiting)} waiting, "
                                f"{self.blocks.num_free_blocks} of {self.blocks.num_blocks} KV blocks free")
         return outputs

@@ -154,6 +154,9 @@ class FrontendHello:
 
 # ---------------------------------------------------------------- step-level (scheduler <-> executors)
 
+# An input token whose id is the one its sequence samples in the step before (``Step``).
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass
 class NewSequence:
@@ -183,6 +186,10 @@ class Step:
     ``block_tables[i, :ceil(context_lens[i] / block_size)]`` are its blocks (the rest is padding).
     ``sample_mask[i]`` is true when the sequence's last new token needs a sample (a decode, or the
     final chunk of a prefill).
+
+    With async scheduling a step is planned while the step before it still runs, so an input token
+    may be ``PLACEHOLDER_TOKEN_ID``: the token that sequence samples in the step before, at this
+    position, whose id the scheduler does not know yet. Every rank puts in the id rank 0 sampled.
     """
 
     TAG: ClassVar[int] = 10

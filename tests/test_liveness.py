@@ -44,7 +44,7 @@ def test_silence_and_overdue_steps_are_losses():
     assert group.check(10.0) is None
     group.on_heartbeat(Heartbeat(0, 1, 1001), 10.3)
     assert "no result 5.1 s after it went out (--step-timeout 5)" in group.check(10.3).cause
-    group.step_done()
+    group.step_done(10.3)
     assert group.check(10.3) is None
 
 
@@ -123,3 +123,17 @@ def test_a_stall_of_the_scheduler_is_not_the_ranks_silence():
     group.excuse(20.0)  # the scheduler was stopped for 20 s; nothing was read meanwhile
     assert group.check(21.5) is None
     assert "no heartbeat" in group.check(23.5).cause
+
+
+def test_with_two_steps_out_the_second_ones_clock_starts_at_the_first_ones_result():
+    group = _group()  # --step-timeout 5
+    group.on_ready(_ready(), EPOCH, 0.0)
+    group.step_sent(1.0)
+    group.step_sent(1.1)  # planned ahead: it runs once the first is done
+    group.on_heartbeat(Heartbeat(0, 1, 1001), 5.0)
+    group.step_done(5.0)  # the first took 4 s
+    group.on_heartbeat(Heartbeat(0, 1, 1001), 9.5)
+    assert group.check(9.5) is None  # the second has run 4.5 s, not 8.4
+    assert "no result 5.5 s after it went out" in group.check(10.5).cause
+    group.step_done(10.6)
+    assert group.check(10.6) is None  # nothing out: no step clock runs

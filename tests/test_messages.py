@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from shared.messages import (
-    MESSAGE_TYPES, AbortRequest, AddRequest, DecodeError, EngineStats, ExecutorHealth, ExecutorReady, FrontendHello,
+    MESSAGE_TYPES, PLACEHOLDER_TOKEN_ID, AbortRequest, AddRequest, DecodeError, EngineStats, ExecutorHealth, ExecutorReady, FrontendHello,
     Heartbeat, Hello, KvEventKind, KvSnapshot, KvWatch, NewSequence, ProcessLost, RequestOutput, SamplingParams,
     Shutdown, Step, StepResult, decode, encode,
 )
@@ -38,6 +38,13 @@ EXAMPLES = [
         block_copies=np.array([[1, 2]], np.int64), swap_out=np.array([[3, 0]], np.int64),
         swap_in=np.array([[0, 3]], np.int64), num_scored_tokens=np.array([0, 2], np.int32), num_prompt_top_logprobs=1,
         epoch=99,
+    ),
+    Step(  # async scheduling: decodes fed the placeholders of tokens sampled by the step in flight
+        step_id=8, num_decodes=2, seq_ids=np.array([3, 4], np.int64),
+        input_token_ids=np.array([PLACEHOLDER_TOKEN_ID, PLACEHOLDER_TOKEN_ID], np.int64),
+        positions=np.array([5, 2], np.int64), slot_mapping=np.array([21, 10], np.int64),
+        query_start_loc=np.array([0, 1, 2], np.int32), context_lens=np.array([6, 3], np.int32),
+        block_tables=np.array([[5, 1], [2, 0]], np.int32), sample_mask=np.array([True, True]),
     ),
     StepResult(7, np.array([3], np.int64), np.array([11], np.int64), logprobs=np.array([-0.25], np.float32),
                top_token_ids=np.array([[11, 4]], np.int64), top_logprobs=np.array([[-0.25, -2.5]], np.float32),

@@ -235,6 +235,32 @@ def test_scheduler_restart_resumes_sampled_and_grouped_requests(server):
     wait_until_idle(url, RECOVERY_S)
 
 
+def test_overlapped_loop_gives_the_same_streams_and_recovers_with_two_steps_in_flight(tmp_path, model_dir, server):
+    """``--async-scheduling``: the lock-step server's texts, then the same after an executor killed
+    and one stopped (overdue) mid-stream, with two steps in flight."""
+    reference = server[3]
+    proc, url = _serve(tmp_path, model_dir, "--async-scheduling", "--step-timeout", "5", "--heartbeat-timeout",
+                       "30", "--max-restarts", "20")
+    try:
+        assert _reference(url) == reference
+        for fault in (signal.SIGKILL, signal.SIGSTOP):
+            streams = Streams(url)
+            streams.midway()
+            victim = _child(proc, "executor")
+            os.kill(victim, fault)
+            streams.join()
+            assert streams.errors == [None] * len(PROMPTS) and streams.texts == reference
+            _wait_for(lambda: not _alive(victim), "the stopped executor was not replaced")
+        assert _restarts(url)["executor"] == 2
+        log = (tmp_path / "serve.log").read_text()
+        assert '"async_scheduling": true' in log and "a step is overdue" in log
+        assert '"num_steps_lost": 2' in log  # (the stopped one had the next step waiting, at least)
+        wait_until_idle(url, RECOVERY_S)
+        assert _health(url)[1]["num_blocks_used"] == 0
+    finally:
+        _stop(proc)
+
+
 def test_killed_frontend_is_replaced_and_its_requests_are_freed(server):
     proc, url, _, _ = server
     streams = Streams(url)

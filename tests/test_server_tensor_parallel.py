@@ -176,6 +176,21 @@ def test_tiny_gqa_model_sharded_equals_one_rank(world_size, tmp_path, tiny_gqa_d
     assert '"event": "executor group ready"' in log
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_async_scheduling_equals_lock_step(world_size, tmp_path, tiny_gqa_dir, tp1_run):
+    """``--async-scheduling`` over the same workload: lock-step's tokens; with ``-tp 2`` every rank
+    puts rank 0's sampled tokens in the placeholders (a rank that did not would diverge)."""
+    proc, url = _start(tmp_path, "--model", str(tiny_gqa_dir), "-tp", str(world_size), "--async-scheduling",
+                       *TINY_FLAGS)
+    try:
+        run = run_workload(url, tiny_gqa_dir.name)
+    finally:
+        stop(proc)
+    _check_runs_features(run)
+    _check_same_outputs(run, tp1_run, f"--async-scheduling -tp {world_size}")
+    assert '"async_scheduling": true' in (tmp_path / "serve.log").read_text()
+
+
 def _free_port_run(length: int) -> int:
     """A port p with p .. p + length - 1 all free on 127.0.0.1."""
     for _ in range(50):

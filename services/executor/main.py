@@ -257,6 +257,7 @@ class ExecutorProcess:
             self.log.error("step failed", step_id=step.step_id, error=repr(exc), traceback=traceback.format_exc())
             if self.config.world_size > 1:
                 raise StepFailed(f"step {step.step_id} raised {exc!r}") from exc
+            runner.sampled.forget_failed(step)
             import numpy as np
 
             empty = np.zeros(0, np.int64)

@@ -1,8 +1,9 @@
 """Run one ``Step``: apply block copies, forward the flat batch over the paged cache, sample.
 
 The runner never picks a block: slots, block tables and copies arrive in the step. It keeps what
-the executor knows of each live sequence (its sampling parameters, its token history) from the
-step's ``new_seqs`` until the step that lists it in ``finished_seq_ids``.
+the executor knows of each live sequence (its sampling parameters, its token history, its last
+sampled token for the next step's placeholder: ``placeholders``) from the step's ``new_seqs`` until
+the step that lists it in ``finished_seq_ids``.
 
 In a tensor-parallel group every rank runs every step (the same collectives in the same order);
 only rank 0 gets the logits, samples and has tokens to return; the others return an empty result.
@@ -17,6 +18,7 @@ from shared.messages import Step, StepResult
 from .attention import AttentionMetadata
 from .histories import TokenHistories
 from .model import LlamaForCausalLM
+from .placeholders import SampledTokens
 from .prompt_logprobs import score_prompts
 from .sampler import Sampler
 
@@ -46,6 +48,8 @@ class ModelRunner:
         self.device = device
         self.histories = TokenHistories()
         self.sampler = Sampler(seed, self.histories)
+        self.sampled = SampledTokens()
+        self.comm = model.comm  # the group's, through which the ranks agree on placeholders
 
     @property
     def num_blocks(self) -> int:
@@ -73,6 +77,7 @@ class ModelRunner:
         them; it announces each again)."""
         self.sampler.clear()
         self.histories.clear()
+        self.sampled.clear()
 
     def _move_blocks(self, step: Step) -> None:
         """Swap out, then swap in, then copy-on-write copies: all before the forward pass."""
@@ -95,9 +100,11 @@ class ModelRunner:
         for seq_id in step.finished_seq_ids:
             self.sampler.remove(seq_id)
             self.histories.remove(seq_id)
+            self.sampled.remove(seq_id)
         for new in step.new_seqs:
             self.sampler.add(new.seq_id, new.sampling)
             self.histories.add(new)
+        self.sampled.fill(step, self.comm, self.device)  # before the histories see its tokens
         self.histories.observe(step)
         self._move_blocks(step)
         if len(step.seq_ids) == 0:
@@ -128,6 +135,8 @@ class ModelRunner:
         if logits is None:  # another rank of a group: rank 0 samples and replies
             return StepResult(step.step_id, sampled_ids[:0], sampled_ids[:0].copy())
         out = self.sampler.sample(logits, sampled_ids.tolist())
-        return StepResult(step.step_id, sampled_ids, out.token_ids.cpu().numpy().astype("int64"),
+        token_ids = out.token_ids.cpu().numpy().astype("int64")
+        self.sampled.record(step, sampled_ids, token_ids)
+        return StepResult(step.step_id, sampled_ids, token_ids,
                           logprobs=out.logprobs, top_token_ids=out.top_token_ids, top_logprobs=out.top_logprobs,
                           **prompt_scores)

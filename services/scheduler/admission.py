@@ -1,5 +1,5 @@
 """Admission: the checks ``Scheduler.add_request`` makes before queueing a request (some can never
-run), and the slots a sequence takes when it is admitted."""
+run), and the prefix-cache hits and slots a waiting sequence takes when it is admitted."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from shared.messages import AddRequest
 from .block_manager import AllocStatus, BlockManager
 from .groups import num_sequences
 from .plan import SchedulerConfig
+from .prefix import prefix_hits
 from .sequence import Sequence
 
 
@@ -40,3 +41,22 @@ def admission_tokens(seq: Sequence, num_tokens: int, config: SchedulerConfig) ->
         want = seq.num_prompt_tokens + seq.sampling.max_tokens
         return max(min(want, config.max_model_len), num_tokens)
     return num_tokens
+
+
+def admit(seq: Sequence, token_budget: int, blocks: BlockManager, config: SchedulerConfig) -> tuple[AllocStatus, int]:
+    """Try to admit waiting ``seq`` with its prefix-cache hits and up to ``token_budget`` tokens to
+    compute. Returns the status and how many tokens it computes now; only with ``OK`` has anything
+    changed (its slots are allocated and ``num_computed_tokens`` counts its hits)."""
+    cached = prefix_hits(blocks, seq)
+    num_computed = len(cached) * blocks.block_size
+    num_new = min(seq.num_planned_tokens - num_computed, token_budget)
+    reserve = admission_tokens(seq, num_computed + num_new, config)
+    status = blocks.can_admit(reserve, seq.num_planned_tokens, cached)
+    if status is AllocStatus.OK and not blocks.allocate_slots(seq.seq_id, reserve, num_computed, cached):
+        status = AllocStatus.LATER
+    if status is AllocStatus.OK:
+        blocks.record_lookup(seq.num_tokens, num_computed)
+        if not seq.announced:
+            seq.num_cached_tokens = min(num_computed, seq.num_prompt_tokens)
+        seq.num_computed_tokens = num_computed
+    return status, num_new

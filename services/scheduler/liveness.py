@@ -7,7 +7,8 @@ when its process
 - was replaced: a ``Heartbeat`` or ``ExecutorReady`` from a new incarnation of the rank;
 - stopped beating: no ``Heartbeat`` for ``heartbeat_timeout_s`` (dead, or stopped);
 - or a step is overdue: no result ``step_timeout_s`` after it went out (the process may still
-  beat while its step is stuck).
+  beat while its step is stuck). With two steps out (async scheduling) the second one's clock
+  starts when the first one's result comes: the ranks run one step at a time.
 A stall of the scheduler's own (``excuse``) does not count as the ranks' silence.
 Losing one rank loses the group: tensor-parallel ranks block in collectives when one is gone, so
 every rank must be restarted and answer again, and a lost process is never accepted again (its
@@ -77,7 +78,8 @@ class ExecutorGroup:
     ranks: list[RankState] = field(init=False)
     _retired: set[int] = field(default_factory=set)  # incarnations lost: never accepted again
     last_retired: list[int] = field(default_factory=list)  # of the last few groups lost (for ``Hello``)
-    _step_sent_at: float | None = None
+    _step_sent_at: float | None = None  # when the oldest step out became the ranks' to answer
+    _num_steps_out: int = 0
 
     def __post_init__(self) -> None:
         self.ranks = [RankState(rank) for rank in range(self.world_size)]
@@ -140,10 +142,14 @@ class ExecutorGroup:
             self._step_sent_at += stall_s
 
     def step_sent(self, now: float) -> None:
-        self._step_sent_at = now
+        if not self._num_steps_out:
+            self._step_sent_at = now
+        self._num_steps_out += 1
 
-    def step_done(self) -> None:
-        self._step_sent_at = None
+    def step_done(self, now: float) -> None:
+        """The oldest step out was answered (at ``now``): the next one out, if any, runs from now."""
+        self._num_steps_out = max(0, self._num_steps_out - 1)
+        self._step_sent_at = now if self._num_steps_out else None
 
     def check(self, now: float) -> Loss | None:
         """The loss to declare now: an accepted rank silent too long, or the step in flight overdue."""
@@ -170,7 +176,7 @@ class ExecutorGroup:
             if state.pid:
                 replaced.append((state.rank, state.pid))
             state.incarnation, state.ready = 0, None
-        self._step_sent_at = None
+        self._step_sent_at, self._num_steps_out = None, 0
         return replaced
 
     def health(self, now: float) -> list[ExecutorHealth]:

@@ -7,7 +7,9 @@ is given. With ``--zmq-curve`` the three are CURVE servers behind a ZAP allow-li
 (``shared.zmq_auth``): only the frontends' and executors' keys get through.
 
 One loop, never blocked for long: it sends a step when the executors are ready and none is in
-flight, then waits on both sockets at once, so that while a step runs it still takes requests,
+flight (with ``--async-scheduling``, also when one is, planning the next step while the executors
+compute that one: ``Scheduler.can_schedule_ahead``), then waits on both sockets at once, so that
+while a step runs it still takes requests,
 aborts and heartbeats, and sends ``EngineStats`` every ``STATS_INTERVAL_S`` (the frontends' sign
 that the scheduler lives) and, while a playground watches, block-pool snapshots
 (``kv_publisher``). Every turn also touches the scheduler's heartbeat file
@@ -37,7 +39,7 @@ import zmq
 from shared.endpoints import Endpoints
 from shared.heartbeat import HeartbeatFile
 from shared.logging import configure_logging
-from shared.messages import AbortRequest, AddRequest, EngineStats, Shutdown, StepResult, Step
+from shared.messages import AbortRequest, AddRequest, EngineStats, Shutdown, StepResult
 from shared.zmq_auth import load_keys, log_mode, start_authenticator
 
 from .block_manager import BlockManager
@@ -67,6 +69,7 @@ class SchedulerProcessConfig:
     heartbeat_timeout: float = 10.0  # seconds an executor rank or a frontend may be silent
     supervisor_endpoint: str | None = None  # where to report lost processes (pagedserve serve)
     zmq_curve: str | None = None  # --zmq-curve: the CURVE key directory; None: plain ZeroMQ
+    async_scheduling: bool = False  # --async-scheduling: plan step N + 1 while the executors run step N
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -101,7 +104,7 @@ class SchedulerProcess:
         self.poller.register(self.executors.results, zmq.POLLIN)
         self.stopping = False
         self.scheduler: Scheduler | None = None
-        self.in_flight: Step | None = None
+        self.in_flight: list[int] = []  # ids of the steps sent and not answered, oldest first
         self._held: list = []  # requests and aborts that came before the scheduler existed
         self._last_stats = float("-inf")
         self._last_turn = time.monotonic()
@@ -167,9 +170,12 @@ class SchedulerProcess:
             self.frontends.excuse(stall_s)
 
     def _maybe_step(self) -> bool:
-        """Send the next step if the executors are ready and none is in flight; True if one went."""
+        """Send the next step if the executors are ready and none is in flight (or, with async
+        scheduling, one is and the next may be planned ahead of its result); True if one went."""
         sched = self.scheduler
-        if sched is None or self.in_flight is not None or not self.executors.group.ready:
+        if sched is None or not self.executors.group.ready:
+            return False
+        if self.in_flight and not (self.config.async_scheduling and sched.can_schedule_ahead()):
             return False
         self._drain_requests()  # what came since this turn's poll joins this step, as it would have then
         if not sched.has_work():
@@ -179,19 +185,19 @@ class SchedulerProcess:
         if step is None:
             return False
         self.executors.send_step(step, time.monotonic())
-        self.in_flight = step
+        self.in_flight.append(step.step_id)
         return True
 
     def _poll_timeout_ms(self) -> int:
-        if self.in_flight is not None or not self.executors.group.ready:
+        if self.in_flight or not self.executors.group.ready:
             return 20  # a result, or an executor's answer, may come any moment; stats keep going
         return IDLE_POLL_MS
 
     def _apply_result(self, result: StepResult) -> None:
-        if self.in_flight is None or result.step_id != self.in_flight.step_id:
-            return  # a step lost with its executors, answered late
-        self.in_flight = None
-        self.executors.group.step_done()
+        if not self.in_flight or result.step_id != self.in_flight[0]:
+            return  # a step lost with its executors, answered late (rank 0 answers in order)
+        self.in_flight.pop(0)
+        self.executors.group.step_done(time.monotonic())
         if result.error:
             self.log.error("step failed", step_id=result.step_id, error=result.error)
         self.scheduler.update(result)
@@ -202,9 +208,10 @@ class SchedulerProcess:
         group = self.executors.group
         replaced = group.lose(loss)
         self.log.error("executor lost; waiting for a new one", rank=loss.rank, cause=loss.cause,
+                       num_steps_lost=len(self.in_flight),
                        executor_pids=[pid for _, pid in replaced], num_restarts=group.ranks[loss.rank].num_restarts)
         self.executors.report_lost(replaced, loss.cause)
-        self.in_flight = None
+        self.in_flight = []
         if self.scheduler is not None:
             self.scheduler.reset_executor_state(loss.cause)
             self._send_outputs()
@@ -227,7 +234,8 @@ class SchedulerProcess:
         self.log.info("scheduler ready", num_blocks=shape.num_blocks, block_size=shape.block_size,
                       max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs,
                       num_cpu_blocks=shape.num_cpu_blocks, preemption_mode=cfg.preemption_mode,
-                      kv_policy=cfg.kv_policy, prefix_caching=cfg.enable_prefix_caching)
+                      kv_policy=cfg.kv_policy, prefix_caching=cfg.enable_prefix_caching,
+                      async_scheduling=cfg.async_scheduling)
         held, self._held = self._held, []
         for msg in held:
             self._handle(msg)

@@ -64,7 +64,7 @@ class Plan:
         Each child joins the step with no new token, right after the parent, so its first token
         is sampled from the parent's last hidden state.
         """
-        if (not parent.pending_children or parent.num_computed_tokens + num_new < parent.num_tokens
+        if (not parent.pending_children or parent.num_computed_tokens + num_new < parent.num_planned_tokens
                 or parent.sampling.max_tokens == 0):  # nothing to sample: they end with the parent
             return []
         self.scheduled[-1].is_fork_parent = True

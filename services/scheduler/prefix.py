@@ -17,9 +17,10 @@ def prefix_hits(blocks: BlockManager, seq: Sequence) -> list[int]:
     return blocks.match_prefix(seq.block_hashes, seq.num_tokens)
 
 
-def cache_computed_blocks(blocks: BlockManager, seq: Sequence) -> None:
-    """Register ``seq``'s blocks that are now full of computed tokens."""
-    full = seq.num_computed_tokens // blocks.block_size
+def cache_computed_blocks(blocks: BlockManager, seq: Sequence, num_computed_tokens: int) -> None:
+    """Register ``seq``'s blocks full of its first ``num_computed_tokens`` tokens (computed by the
+    steps answered so far; their ids all known)."""
+    full = num_computed_tokens // blocks.block_size
     if blocks.enable_prefix_caching and full > 0:
         if len(seq.block_hashes) < full:
             blocks.prefix_hashes(seq.token_ids, full, seq.block_hashes)

@@ -6,7 +6,7 @@ once (``requeue_all``): each sequence keeps its prompt and outputs (the outputs 
 sent), goes back to the waiting queue in arrival order with nothing computed and nothing announced,
 and is prefilled again by the new executor.
 
-Crashes are counted per request (``CrashLedger``): each request in the step in flight when the
+Crashes are counted per request (``CrashLedger``): each request in a step in flight when the
 executors were lost counts one and becomes a *suspect*. Suspects then run one at a time, each
 alone in its steps, until it has caught up (prefilled everything it had again and sampled the next
 token); then it is cleared. A crash while a suspect runs alone is its own, so a request is failed
@@ -100,6 +100,7 @@ def requeue_all(running: list[Sequence], swapped: Iterable[list[Sequence]], wait
         seq.status = SequenceStatus.WAITING
         seq.announced = False  # the new executors know no sequence
         seq.beam_candidates = None  # the re-prefill samples them again
+        seq.num_placeholders = 0  # their tokens were lost with the steps in flight
     return deque(sorted(seqs, key=lambda s: (s.arrival_time, s.seq_id)))
 
 

@@ -11,6 +11,12 @@ room) or freed and re-queued at the head to be prefilled again with its generate
 (recompute). ``update`` applies a step's sampled tokens. ``reset_executor_state`` starts every
 sequence over when the executors lost their state (``recovery``).
 
+Async scheduling: the next step may be planned while the one before is in flight
+(``can_schedule_ahead``), each sequence that one samples holding a placeholder for its token
+(``in_flight``); ``update`` puts the token in its place, or drops what the next step computes for a
+sequence that stopped on it. Outputs are lock-step's, but for unseeded random samples (the shared
+generator draws for other rows).
+
 The scheduler owns where each sequence is (its queues, the block manager); each request's
 ``SequenceGroup`` owns what its sequences say, and answers events with fork/finish/output
 decisions that ``_apply`` carries out. Every output leaves through one outbox: ``take_outputs``.
@@ -24,12 +30,14 @@ from collections import deque
 
 from shared.messages import AddRequest, EngineStats, RequestOutput, Step, StepResult
 
-from .admission import admission_tokens, refusal
+from .admission import admit, refusal
 from .block_manager import AllocStatus, BlockManager
 from .groups import GroupUpdate, SequenceGroup, new_group
+from .in_flight import StepsInFlight
 from .outputs import Sample, error_output
 from .plan import Plan, SchedulerConfig
-from .prefix import cache_computed_blocks, prefix_hits
+from .preemption import preempt_group
+from .prefix import cache_computed_blocks
 from .recovery import CrashLedger, crash_message, requeue_all
 from .sequence import ErrorKind, Sequence, SequenceStatus
 from .stats import SchedulerStats
@@ -50,7 +58,7 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self._step_ids = itertools.count()
         self._freed_seq_ids: list[int] = []  # announced sequences the executors may forget
-        self._in_flight: dict[int, list[Scheduled]] = {}
+        self._in_flight = StepsInFlight()
         self._outbox: list[RequestOutput] = []
         self.crashes = CrashLedger()  # requests that were in a step lost with its executors
 
@@ -73,7 +81,7 @@ class Scheduler:
         self.groups[req.request_id] = group
 
     def abort_request(self, request_id: str) -> None:
-        """Drop a request wherever it is and free its blocks at once; nothing is sent for it."""
+        """Drop a request wherever it is, sending nothing; its blocks are freed (``in_flight``: maybe later)."""
         group = self.groups.get(request_id)
         if group is not None:
             self._apply(group, group.abort())
@@ -110,8 +118,13 @@ class Scheduler:
         step = build_step(next(self._step_ids), plan.scheduled, self.blocks, self._freed_seq_ids,
                           plan.swap_out, plan.swap_in, self.blocks.take_copies())
         self._freed_seq_ids = []
-        self._in_flight[step.step_id] = plan.scheduled
+        self._in_flight.add(step.step_id, plan.scheduled)
         return step
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether ``schedule`` may plan the next step before the one in flight is answered (async
+        scheduling): not while beams or crash suspects run (``in_flight``)."""
+        return not self.crashes.suspects and self._in_flight.can_plan_ahead()
 
     def _plan(self, only: str | None) -> Plan:
         """Running, then swapped, then waiting sequences, those the plan allows (``only``: that
@@ -129,15 +142,14 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and plan.token_budget > 0:
             seq = self.running[idx]
-            if seq.num_pending_tokens == 0 or not plan.allows(seq):  # a beam waiting for its group's decision
+            if (seq.num_pending_tokens == 0  # a beam waiting for its group's decision
+                    or seq.ends_by_length_ahead(self.config.max_model_len) or not plan.allows(seq)):
                 idx += 1
                 continue
             num_new = min(seq.num_pending_tokens, plan.token_budget)
             if not self._make_room(seq, num_new, plan):
                 break  # seq itself was preempted, and with it every newer sequence
-            plan.add(seq, num_new)
-            for child in plan.fork_children(seq, num_new, self.blocks):
-                self._insert_running(child)
+            self._add_to_plan(plan, seq, num_new)
             idx += 1
 
     def _schedule_swapped(self, plan: Plan) -> None:
@@ -155,62 +167,58 @@ class Scheduler:
                 num_new = min(seq.num_pending_tokens, plan.token_budget)
                 if num_new and self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new,
                                                           seq.num_computed_tokens):
-                    plan.add(seq, num_new)
+                    self._add_to_plan(plan, seq, num_new)
 
     def _schedule_waiting(self, plan: Plan) -> None:
         """Waiting sequences, first come first served, while budgets and blocks allow."""
         while (not self.swapped and self.waiting and plan.token_budget > 0 and plan.allows(self.waiting[0])
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            cached = prefix_hits(self.blocks, seq)
-            num_computed = len(cached) * self.blocks.block_size
-            num_new = min(seq.num_tokens - num_computed, plan.token_budget)
-            reserve = admission_tokens(seq, num_computed + num_new, self.config)
-            status = self.blocks.can_admit(reserve, seq.num_tokens, cached)
+            status, num_new = admit(seq, plan.token_budget, self.blocks, self.config)
             if status is AllocStatus.NEVER:  # it grew larger than the whole pool: stop it there
                 self.waiting.popleft()
                 group = self.groups[seq.request_id]
                 self._apply(group, group.on_outgrown(seq))
                 continue
-            if status is not AllocStatus.OK or not self.blocks.allocate_slots(seq.seq_id, reserve, num_computed,
-                                                                              cached):
+            if status is not AllocStatus.OK:
                 break
             self.waiting.popleft()
-            self.blocks.record_lookup(seq.num_tokens, num_computed)
-            if not seq.announced:
-                seq.num_cached_tokens = min(num_computed, seq.num_prompt_tokens)
-            seq.num_computed_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
-            plan.add(seq, num_new)
-            for child in plan.fork_children(seq, num_new, self.blocks):
-                self._insert_running(child)
+            self._add_to_plan(plan, seq, num_new)
 
     def update(self, result: StepResult) -> None:
-        """Apply a step's sampled tokens: each sequence's group decides what follows. A result for a
-        step that is not in flight (lost with its executors) is ignored."""
-        scheduled = self._in_flight.pop(result.step_id, None)
+        """Apply a step's sampled tokens (each group decides what follows), then free the blocks that
+        waited for the step. A result for a step not in flight (lost with its executors) is ignored."""
+        scheduled = self._in_flight.pop(result.step_id)
         if scheduled is None:
             return
         if result.error is not None:
             self._fail([s.seq.request_id for s in scheduled], f"the executor failed: {result.error}")
-            return
+        else:
+            self._apply_samples(scheduled, result)
+            self.crashes.release_caught_up(self.groups)
+        for seq_id in self._in_flight.release(result.step_id):
+            self.blocks.free(seq_id)
+            self._freed_seq_ids.append(seq_id)
+
+    def _apply_samples(self, scheduled: list[Scheduled], result: StepResult) -> None:
         rows = {seq_id: row for row, seq_id in enumerate(result.seq_ids.tolist())}
         for s in scheduled:
             seq = s.seq
             if s.scored_rows is not None:
                 seq.prompt_scores.add(result, s.scored_rows)
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted while the step was in flight
-            seq.num_computed_tokens += s.num_new_tokens
-            cache_computed_blocks(self.blocks, seq)
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # it ended while the step was in flight (aborted, or stopped the step before)
+            seq.num_placeholders -= s.samples
+            if seq.status is SequenceStatus.RUNNING and seq.num_preemptions == s.num_preemptions:
+                cache_computed_blocks(self.blocks, seq, s.context_len)
             row = rows.get(seq.seq_id)
             group = self.groups[seq.request_id]
             if row is not None:
                 self._apply(group, group.on_sample(seq, Sample.from_result(result, row)))
-            elif seq.num_pending_tokens == 0:  # its prompt is in and max_tokens is 0: nothing to sample
+            elif not s.samples and s.context_len == seq.num_planned_tokens:  # prompt in, max_tokens 0
                 self._apply(group, group.on_prompt_done(seq))
-        self.crashes.release_caught_up(self.groups)
 
     def reset_executor_state(self, cause: str) -> None:
         """The executors lost their KV pools and sequences (a rank died, hung or was replaced).
@@ -219,7 +227,7 @@ class Scheduler:
         the waiting queue unannounced; all blocks are freed and the prefix cache emptied. The steps
         in flight are forgotten and each of their requests counts a crash; one in its second fails
         with ``cause`` (see ``recovery``). Sequences keep their tokens: nothing sent is sent again."""
-        lost = [s.seq.request_id for scheduled in self._in_flight.values() for s in scheduled]
+        lost = self._in_flight.request_ids()
         self._in_flight.clear()
         self._freed_seq_ids = []
         self.waiting = requeue_all(self.running, self.swapped, self.waiting, self.stats)
@@ -237,6 +245,8 @@ class Scheduler:
         for seq in update.finished:
             self._dequeue(seq)
             seq.status = SequenceStatus.FINISHED
+            if self._in_flight.hold(seq.seq_id):
+                continue  # a step in flight still computes for it
             self.blocks.free(seq.seq_id)
             if seq.announced:
                 self._freed_seq_ids.append(seq.seq_id)
@@ -263,38 +273,28 @@ class Scheduler:
     # ------------------------------------------------------------------ blocks and queues
 
     def _make_room(self, seq: Sequence, num_new: int, plan: Plan) -> bool:
-        """Allocate ``seq``'s slots, preempting the newest groups as needed; False if ``seq`` went."""
+        """Allocate ``seq``'s slots, preempting the newest groups as needed (``preemption``); False if
+        ``seq`` went."""
         while not self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new,
                                              seq.num_computed_tokens):
             victim = self.running[-1]
             group = [s for s in self.groups[victim.request_id].seqs if s.status is SequenceStatus.RUNNING]
             plan.drop(group)
-            self._preempt(group, plan)
+            for s in group:
+                self.running.remove(s)
+            if preempt_group(group, plan, self.blocks, self.config.preemption_mode, self.stats):
+                self.swapped.append(group)
+            else:
+                self.waiting.extendleft(reversed(group))  # to wait at the head, in order
             if seq in group:
                 return False
         return True
 
-    def _preempt(self, group: list[Sequence], plan: Plan) -> None:
-        """Preempt a whole group: swap its blocks out when configured and possible, else recompute."""
-        ids = [s.seq_id for s in group]
-        for seq in group:
-            self.running.remove(seq)
-            seq.num_preemptions += 1
-        plan.preempted = True
-        swap = self.config.preemption_mode == "swap" and self.blocks.can_swap_out(ids)
-        self.stats.record_preemption(swapped=swap)
-        if swap:
-            plan.swap_out.extend(self.blocks.swap_out(ids))
-            for seq in group:
-                seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(group)
-            return
-        for seq in reversed(group):  # recompute: free now, prefill prompt + output again later
-            self.blocks.free(seq.seq_id)
-            seq.num_computed_tokens = 0
-            seq.beam_candidates = None  # the re-prefill samples them again
-            seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
+    def _add_to_plan(self, plan: Plan, seq: Sequence, num_new: int) -> None:
+        """``seq`` computes ``num_new`` tokens; the samples waiting for its prompt fork if it completes."""
+        plan.add(seq, num_new)
+        for child in plan.fork_children(seq, num_new, self.blocks):
+            self._insert_running(child)
 
     def _insert_running(self, seq: Sequence) -> None:
         bisect.insort(self.running, seq, key=lambda s: (s.arrival_time, s.seq_id))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 
-from shared.messages import SamplingParams
+from shared.messages import PLACEHOLDER_TOKEN_ID, SamplingParams
 
 from .prompt_scores import PromptScores
 
@@ -39,8 +39,11 @@ class ErrorKind(StrEnum):
 class Sequence:
     """Token state of one sequence.
 
-    ``num_computed_tokens`` tokens have their keys and values in the cache; the rest of
-    ``token_ids`` (at least one once started) are fed in the next steps.
+    ``num_computed_tokens`` tokens have their keys and values in the cache once the steps sent so
+    far have run; the rest of the planned tokens (at least one once started) are fed in the next
+    steps. The planned tokens are ``token_ids`` followed by ``num_placeholders`` placeholders: one
+    for each step in flight that samples this sequence, whose token is not known until its result
+    is applied (with async scheduling a step is planned while the one before it runs).
     """
 
     seq_id: int
@@ -64,6 +67,7 @@ class Sequence:
     cum_logprob: float = 0.0  # sum of the sampled tokens' logprobs (best_of, beam search)
     beam_candidates: tuple | None = None  # (token ids, logprobs) awaiting the beam decision
     prompt_scores: PromptScores | None = None  # its group's, on the sequence that prefills the prompt
+    num_placeholders: int = 0  # tokens sampled in steps in flight, after output_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -74,13 +78,22 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_planned_tokens(self) -> int:
+        """Tokens once every step in flight has run: the known ones and the placeholders."""
+        return self.num_tokens + self.num_placeholders
+
+    @property
     def num_pending_tokens(self) -> int:
         """Tokens not yet in the cache: 1 for a decode, more for a (re)prefill."""
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_planned_tokens - self.num_computed_tokens
 
     def token_id(self, position: int) -> int:
+        """The token at ``position``, or ``PLACEHOLDER_TOKEN_ID`` past the known ones."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        if position < n:
+            return self.prompt_token_ids[position]
+        output_idx = position - n
+        return self.output_token_ids[output_idx] if output_idx < len(self.output_token_ids) else PLACEHOLDER_TOKEN_ID
 
     @property
     def token_ids(self) -> list[int]:
@@ -102,3 +115,10 @@ class Sequence:
         if num_out >= params.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def ends_by_length_ahead(self, max_model_len: int) -> bool:
+        """The placeholders take it to ``max_tokens`` or ``max_model_len``: it ends once they are
+        known (by length, if nothing stops it sooner), so no later step needs it."""
+        num_planned_out = len(self.output_token_ids) + self.num_placeholders
+        return self.num_placeholders > 0 and (num_planned_out >= self.sampling.max_tokens
+                                              or self.num_planned_tokens >= max_model_len)

@@ -18,6 +18,11 @@ class Scheduled:
     num_new_tokens: int
     is_fork_parent: bool = False  # forked children follow it in the prefill part, sharing its last row
     scored_rows: slice | None = None  # its rows of the step's prompt scores, if any (set by build_step)
+    # Set by build_step: its tokens in the cache once the step has run, whether it samples, and its
+    # preemptions so far (one more by the time the result comes: its blocks are no longer these).
+    context_len: int = 0
+    samples: bool = False
+    num_preemptions: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -38,7 +43,9 @@ def build_step(
     A sequence not yet announced goes out as a ``NewSequence`` with its sampling parameters and
     every token it has (prompt, and outputs for a forked beam), and is marked announced. A sequence
     whose prompt is being scored gets its positions to score, and its rows of the result in
-    ``Scheduled.scored_rows``. A sequence with ``max_tokens`` 0 is never sampled.
+    ``Scheduled.scored_rows``. A sequence with ``max_tokens`` 0 is never sampled. A position past a
+    sequence's known tokens goes out as ``PLACEHOLDER_TOKEN_ID`` (its token is sampled by the step
+    in flight).
     """
     scheduled.sort(key=lambda s: not s.is_decode)  # stable: keeps arrival order in each part
     num_scored, num_top = _prompt_scoring(scheduled)
@@ -56,8 +63,9 @@ def build_step(
         table = blocks.block_tables[seq.seq_id]
         block_tables[i, : len(table)] = table
         query_start_loc[i + 1] = query_start_loc[i] + s.num_new_tokens
-        context_lens[i] = end
-        sample_mask[i] = end == seq.num_tokens and seq.sampling.max_tokens > 0
+        context_lens[i] = s.context_len = end
+        s.num_preemptions = seq.num_preemptions
+        sample_mask[i] = s.samples = end == seq.num_planned_tokens and seq.sampling.max_tokens > 0
         for pos in range(start, end):
             tokens.append(seq.token_id(pos))
             positions.append(pos)
