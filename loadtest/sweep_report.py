@@ -41,10 +41,12 @@ class RateSummary:
     mean_kv_slot_utilization: float  # slots holding tokens / slots in the running sequences' blocks
     mean_kv_block_usage: float  # blocks in use / blocks in the pool
     num_preemptions: int
+    max_send_lag_s: float  # latest a request was sent after its Poisson arrival time (the client's own delay)
+    load_avg_1m: float  # the machine's 1-minute load average as the run ended (its own server included)
 
 
 def summarize(policy: str, rate_req_s: float, records: list[RequestRecord],
-              samples: list[HealthSample]) -> RateSummary:
+              samples: list[HealthSample], load_avg_1m: float = math.nan) -> RateSummary:
     """One row from a run's request records and ``/health`` samples."""
     done = [r for r in records if r.ok]
     end_s = max((r.done_s for r in done), default=0.0)
@@ -73,6 +75,8 @@ def summarize(policy: str, rate_req_s: float, records: list[RequestRecord],
         mean_kv_slot_utilization=float(np.mean(utils)) if utils else math.nan,
         mean_kv_block_usage=float(np.mean(usage)) if usage else math.nan,
         num_preemptions=preemptions[-1] - preemptions[0] if preemptions else 0,
+        max_send_lag_s=max((r.sent_s - r.arrival_s for r in records if r.sent_s is not None), default=math.nan),
+        load_avg_1m=load_avg_1m,
     )
 
 
@@ -176,8 +180,12 @@ def format_table(summaries: list[RateSummary], bound_s_per_token: float) -> str:
     return "\n".join(lines)
 
 
-def format_sustained(sustained: dict[str, Sustained], bound_s_per_token: float) -> str:
-    """Each policy's sustained rate, and every other policy's ratio to the first's."""
+def format_sustained(sustained: dict[str, Sustained], bound_s_per_token: float, labels: dict[str, str] | None = None,
+                     expected: dict[str, tuple[float, float]] | None = None) -> str:
+    """Each policy's sustained rate, and the first policy's ratio to every other's, each named by
+    its label (which Orca reservation it is) and, where ``expected`` has it, beside the capacity
+    model's ratio (replayed, perfect packing; ``loadtest/sweep_capacity.py``)."""
+    labels, expected = labels or {}, expected or {}
     lines = [f"highest rate sustained at normalized latency <= {bound_s_per_token:.3f} s/token "
              f"(swept rate; crossing of the bound, interpolated):"]
     for policy, s in sustained.items():
@@ -188,7 +196,10 @@ def format_sustained(sustained: dict[str, Sustained], bound_s_per_token: float) 
         lines.append(f"  {policy:26}{swept}{cross}")
     names = list(sustained)
     for other in names[1:]:
-        lines.append(f"{names[0]} / {other}: {_ratio(sustained[names[0]], sustained[other])}")
+        model = ""
+        if other in expected:
+            model = "; KV memory alone predicts {0:.2f}x (perfect packing: {1:.2f}x)".format(*expected[other])
+        lines.append(f"{names[0]} / {labels.get(other, other)}: {_ratio(sustained[names[0]], sustained[other])}{model}")
     return "\n".join(lines)
 
 

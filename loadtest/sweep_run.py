@@ -27,6 +27,10 @@ class Policy:
     server_flags: tuple[str, ...]
     reservation: str  # what each request asks for as max_tokens (sweep_load.max_tokens_for)
 
+    @property
+    def kv_policy(self) -> str:
+        return self.server_flags[self.server_flags.index("--kv-policy") + 1]
+
 
 POLICIES = {p.name: p for p in (
     Policy("paged", "paged", ("--kv-policy", "paged"), "exact"),
@@ -39,6 +43,7 @@ POLICIES = {p.name: p for p in (
 )}
 assert all(p.reservation in RESERVATIONS for p in POLICIES.values())
 WARM_UP_PROMPT_TOKENS, WARM_UP_OUTPUT_TOKENS = 24, 8
+LATE_SEND_WARNING_S = 0.1
 
 
 def num_requests_at(args, rate_req_s: float) -> int:
@@ -142,11 +147,14 @@ def run_one_rate(plan: RatePlan, policy: str, rate_req_s: float, position: str, 
         asyncio.run(asyncio.wait_for(run_rate(plan, progress_printer(policy, rate_req_s, position)), timeout_s))
     except asyncio.TimeoutError:
         say(f"[{policy}] rate {rate_req_s:g}: not finished after --rate-timeout-s {timeout_s:.0f}")
-    s = summarize(policy, rate_req_s, plan.records, plan.samples)
+    s = summarize(policy, rate_req_s, plan.records, plan.samples, os.getloadavg()[0])
     say(f"[{policy}] rate {rate_req_s:g}: normalized latency {s.normalized_latency_s_per_token:.3f} s/token, "
         f"{s.throughput_req_s:.2f} req/s, {s.arriving_output_tokens_s:.0f} output tok/s while arriving, "
         f"TTFT p50 {s.ttft_p50_s:.2f} s, mean running {s.mean_running:.1f}, {s.num_failed} failed "
-        f"({time.monotonic() - t0:.0f} s)")
+        f"({time.monotonic() - t0:.0f} s; load average {s.load_avg_1m:.1f})")
+    if s.max_send_lag_s > LATE_SEND_WARNING_S:
+        say(f"[{policy}] rate {rate_req_s:g}: a request left the client {s.max_send_lag_s:.2f} s after its arrival "
+            f"time (the client fell behind; latencies are measured from the send)")
     errors = [r.error or "unfinished" for r in plan.records if not r.ok]
     if errors:
         say(f"[{policy}] rate {rate_req_s:g}: {len(errors)} failed; the first: {errors[0]}")
