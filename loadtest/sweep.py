@@ -1,8 +1,9 @@
 """Rate sweep, the PagedAttention paper's Fig. 12 on our engine: normalized latency against request
 rate, per KV policy, under Poisson arrivals.
 
-    python -m loadtest.sweep [--rates 0.5,1,1.5,2,3,4] [--duration-s 15] [--scale-lengths 0.25]
-        [--policies paged,contiguous,paged-no-prefix-caching] [--dataset sharegpt] [--out sweep-out]
+    python -m loadtest.sweep [--rates 1,1.5,2,3,4,5,6,8,10] [--duration-s 12] [--scale-lengths 0.25]
+        [--policies paged,contiguous,contiguous-pow2,contiguous-max,paged-no-prefix-caching]
+        [--dataset sharegpt] [--out sweep-out]
 
 For each policy in turn, one fresh ``pagedserve serve`` (SmolLM2 unless ``--model``) with the same
 flags but the policy's (same ``--num-kv-blocks``, ``--max-num-seqs``, ``--max-model-len``), warmed
@@ -49,17 +50,19 @@ from loadtest.workloads import DATASETS
 # how many sequences run (the paper's setting), large enough for the longest request.
 POOL_CONTEXTS = 2
 BLOCK_SIZE = 16  # the servers' default, which the sweep keeps
+DEFAULT_POLICIES = ("paged", "contiguous", "contiguous-pow2", "contiguous-max", "paged-no-prefix-caching")
+DEFAULT_RATES = "1,1.5,2,3,4,5,6,8,10"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m loadtest.sweep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policies", default="paged,contiguous,paged-no-prefix-caching",
+    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                     help=f"comma-separated, run in this order; the first is the reference (of {', '.join(POLICIES)})")
-    ap.add_argument("--rates", default="0.5,1,1.5,2,3,4", help="requests/s, comma-separated (default 0.5,1,1.5,2,3,4)")
+    ap.add_argument("--rates", default=DEFAULT_RATES, help=f"requests/s, comma-separated (default {DEFAULT_RATES})")
     load = ap.add_mutually_exclusive_group()
-    load.add_argument("--duration-s", type=float, default=15.0,
-                      help="seconds of arrivals per rate: rate x duration requests, at least --min-requests (default 15)")
+    load.add_argument("--duration-s", type=float, default=12.0,
+                      help="seconds of arrivals per rate: rate x duration requests, at least --min-requests (default 12)")
     load.add_argument("--num-requests", type=int, default=None, help="requests per rate instead of --duration-s")
     ap.add_argument("--min-requests", type=int, default=8, help="fewest requests per rate (default 8)")
     ap.add_argument("--seed", type=int, default=0)
