@@ -1,7 +1,7 @@
 """Rate sweep, the PagedAttention paper's Fig. 12 on our engine: normalized latency against request
 rate, per KV policy, under Poisson arrivals.
 
-    python -m loadtest.sweep [--rates 1,1.5,2,3,4,5,6,8,10] [--duration-s 12] [--scale-lengths 0.25]
+    python -m loadtest.sweep [--rates 1,2,3,4,5,6,8,10] [--duration-s 12] [--scale-lengths 0.25]
         [--policies paged,contiguous,contiguous-pow2,contiguous-max,paged-no-prefix-caching]
         [--dataset sharegpt] [--out sweep-out]
 
@@ -40,8 +40,8 @@ import time
 from loadtest.sweep_capacity import NUM_REPLAY_REQUESTS, capacities, expected_ratio, format_capacities
 from loadtest.sweep_load import build_workload, scaled_context
 from loadtest.sweep_plots import plot_latency_vs_rate, plot_timeline
-from loadtest.sweep_report import RateSummary, format_sustained, format_table, latency_bound, read_summaries, \
-    read_timeline, sustained_rate
+from loadtest.sweep_report import RateSummary, format_full_pool, format_sustained, format_table, latency_bound, \
+    read_summaries, read_timeline, sustained_rate
 from loadtest.sweep_run import POLICIES, num_requests_at, run_policy
 from loadtest.throughput import say
 from loadtest.workloads import DATASETS
@@ -51,7 +51,7 @@ from loadtest.workloads import DATASETS
 POOL_CONTEXTS = 2
 BLOCK_SIZE = 16  # the servers' default, which the sweep keeps
 DEFAULT_POLICIES = ("paged", "contiguous", "contiguous-pow2", "contiguous-max", "paged-no-prefix-caching")
-DEFAULT_RATES = "1,1.5,2,3,4,5,6,8,10"
+DEFAULT_RATES = "1,2,3,4,5,6,8,10"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -124,6 +124,8 @@ def report(args, summaries: list[RateSummary], timeline: list, bound_s_per_token
     say(format_table(summaries, bound_s_per_token))
     say("")
     say(format_sustained(sustained, bound_s_per_token, labels, expected))
+    say("")
+    say(format_full_pool(summaries, labels, expected))
     context = scaled_context_note(args)
     latency_png = os.path.join(args.out, "latency_vs_rate.png")
     plot_latency_vs_rate(latency_png, summaries, labels, sustained, bound_s_per_token,
@@ -134,8 +136,7 @@ def report(args, summaries: list[RateSummary], timeline: list, bound_s_per_token
     if args.timeline_rate is None:
         which = "each policy at its highest swept rate"
         plot_timeline(timeline_png, by_policy, {n: f"{labels[n]}, at {rates[n]:g} req/s" for n in names},
-                      f"Each policy at its highest swept rate (past its sustained rate: the KV pool is full): "
-                      f"{context}")
+                      f"Each policy at its highest swept rate, past what it sustains (its KV pool full)\n{context}")
     else:
         which = f"at {args.timeline_rate:g} req/s"
         plot_timeline(timeline_png, by_policy, labels, f"At {args.timeline_rate:g} req/s: {context}")

@@ -190,6 +190,7 @@ def test_summary_of_synthetic_records():
     assert (s.mean_running, s.max_running, s.num_preemptions) == (1.5, 2, 2)  # only samples with work count
     assert s.mean_kv_slot_utilization == pytest.approx((30 / 64 + 16 / 32) / 2)
     assert s.mean_kv_block_usage == pytest.approx((0.4 + 0.2) / 2)
+    assert math.isnan(s.queued_output_tokens_s)  # nobody waited
 
     assert s.max_send_lag_s == 0.0 and math.isnan(s.load_avg_1m)
 
@@ -200,6 +201,18 @@ def test_summary_of_synthetic_records():
     records.append(RequestRecord(2.0, 4, sent_s=2.0, error="HTTP 503"))
     failed = summarize("paged", 1.0, records, samples)
     assert failed.num_failed == 1 and failed.normalized_latency_s_per_token == math.inf
+
+
+def test_output_rate_while_requests_waited():
+    tokens = [0.5 * k for k in range(21)]  # one token every 0.5 s over [0, 10] s
+    records = [RequestRecord(0.0, 21, sent_s=0.0, first_token_s=0.0, done_s=10.0, num_output_tokens=21,
+                             token_times_s=tokens)]
+    waiting = [0, 3, 3, 0, 2, 0]  # requests waited over [2, 6) s and [8, 9) s
+    samples = [HealthSample(t, 1, w, 4, 10, 16, 32, 0) for t, w in zip([0.0, 2.0, 4.0, 6.0, 8.0, 9.0], waiting)]
+    s = summarize("paged", 1.0, records, samples)
+    assert s.queued_output_tokens_s == pytest.approx((8 + 2) / 5.0)  # tokens at 2.0..5.5 and 8.0, 8.5
+    brief = [HealthSample(0.0, 1, 1, 4, 10, 16, 32, 0), HealthSample(1.5, 1, 0, 4, 10, 16, 32, 0)]
+    assert math.isnan(summarize("paged", 1.0, records, brief).queued_output_tokens_s)  # under MIN_QUEUED_S
 
 
 # ---------------------------------------------------------------- end to end
@@ -250,6 +263,7 @@ def test_sweep_end_to_end_on_the_tiny_model(tiny_model_dir, tmp_path):
                   "contiguous, reserves the whole context (Orca Max)"):
         line = next(x for x in proc.stdout.splitlines() if x.startswith(f"paged / {label}: "))
         assert "KV memory alone predicts" in line, line
+    assert "output tokens/s while requests waited (the KV pool full)" in proc.stdout
     assert "(timeline each policy at its highest swept rate)" in proc.stdout
     assert "[paged 4 req/s, rate 1/2] 6/6 done" in proc.stdout  # the progress lines
 
