@@ -5,12 +5,14 @@ rate, per KV policy, under Poisson arrivals.
         [--policies paged,contiguous,contiguous-pow2,contiguous-max,paged-no-prefix-caching]
         [--dataset sharegpt] [--out sweep-out]
 
-For each policy in turn, one fresh ``pagedserve serve`` (SmolLM2 unless ``--model``) with the same
-flags but the policy's (same ``--num-kv-blocks``, ``--max-num-seqs``, ``--max-model-len``), warmed
-up (the kernels compile on first use), then one timed run per rate, lowest first: requests arrive
-as a Poisson process (``loadtest/sweep_load.py``: the same requests at every rate and for every
-policy, prompt ids fresh per rate), each a streamed ``/v1/completions`` with token ids and
-``ignore_eos``, while ``/health`` is sampled every ``--sample-interval-s``.
+One fresh ``pagedserve serve`` (SmolLM2 unless ``--model``) per distinct set of server flags, all
+with the same ``--num-kv-blocks``, ``--max-num-seqs`` and ``--max-model-len`` (the contiguous
+policies share one), each warmed up (the kernels compile on first use). Then one timed run per
+rate and policy, rates lowest first and interleaved (every policy at one rate, then the next rate),
+so that other load on the machine falls on all policies alike: requests arrive as a Poisson
+process (``loadtest/sweep_load.py``: the same requests at every rate and for every policy, prompt
+ids fresh per rate), each a streamed ``/v1/completions`` with token ids and ``ignore_eos``, while
+``/health`` is sampled every ``--sample-interval-s``.
 
 Policies: ``paged``, ``paged-no-prefix-caching``, ``contiguous`` (reserves prompt + the exact
 output length: the paper's Orca (Oracle)), ``contiguous-pow2`` (prompt + the next power of two:
@@ -21,12 +23,19 @@ Lengths: drawn from ``--dataset`` for the model's ``--max-model-len`` (2,048 for
 prompt, output and context all multiplied by ``--scale-lengths`` (the server gets the scaled
 context as its ``--max-model-len``), so a slow CPU can run the same shape smaller.
 
+The defaults make KV memory, not the CPU, what limits every policy: a pool of two scaled contexts
+(``POOL_CONTEXTS``) holds about 8 paged sequences and 4 Oracle reservations, few enough that a step
+costs about the same at either batch on two cores, and the rates go past every policy's capacity.
+Before the runs it prints what memory alone predicts (``loadtest/sweep_capacity.py``).
+
 Writes to ``--out``: ``summary.csv`` (one row per policy and rate), ``timeline.csv`` (every
-``/health`` sample), ``latency_vs_rate.png`` and ``timeline.png`` (at ``--timeline-rate``), and
-prints the table and the highest rate each policy sustains under the latency bound (``--latency-bound``
-s/token, or ``--latency-bound-factor`` times the first policy's normalized latency at the lowest
-rate), with each policy's ratio to the first. A policy's higher rates are skipped once one rate is
-above the bound (``--run-all-rates`` runs them all). ``--plot-only`` redraws from the CSV files.
+``/health`` sample), ``latency_vs_rate.png`` and ``timeline.png`` (each policy at its highest swept
+rate, or all at ``--timeline-rate``), and prints the table, the highest rate each policy sustains
+under the latency bound (``--latency-bound`` s/token, or ``--latency-bound-factor`` times the first
+policy's normalized latency at the lowest rate) with the first policy's ratio to each other's, and
+each policy's output tokens/s while requests waited (its pool full) with the same ratios. A
+policy's higher rates are skipped once one rate is above the bound (``--run-all-rates`` runs them
+all). ``--plot-only`` redraws from the CSV files.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from loadtest.sweep_load import build_workload, scaled_context
 from loadtest.sweep_plots import plot_latency_vs_rate, plot_timeline
 from loadtest.sweep_report import RateSummary, format_full_pool, format_sustained, format_table, latency_bound, \
     read_summaries, read_timeline, sustained_rate
-from loadtest.sweep_run import POLICIES, num_requests_at, run_policy
+from loadtest.sweep_run import POLICIES, num_requests_at, run_sweep
 from loadtest.throughput import say
 from loadtest.workloads import DATASETS
 
@@ -187,8 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     timeline: list = []
     bound: list[float | None] = [args.latency_bound]
     t0 = time.monotonic()
-    for name in args.policy_list:
-        run_policy(POLICIES[name], args, workload, summaries, timeline, bound)
+    run_sweep(args, workload, summaries, timeline, bound)
     say(f"\nsweep took {(time.monotonic() - t0) / 60:.1f} min")
     report(args, summaries, timeline, bound[0], expected)
 

@@ -266,6 +266,9 @@ def test_sweep_end_to_end_on_the_tiny_model(tiny_model_dir, tmp_path):
     assert "output tokens/s while requests waited (the KV pool full)" in proc.stdout
     assert "(timeline each policy at its highest swept rate)" in proc.stdout
     assert "[paged 4 req/s, rate 1/2] 6/6 done" in proc.stdout  # the progress lines
+    # the contiguous policies share one server, and rates are interleaved: every policy at 4, then at 8
+    assert proc.stdout.count("starting pagedserve serve") == 2
+    assert proc.stdout.index("[contiguous-max] rate 4 req/s") < proc.stdout.index("[paged] rate 8 req/s")
 
     os.remove(out / "timeline.png")
     redraw = subprocess.run([sys.executable, "-m", "loadtest.sweep", "--plot-only", "--out", str(out),
