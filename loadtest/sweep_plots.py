@@ -3,9 +3,10 @@
 - ``latency_vs_rate.png``: the paper's Fig. 12 on our engine. Left, normalized latency (s/token,
   log scale) against request rate, one curve per policy, with the latency bound; right, output
   tokens per second (those that came while requests were arriving) against request rate. A run with a failed request is drawn at the top edge.
-- ``timeline.png``: one request rate replayed under every policy: running sequences, KV blocks in
-  use (% of the pool) and KV slot utilization (% of the running sequences' allocated slots that
-  hold tokens) against time since the first arrival, sampled from ``/health``.
+- ``timeline.png``: one run per policy (by default each at its highest swept rate, its pool full;
+  or all at one rate): running sequences, KV blocks in use (% of the pool) and KV slot utilization
+  (% of the running sequences' allocated slots that hold tokens) against time since the first
+  arrival, sampled from ``/health``.
 """
 
 from __future__ import annotations

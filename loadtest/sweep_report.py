@@ -11,6 +11,7 @@ above any bound (its latency is infinite): a policy does not "sustain" a rate it
 
 from __future__ import annotations
 
+import bisect
 import csv
 import dataclasses
 import math
@@ -34,6 +35,7 @@ class RateSummary:
     throughput_req_s: float
     throughput_output_tokens_s: float  # all output tokens / duration_s
     arriving_output_tokens_s: float  # output tokens that came while requests arrived / that span
+    queued_output_tokens_s: float  # output tokens that came while requests waited / that time (NaN: too little)
     ttft_p50_s: float
     ttft_p90_s: float
     mean_running: float  # from the /health samples while requests were in flight
@@ -41,10 +43,12 @@ class RateSummary:
     mean_kv_slot_utilization: float  # slots holding tokens / slots in the running sequences' blocks
     mean_kv_block_usage: float  # blocks in use / blocks in the pool
     num_preemptions: int
+    max_send_lag_s: float  # latest a request was sent after its Poisson arrival time (the client's own delay)
+    load_avg_1m: float  # the machine's 1-minute load average as the run ended (its own server included)
 
 
 def summarize(policy: str, rate_req_s: float, records: list[RequestRecord],
-              samples: list[HealthSample]) -> RateSummary:
+              samples: list[HealthSample], load_avg_1m: float = math.nan) -> RateSummary:
     """One row from a run's request records and ``/health`` samples."""
     done = [r for r in records if r.ok]
     end_s = max((r.done_s for r in done), default=0.0)
@@ -66,6 +70,7 @@ def summarize(policy: str, rate_req_s: float, records: list[RequestRecord],
         throughput_output_tokens_s=sum(r.num_output_tokens for r in done) / duration_s if duration_s > 0 else math.nan,
         arriving_output_tokens_s=(sum(t <= arriving_s for r in records for t in r.token_times_s) / arriving_s
                                   if arriving_s > 0 else math.nan),
+        queued_output_tokens_s=queued_output_tokens_s(records, samples),
         ttft_p50_s=float(np.percentile(ttfts, 50)) if ttfts else math.nan,
         ttft_p90_s=float(np.percentile(ttfts, 90)) if ttfts else math.nan,
         mean_running=float(np.mean([s.num_running for s in busy])) if busy else 0.0,
@@ -73,7 +78,24 @@ def summarize(policy: str, rate_req_s: float, records: list[RequestRecord],
         mean_kv_slot_utilization=float(np.mean(utils)) if utils else math.nan,
         mean_kv_block_usage=float(np.mean(usage)) if usage else math.nan,
         num_preemptions=preemptions[-1] - preemptions[0] if preemptions else 0,
+        max_send_lag_s=max((r.sent_s - r.arrival_s for r in records if r.sent_s is not None), default=math.nan),
+        load_avg_1m=load_avg_1m,
     )
+
+
+MIN_QUEUED_S = 2.0  # less time with requests waiting says nothing about a full pool's rate
+
+
+def queued_output_tokens_s(records: list[RequestRecord], samples: list[HealthSample]) -> float:
+    """Output tokens per second over the time requests waited (from each ``/health`` sample that saw
+    one waiting to the next sample): what the server delivers once it cannot admit more, its KV pool
+    full (or the step's token budget). NaN with less than ``MIN_QUEUED_S`` of waiting."""
+    spans = [(a.t_s, b.t_s) for a, b in zip(samples, samples[1:]) if a.num_waiting]
+    waited_s = sum(end - start for start, end in spans)
+    if waited_s < MIN_QUEUED_S:
+        return math.nan
+    times = sorted(t for r in records for t in r.token_times_s)
+    return sum(bisect.bisect_left(times, end) - bisect.bisect_left(times, start) for start, end in spans) / waited_s
 
 
 @dataclass(frozen=True)
@@ -129,10 +151,14 @@ def write_summaries(path: str, summaries: list[RateSummary]) -> None:
 
 
 def read_summaries(path: str) -> list[RateSummary]:
+    """The rows ``write_summaries`` wrote; a float column that an older sweep did not write reads as NaN."""
     kinds = {f.name: f.type for f in dataclasses.fields(RateSummary)}
     with open(path, newline="") as f:
-        return [RateSummary(**{k: (v if kinds[k] == "str" else int(v) if kinds[k] == "int" else float(v))
-                               for k, v in row.items()}) for row in csv.DictReader(f)]
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        row.update({k: "nan" for k, kind in kinds.items() if kind == "float" and k not in row})
+    return [RateSummary(**{k: (v if kinds[k] == "str" else int(v) if kinds[k] == "int" else float(v))
+                           for k, v in row.items() if k in kinds}) for row in rows]
 
 
 TIMELINE_FIELDS = ["policy", "rate_req_s", *[f.name for f in dataclasses.fields(HealthSample)]]
@@ -161,23 +187,50 @@ def read_timeline(path: str) -> list[tuple[str, float, HealthSample]]:
 
 
 def format_table(summaries: list[RateSummary], bound_s_per_token: float) -> str:
-    head = (f"{'policy':26}{'rate':>7}{'done':>9}{'norm. lat.':>11}{'req/s':>7}{'tok/s':>8}{'TTFT p50':>9}"
-            f"{'p90':>8}{'running':>8}{'KV util':>8}{'preempt':>8}")
-    units = f"{'':26}{'req/s':>7}{'':>9}{'s/token':>11}{'':>7}{'':>8}{'s':>9}{'s':>8}{'mean':>8}{'mean':>8}{'':>8}"
+    head = (f"{'policy':26}{'rate':>7}{'done':>9}{'norm. lat.':>11}{'req/s':>7}{'tok/s':>9}{'tok/s':>8}"
+            f"{'TTFT p50':>9}{'p90':>8}{'running':>8}{'KV util':>8}{'preempt':>8}")
+    units = (f"{'':26}{'req/s':>7}{'':>9}{'s/token':>11}{'':>7}{'arriving':>9}{'queued':>8}{'s':>9}{'s':>8}"
+             f"{'mean':>8}{'mean':>8}{'':>8}")
     lines = [head, units]
     for s in summaries:
         flag = "*" if s.normalized_latency_s_per_token > bound_s_per_token else " "
         lines.append(
             f"{s.policy:26}{s.rate_req_s:>7.3g}{f'{s.num_completed}/{s.num_requests}':>9}"
             f"{s.normalized_latency_s_per_token:>10.3f}{flag}{s.throughput_req_s:>7.2f}"
-            f"{s.arriving_output_tokens_s:>8.1f}{s.ttft_p50_s:>9.2f}{s.ttft_p90_s:>8.2f}{s.mean_running:>8.1f}"
+            f"{s.arriving_output_tokens_s:>9.1f}{s.queued_output_tokens_s:>8.1f}{s.ttft_p50_s:>9.2f}{s.ttft_p90_s:>8.2f}{s.mean_running:>8.1f}"
             f"{s.mean_kv_slot_utilization:>8.0%}{s.num_preemptions:>8}")
-    lines.append(f"* above the latency bound of {bound_s_per_token:.3f} s/token")
+    lines.append(f"* above the latency bound of {bound_s_per_token:.3f} s/token; tok/s arriving: output tokens/s "
+                 f"while requests arrived; queued: while requests waited")
     return "\n".join(lines)
 
 
-def format_sustained(sustained: dict[str, Sustained], bound_s_per_token: float) -> str:
-    """Each policy's sustained rate, and every other policy's ratio to the first's."""
+def format_full_pool(summaries: list[RateSummary], labels: dict[str, str],
+                     expected: dict[str, tuple[float, float]]) -> str:
+    """Each policy's output tokens/s while requests waited at its highest swept rate (its KV pool
+    full), and the first policy's ratio to each other's: the capacity ratio the model predicts."""
+    names = list(dict.fromkeys(s.policy for s in summaries))
+    top = {n: max((s for s in summaries if s.policy == n), key=lambda s: s.rate_req_s) for n in names}
+    lines = ["output tokens/s while requests waited (the KV pool full), at each policy's highest swept rate:"]
+    for n in names:
+        rate = top[n].queued_output_tokens_s
+        held = f"{rate:6.1f} tok/s" if not math.isnan(rate) else f"(requests waited under {MIN_QUEUED_S:g} s)"
+        lines.append(f"  {n:26}{held} at {top[n].rate_req_s:g} req/s")
+    first = top[names[0]].queued_output_tokens_s
+    for other in names[1:]:
+        ratio = first / top[other].queued_output_tokens_s
+        if math.isnan(ratio):
+            continue
+        model = "; KV memory alone predicts {0:.2f}x".format(expected[other][0]) if other in expected else ""
+        lines.append(f"{names[0]} / {labels.get(other, other)}: {ratio:.2f}x{model}")
+    return "\n".join(lines)
+
+
+def format_sustained(sustained: dict[str, Sustained], bound_s_per_token: float, labels: dict[str, str] | None = None,
+                     expected: dict[str, tuple[float, float]] | None = None) -> str:
+    """Each policy's sustained rate, and the first policy's ratio to every other's, each named by
+    its label (which Orca reservation it is) and, where ``expected`` has it, beside the capacity
+    model's ratio (replayed, perfect packing; ``loadtest/sweep_capacity.py``)."""
+    labels, expected = labels or {}, expected or {}
     lines = [f"highest rate sustained at normalized latency <= {bound_s_per_token:.3f} s/token "
              f"(swept rate; crossing of the bound, interpolated):"]
     for policy, s in sustained.items():
@@ -188,7 +241,10 @@ def format_sustained(sustained: dict[str, Sustained], bound_s_per_token: float) 
         lines.append(f"  {policy:26}{swept}{cross}")
     names = list(sustained)
     for other in names[1:]:
-        lines.append(f"{names[0]} / {other}: {_ratio(sustained[names[0]], sustained[other])}")
+        model = ""
+        if other in expected:
+            model = "; KV memory alone predicts {0:.2f}x (perfect packing: {1:.2f}x)".format(*expected[other])
+        lines.append(f"{names[0]} / {labels.get(other, other)}: {_ratio(sustained[names[0]], sustained[other])}{model}")
     return "\n".join(lines)
 
 

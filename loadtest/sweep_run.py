@@ -1,8 +1,11 @@
-"""One policy's part of the rate sweep (``loadtest/sweep.py``): its server, started fresh and warmed
-up, then one timed run per rate until a rate is above the latency bound, with progress lines.
+"""The rate sweep's runs (``loadtest/sweep.py``): the servers, started fresh and warmed up, then one
+timed run per rate and policy, rates interleaved across policies, until a policy's rate is above
+the latency bound, with progress lines.
 
 A policy is the server's flags plus what each request asks for as ``max_tokens`` (its
-reservation, ``loadtest/sweep_load.py``); every server otherwise gets the same flags.
+reservation, ``loadtest/sweep_load.py``); every server otherwise gets the same flags, and policies
+with the same flags share one server (paged, paged without prefix caching, and one contiguous
+server for Orca Oracle, Pow2 and Max: three at once, about 2.5 GB of memory each with SmolLM2).
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ class Policy:
     server_flags: tuple[str, ...]
     reservation: str  # what each request asks for as max_tokens (sweep_load.max_tokens_for)
 
+    @property
+    def kv_policy(self) -> str:
+        return self.server_flags[self.server_flags.index("--kv-policy") + 1]
+
 
 POLICIES = {p.name: p for p in (
     Policy("paged", "paged", ("--kv-policy", "paged"), "exact"),
@@ -39,6 +46,7 @@ POLICIES = {p.name: p for p in (
 )}
 assert all(p.reservation in RESERVATIONS for p in POLICIES.values())
 WARM_UP_PROMPT_TOKENS, WARM_UP_OUTPUT_TOKENS = 24, 8
+LATE_SEND_WARNING_S = 0.1
 
 
 def num_requests_at(args, rate_req_s: float) -> int:
@@ -102,35 +110,73 @@ def progress_printer(policy: str, rate_req_s: float, position: str):
     return progress
 
 
-def run_policy(policy: Policy, args, workload: Workload, summaries: list[RateSummary], timeline: list,
-               bound: list[float | None]) -> None:
-    """Start the policy's server, warm it up, run every rate (until one is above the bound), stop it.
-    Appends to ``summaries`` and ``timeline``; sets ``bound[0]`` after the reference policy's first rate."""
-    flags = server_flags(args, policy, workload.max_model_len)
-    say(f"[{policy.name}] starting pagedserve serve {' '.join(flags)}")
-    proc, url = start_server(flags, os.path.join(args.out, f"server-{policy.name}.log"))
+@dataclass
+class Server:
+    """One running ``pagedserve serve``, shared by the policies whose server flags are equal (the
+    three contiguous reservations differ only in what their requests ask for)."""
+
+    name: str  # the first policy that uses it
+    proc: subprocess.Popen
+    url: str
+    model: str
+
+
+def start_servers(args, policies: list[Policy], workload: Workload) -> dict[tuple[str, ...], Server]:
+    """One warmed-up server per distinct set of server flags, started one after the other; the
+    caller stops them (``stop_server``), also when this raises."""
+    servers: dict[tuple[str, ...], Server] = {}
     try:
-        model = _get_json(f"{url}/v1/models")["data"][0]["id"]
-        t0 = time.monotonic()
-        warm_up(url, model, workload, args)
-        say(f"[{policy.name}] warmed up ({time.monotonic() - t0:.0f} s)")
+        for policy in policies:
+            if policy.server_flags in servers:
+                continue
+            flags = server_flags(args, policy, workload.max_model_len)
+            say(f"[{policy.name}] starting pagedserve serve {' '.join(flags)}")
+            proc, url = start_server(flags, os.path.join(args.out, f"server-{policy.name}.log"))
+            server = servers[policy.server_flags] = Server(policy.name, proc, url, "")  # stopped if what follows fails
+            server.model = _get_json(f"{url}/v1/models")["data"][0]["id"]
+            t0 = time.monotonic()
+            warm_up(url, server.model, workload, args)
+            say(f"[{policy.name}] warmed up ({time.monotonic() - t0:.0f} s)")
+    except BaseException:
+        for server in servers.values():
+            stop_server(server.proc)
+        raise
+    return servers
+
+
+def run_sweep(args, workload: Workload, summaries: list[RateSummary], timeline: list,
+              bound: list[float | None]) -> None:
+    """Every policy at every rate, interleaved: each rate, lowest first, runs under each policy in
+    ``--policies`` order, so a change in the machine's other load falls on all policies alike rather
+    than on one. A policy above the bound skips its higher rates. Appends to ``summaries`` and
+    ``timeline`` (the CSV files are rewritten after each run, policy by policy); sets ``bound[0]``
+    after the reference policy's first rate."""
+    policies = [POLICIES[n] for n in args.policy_list]
+    servers = start_servers(args, policies, workload)
+    try:
+        active = list(policies)
         for i, rate in enumerate(args.rate_list):
-            wait_idle(url)
-            plan = make_plan(url, model, workload, policy, args, rate)
-            summary = run_one_rate(plan, policy.name, rate, f"{i + 1}/{len(args.rate_list)}", args.rate_timeout_s)
-            summaries.append(summary)
-            timeline.extend((policy.name, rate, s) for s in plan.samples)
-            write_summaries(os.path.join(args.out, "summary.csv"), summaries)
-            write_timeline(os.path.join(args.out, "timeline.csv"), timeline)
-            if bound[0] is None:
-                bound[0] = latency_bound(summaries, args.policy_list[0], args.latency_bound_factor)
-                say(f"latency bound: {args.latency_bound_factor:g} x {policy.name} at {rate:g} req/s "
-                    f"= {bound[0]:.3f} s/token")
-            if summary.normalized_latency_s_per_token > bound[0] and not args.run_all_rates:
-                say(f"[{policy.name}] above the bound: higher rates skipped (--run-all-rates runs them)")
-                break
+            for policy in list(active):
+                server = servers[policy.server_flags]
+                wait_idle(server.url)
+                plan = make_plan(server.url, server.model, workload, policy, args, rate)
+                summary = run_one_rate(plan, policy.name, rate, f"{i + 1}/{len(args.rate_list)}", args.rate_timeout_s)
+                summaries.append(summary)
+                timeline.extend((policy.name, rate, s) for s in plan.samples)
+                order = {n: k for k, n in enumerate(args.policy_list)}
+                summaries.sort(key=lambda s: (order[s.policy], s.rate_req_s))
+                write_summaries(os.path.join(args.out, "summary.csv"), summaries)
+                write_timeline(os.path.join(args.out, "timeline.csv"), timeline)
+                if bound[0] is None:
+                    bound[0] = latency_bound(summaries, args.policy_list[0], args.latency_bound_factor)
+                    say(f"latency bound: {args.latency_bound_factor:g} x {policy.name} at {rate:g} req/s "
+                        f"= {bound[0]:.3f} s/token")
+                if summary.normalized_latency_s_per_token > bound[0] and not args.run_all_rates:
+                    say(f"[{policy.name}] above the bound: higher rates skipped (--run-all-rates runs them)")
+                    active.remove(policy)
     finally:
-        stop_server(proc)
+        for server in servers.values():
+            stop_server(server.proc)
 
 
 def run_one_rate(plan: RatePlan, policy: str, rate_req_s: float, position: str, timeout_s: float) -> RateSummary:
@@ -142,11 +188,14 @@ def run_one_rate(plan: RatePlan, policy: str, rate_req_s: float, position: str, 
         asyncio.run(asyncio.wait_for(run_rate(plan, progress_printer(policy, rate_req_s, position)), timeout_s))
     except asyncio.TimeoutError:
         say(f"[{policy}] rate {rate_req_s:g}: not finished after --rate-timeout-s {timeout_s:.0f}")
-    s = summarize(policy, rate_req_s, plan.records, plan.samples)
+    s = summarize(policy, rate_req_s, plan.records, plan.samples, os.getloadavg()[0])
     say(f"[{policy}] rate {rate_req_s:g}: normalized latency {s.normalized_latency_s_per_token:.3f} s/token, "
         f"{s.throughput_req_s:.2f} req/s, {s.arriving_output_tokens_s:.0f} output tok/s while arriving, "
         f"TTFT p50 {s.ttft_p50_s:.2f} s, mean running {s.mean_running:.1f}, {s.num_failed} failed "
-        f"({time.monotonic() - t0:.0f} s)")
+        f"({time.monotonic() - t0:.0f} s; load average {s.load_avg_1m:.1f})")
+    if s.max_send_lag_s > LATE_SEND_WARNING_S:
+        say(f"[{policy}] rate {rate_req_s:g}: a request left the client {s.max_send_lag_s:.2f} s after its arrival "
+            f"time (the client fell behind; latencies are measured from the send)")
     errors = [r.error or "unfinished" for r in plan.records if not r.ok]
     if errors:
         say(f"[{policy}] rate {rate_req_s:g}: {len(errors)} failed; the first: {errors[0]}")

@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-from loadtest.sweep_load import (HealthSample, RequestRecord, arrival_times_s, build_workload, max_tokens_for,
-                                 prompt_ids, read_events)
+from loadtest.sweep_capacity import capacities, expected_ratio, memory_time
+from loadtest.sweep_load import (HealthSample, RequestRecord, Workload, arrival_times_s, build_workload,
+                                 max_tokens_for, prompt_ids, read_events)
 from loadtest.sweep_report import sustained_rate, summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,6 +78,38 @@ def test_reservations():
     assert max_tokens_for("max", 40, 85, 512) == 472
     with pytest.raises(ValueError, match="oracle"):
         max_tokens_for("oracle", 40, 85, 512)
+
+
+# ---------------------------------------------------------------- capacity model
+
+
+def test_memory_time_of_one_request():
+    # prompt 10, output 5, context 64, 16-token blocks: paged grows 11..15 tokens, all in one block
+    assert memory_time("paged", "exact", 10, 5, 64, 16) == 5 * 16
+    assert memory_time("contiguous", "exact", 10, 5, 64, 16) == 5 * 16  # Oracle: 15 tokens, one block
+    assert memory_time("contiguous", "pow2", 10, 5, 64, 16) == 5 * 32  # 10 + 8 tokens: two blocks
+    assert memory_time("contiguous", "max", 10, 5, 64, 16) == 5 * 64  # the whole context
+    # paged pays for a block only once a token lands in it: 16, 16, 32, 32 slots over 4 steps
+    assert memory_time("paged", "exact", 14, 4, 64, 16) == 16 + 16 + 32 + 32
+    assert memory_time("contiguous", "exact", 14, 4, 64, 16) == 4 * 32
+
+
+def test_capacity_replay_orders_the_policies():
+    w = build_workload("sharegpt", 80, seed=1, max_model_len=2048, scale=0.125)  # a 256-token context
+    ways = [("paged", "exact"), ("contiguous", "exact"), ("contiguous", "pow2"), ("contiguous", "max")]
+    caps = capacities(w, ways, num_blocks=32, block_size=16, max_num_seqs=256)  # a pool of two contexts
+    paged, oracle, pow2, whole = (caps[way] for way in ways)
+    assert whole.mean_running == pytest.approx(2.0)  # two whole-context reservations, always
+    assert paged.requests_per_step > oracle.requests_per_step > pow2.requests_per_step > whole.requests_per_step
+    assert paged.mean_running > oracle.mean_running > pow2.mean_running > whole.mean_running
+    assert paged.num_preemptions > 0 and oracle.num_preemptions == pow2.num_preemptions == whole.num_preemptions == 0
+    assert paged.mean_memory_time < oracle.mean_memory_time < pow2.mean_memory_time < whole.mean_memory_time
+    replayed, packed = expected_ratio(paged, oracle)
+    assert replayed == pytest.approx(paged.requests_per_step / oracle.requests_per_step)
+    assert packed == pytest.approx(oracle.mean_memory_time / paged.mean_memory_time) and packed > 1
+    too_small = Workload([200], [50], [0.0], 256)
+    with pytest.raises(ValueError, match="cannot run in 8 KV blocks"):
+        capacities(too_small, [("contiguous", "max")], num_blocks=8, block_size=16, max_num_seqs=8)
 
 
 # ---------------------------------------------------------------- reading a stream
@@ -157,10 +190,29 @@ def test_summary_of_synthetic_records():
     assert (s.mean_running, s.max_running, s.num_preemptions) == (1.5, 2, 2)  # only samples with work count
     assert s.mean_kv_slot_utilization == pytest.approx((30 / 64 + 16 / 32) / 2)
     assert s.mean_kv_block_usage == pytest.approx((0.4 + 0.2) / 2)
+    assert math.isnan(s.queued_output_tokens_s)  # nobody waited
 
+    assert s.max_send_lag_s == 0.0 and math.isnan(s.load_avg_1m)
+
+    unfinished = summarize("paged", 1.0, [*records, RequestRecord(2.0, 4, sent_s=2.25)], samples, load_avg_1m=2.5)
+    # a request still running when --rate-timeout-s gave up: the rate is not sustained
+    assert unfinished.num_failed == 1 and unfinished.normalized_latency_s_per_token == math.inf
+    assert unfinished.max_send_lag_s == 0.25 and unfinished.load_avg_1m == 2.5
     records.append(RequestRecord(2.0, 4, sent_s=2.0, error="HTTP 503"))
     failed = summarize("paged", 1.0, records, samples)
     assert failed.num_failed == 1 and failed.normalized_latency_s_per_token == math.inf
+
+
+def test_output_rate_while_requests_waited():
+    tokens = [0.5 * k for k in range(21)]  # one token every 0.5 s over [0, 10] s
+    records = [RequestRecord(0.0, 21, sent_s=0.0, first_token_s=0.0, done_s=10.0, num_output_tokens=21,
+                             token_times_s=tokens)]
+    waiting = [0, 3, 3, 0, 2, 0]  # requests waited over [2, 6) s and [8, 9) s
+    samples = [HealthSample(t, 1, w, 4, 10, 16, 32, 0) for t, w in zip([0.0, 2.0, 4.0, 6.0, 8.0, 9.0], waiting)]
+    s = summarize("paged", 1.0, records, samples)
+    assert s.queued_output_tokens_s == pytest.approx((8 + 2) / 5.0)  # tokens at 2.0..5.5 and 8.0, 8.5
+    brief = [HealthSample(0.0, 1, 1, 4, 10, 16, 32, 0), HealthSample(1.5, 1, 0, 4, 10, 16, 32, 0)]
+    assert math.isnan(summarize("paged", 1.0, records, brief).queued_output_tokens_s)  # under MIN_QUEUED_S
 
 
 # ---------------------------------------------------------------- end to end
@@ -197,6 +249,7 @@ def test_sweep_end_to_end_on_the_tiny_model(tiny_model_dir, tmp_path):
         assert (int(row["num_requests"]), int(row["num_completed"]), int(row["num_failed"])) == (6, 6, 0), row
         assert 0 < float(row["normalized_latency_s_per_token"]) < math.inf
         assert float(row["throughput_output_tokens_s"]) > 0 and float(row["ttft_p90_s"]) >= float(row["ttft_p50_s"])
+        assert float(row["max_send_lag_s"]) >= 0 and float(row["load_avg_1m"]) >= 0
     timeline = _rows(out / "timeline.csv")
     assert {(r["policy"], float(r["rate_req_s"])) for r in timeline} == {(p, r) for p in policies for r in rates}
     # every sample read the pool's size and this moment's slots from /health
@@ -204,8 +257,18 @@ def test_sweep_end_to_end_on_the_tiny_model(tiny_model_dir, tmp_path):
                for r in timeline)
     for name in ("latency_vs_rate.png", "timeline.png"):
         _assert_png(out / name)
-    assert "paged / contiguous:" in proc.stdout and "paged / contiguous-max:" in proc.stdout  # the ratios
+    # the capacity model before the runs, and each ratio named by its Orca reservation beside the model's
+    assert "capacity model (KV memory alone" in proc.stdout
+    for label in ("contiguous, reserves prompt + output (Orca Oracle)",
+                  "contiguous, reserves the whole context (Orca Max)"):
+        line = next(x for x in proc.stdout.splitlines() if x.startswith(f"paged / {label}: "))
+        assert "KV memory alone predicts" in line, line
+    assert "output tokens/s while requests waited (the KV pool full)" in proc.stdout
+    assert "(timeline each policy at its highest swept rate)" in proc.stdout
     assert "[paged 4 req/s, rate 1/2] 6/6 done" in proc.stdout  # the progress lines
+    # the contiguous policies share one server, and rates are interleaved: every policy at 4, then at 8
+    assert proc.stdout.count("starting pagedserve serve") == 2
+    assert proc.stdout.index("[contiguous-max] rate 4 req/s") < proc.stdout.index("[paged] rate 8 req/s")
 
     os.remove(out / "timeline.png")
     redraw = subprocess.run([sys.executable, "-m", "loadtest.sweep", "--plot-only", "--out", str(out),
