@@ -11,8 +11,6 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-import zmq
-
 
 @dataclass(frozen=True)
 class Endpoints:
@@ -43,18 +41,19 @@ class Endpoints:
         return ("request", "step", "result")
 
 
-# the longest socket file name the launcher puts in its directory, and the longest path a Unix
-# socket may have (sockaddr_un.sun_path, less its terminating NUL)
+# the longest socket file name the launcher puts in its directory
 LONGEST_SOCKET_NAME = "supervisor.sock"
-IPC_PATH_MAX = getattr(zmq, "IPC_PATH_MAX_LEN", 107) or 107
 
 
 def make_private_socket_dir() -> str:
     """A fresh 0700 directory for ipc:// socket files (mkdtemp creates it with mode 0700): in the
     temporary directory ($TMPDIR), or in /tmp when a deep $TMPDIR would make the socket paths
     longer than a Unix socket's path may be."""
+    import zmq  # here: `pagedserve health` imports this module and must stay light
+
+    ipc_path_max = getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 107  # sockaddr_un.sun_path less its NUL
     path = tempfile.mkdtemp(prefix="pagedserve-")
-    if len(os.path.join(path, LONGEST_SOCKET_NAME)) <= IPC_PATH_MAX:
+    if len(os.path.join(path, LONGEST_SOCKET_NAME)) <= ipc_path_max:
         return path
     os.rmdir(path)
     return tempfile.mkdtemp(prefix="pagedserve-", dir="/tmp")
