@@ -2,7 +2,7 @@
 
 ``add_rms_norm(out, residual, delta, weight, eps)``: ``residual += delta`` in place (the residual
 stream), then ``out = weight * rms_norm(residual)``, rounded at the same points as Hugging Face's
-``LlamaRMSNorm`` (and ``services/executor/model.py``'s torch form): the sum in the stream's dtype,
+``LlamaRMSNorm`` (and ``services/executor/layers.py``'s torch form): the sum in the stream's dtype,
 the norm in float32, the normalized row rounded to the dtype, then times the weight in the dtype.
 The sum of squares runs in another order than torch's (it vectorizes), so the variance, and with
 it an output element, may differ by an ulp; everything else rounds as torch does.

@@ -5,7 +5,7 @@ output), ``cos``/``sin`` ``[T, D]``; writes the rotated queries ``q`` ``[T, H, D
 keys ``k`` ``[T, Hkv, D]`` and the values ``v`` ``[T, Hkv, D]``, all contiguous, in one pass. The
 rotation is the non-interleaved (``rotate_half``) one, ``x * cos + rotate_half(x) * sin``, with
 each product and the sum rounded to the dtype as torch's three elementwise ops round them: the
-results are bit for bit those of ``services/executor/model.py``'s torch form (no fastmath here,
+results are bit for bit those of ``services/executor/layers.py``'s torch form (no fastmath here,
 so nothing is contracted into an FMA). At a decode batch it replaces eight torch calls per layer.
 
 Arrays: float32, or bfloat16 as raw bits (``uint16``), all of one format, C-contiguous.
