@@ -27,9 +27,10 @@ torch.
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import njit, prange
 
-from kernels.cpu.common import _FASTMATH, exp_nonpositive, narrow_like, widen
+from kernels.cpu.common import _FASTMATH, exp_nonpositive, kernel_array, narrow_like, widen
 
 PARALLEL_FROM_ROWS = 256
 
@@ -74,13 +75,10 @@ def silu_mul(out, gate_up) -> None:
 def silu_mul_(gate_up):
     """The torch form: a new ``[T, I]`` tensor ``silu(gate) * up`` from ``gate_up`` ``[T, 2 I]``
     (CPU, C-contiguous, float32, bfloat16 or float16)."""
-    import torch
-
-    from kernels.cpu.backend import sync_threads
-    from kernels.cpu.common import kernel_array
-
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
     if out.shape[0] >= PARALLEL_FROM_ROWS:
+        from kernels.cpu.backend import sync_threads  # here: backend imports this module
+
         sync_threads()
     silu_mul(kernel_array(out), kernel_array(gate_up))
     return out
