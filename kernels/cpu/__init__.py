@@ -13,6 +13,8 @@ argument in place. ``NumbaCPUBackend`` adapts them to the torch tensors of the a
 - ``norm``, ``rotary``, ``activation``: the model's elementwise chains fused (residual add + RMS
   norm; rotary + the q/k/v split; SiLU(gate) * up), which the backend offers as ``add_rms_norm``,
   ``rope_split`` and ``silu_mul``.
+- ``argmax``: the first largest logit of each row (float32 or bfloat16), which greedy sampling
+  calls directly (``services/executor/sampler.py``), ``torch.argmax`` for other tensors.
 - ``backend``: ``NumbaCPUBackend`` and ``sync_threads`` (numba follows torch's thread count).
 
 Compilation: ``cache=True`` (the cache lives in ``kernels/cpu/__pycache__``, or
