@@ -60,10 +60,12 @@ def test_argmax_edge_values_as_torch(dtype):
     assert kernel(wide).tolist() == [CHUNK + 2, CHUNK - 1, 3 * CHUNK + 1]
 
 
-def test_the_torch_form_takes_what_the_kernel_does_not():
+def test_the_torch_form_takes_every_tensor():
     logits = torch.randn(4, 100)
     assert torch.equal(argmax_(logits), torch.argmax(logits, dim=-1))
-    for other in (logits.double(), logits.half(), logits[:, ::2], logits[:0]):
+    # float64 and ints to torch.argmax; float16 widened and strided rows copied for the kernel
+    for other in (logits.double(), (10 * logits).int(), logits.half(), logits[:, ::2], logits.bfloat16()[:, 3:],
+                  logits[:0]):
         assert torch.equal(argmax_(other), torch.argmax(other, dim=-1))
     with pytest.raises(ValueError, match=r"logits \[N, V > 0\] and out \[N\], got \(2, 0\) and \(2,\)"):
         argmax_rows(np.zeros(2, np.int64), np.zeros((2, 0), np.float32))
