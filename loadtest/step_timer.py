@@ -8,7 +8,8 @@ well under a microsecond; a SmolLM2 step makes a few hundred wrapped calls.
 
 Categories (ns, summed over the steps timed; ``breakdown`` derives the rest):
 
-- ``matmul``: the linear layers of the decoder layers (q/k/v/o, gate/up/down, fused or not);
+- ``matmul``: the linear layers of the decoder layers (q/k/v/o, gate/up/down, fused or not; also
+  the MLP's ``separate_gate_up``, its two matmuls in the float32 exactness mode);
 - ``attention``: the backend's ``write_kv``, ``decode`` and ``prefill`` (the paged kernels);
 - ``norm``, ``rotary``: the RMSNorm modules (also the final one) and the rotary embedding;
 - ``forward``: the whole forward pass; ``lm_head``: ``compute_logits``; ``sampling``: the
@@ -76,12 +77,14 @@ class RegionTimer:
 def install(runner, timer: RegionTimer) -> Callable[[], None]:
     """Wrap ``runner``'s model, backend and sampler; returns the function that removes it all."""
     from services.executor.linear import PackedLinear  # imported here: torch after the thread settings
-    from services.executor.model import RMSNorm
+    from services.executor.layers import MLP, RMSNorm
 
     model = runner.model
     for module in model.model.layers.modules():
         if isinstance(module, (nn.Linear, PackedLinear)):
             timer.wrap(module, "forward", "matmul")
+        if isinstance(module, MLP):  # float32 on nn.Linear: gate and up as two F.linear calls
+            timer.wrap(module, "separate_gate_up", "matmul")
     for module in model.modules():
         if isinstance(module, RMSNorm):
             timer.wrap(module, "forward", "norm")

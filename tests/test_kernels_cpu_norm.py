@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels.cpu import NumbaCPUBackend
-from services.executor.model import RMSNorm
+from services.executor.layers import RMSNorm
 
 BACKEND = NumbaCPUBackend()
 

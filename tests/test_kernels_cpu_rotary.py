@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.cpu import NumbaCPUBackend
-from services.executor.model import RotaryEmbedding, _rotate_half
+from services.executor.layers import RotaryEmbedding, _rotate_half
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

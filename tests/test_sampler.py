@@ -175,3 +175,28 @@ def test_penalized_greedy_uses_prompt_and_outputs():
     sampler.histories.observe(step_of([(0, 1, [1]), (1, 1, [2])]))  # the decodes feed them back
     # 0: 3 - 2 < 2 now that 1 is an output. 1: both seen, both halved: 1.5 > 1.
     assert sampler.sample(logits_of(row, row), [0, 1]).token_ids.tolist() == [2, 1]
+
+
+def test_bfloat16_logits_sample_as_their_float32_cast():
+    """A bf16 model's logits reach the sampler unwidened (``compute_logits``): every path (greedy,
+    processed, random, logprobs) gives what their exact float32 cast gives."""
+    g = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(6, 300, generator=g)).bfloat16()
+    logits[0, [7, 250]] = logits[0].max() + 1  # a tie: the first index wins either way
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=3),
+              SamplingParams(temperature=0.0, logit_bias_token_ids=[5], logit_bias_values=[2.5]),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3),
+              SamplingParams(temperature=0.8, seed=11, top_k=40, logprobs=2),
+              SamplingParams(temperature=1.2, seed=12, top_p=0.9)]
+    outs = []
+    for widened in (False, True):
+        sampler = Sampler(seed=5)
+        for seq_id, p in enumerate(params):
+            announce(sampler, seq_id, p, [5, 7, 9, 250])
+        outs.append(sampler.sample(logits.float() if widened else logits, list(range(len(params)))))
+    got, want = outs
+    assert got.token_ids.dtype == torch.int64 and got.token_ids.tolist() == want.token_ids.tolist()
+    assert got.token_ids[0] == 7
+    for name in ("logprobs", "top_token_ids", "top_logprobs"):
+        assert np.array_equal(getattr(got, name), getattr(want, name))
+    assert logits.dtype == torch.bfloat16  # not modified in place

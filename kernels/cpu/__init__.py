@@ -10,8 +10,11 @@ argument in place. ``NumbaCPUBackend`` adapts them to the torch tensors of the a
   batches (``auto_partitions``, ``MIN_PARTITION_SIZE``).
 - ``prefill``: ``paged_prefill_attention``, one task per (sequence, KV head, tile of query rows).
 - ``cache_ops``: ``write_kv_cache``, ``copy_blocks``, ``swap_blocks``.
-- ``norm``, ``rotary``: the model's elementwise chains fused (residual add + RMS norm; rotary +
-  the q/k/v split), which the backend offers as ``add_rms_norm`` and ``rope_split``.
+- ``norm``, ``rotary``, ``activation``: the model's elementwise chains fused (residual add + RMS
+  norm; rotary + the q/k/v split; SiLU(gate) * up), which the backend offers as ``add_rms_norm``,
+  ``rope_split`` and ``silu_mul``.
+- ``argmax``: the first largest logit of each row (float32 or bfloat16), which greedy sampling
+  calls directly (``services/executor/sampler.py``), ``torch.argmax`` for other tensors.
 - ``backend``: ``NumbaCPUBackend`` and ``sync_threads`` (numba follows torch's thread count).
 
 Compilation: ``cache=True`` (the cache lives in ``kernels/cpu/__pycache__``, or

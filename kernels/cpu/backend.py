@@ -8,6 +8,7 @@ import numba
 import torch
 
 from kernels import reference
+from kernels.cpu.activation import silu_mul_
 from kernels.cpu.cache_ops import copy_blocks, swap_blocks, write_kv_cache
 from kernels.cpu.common import BITS_DTYPES, kernel_array
 from kernels.cpu.decode import paged_decode_attention
@@ -99,7 +100,7 @@ class NumbaCPUBackend:
         sync_threads()
         swap_blocks(kernel_array(dst), kernel_array(src), kernel_array(block_mapping))
 
-    # The model's elementwise chains (``services/executor/model.py``), fused; None where these
+    # The model's elementwise chains (``services/executor/layers.py``), fused; None where these
     # tensors are not the kernels' (the model then runs the torch form).
 
     def add_rms_norm(self, residual, delta, weight, eps):
@@ -113,6 +114,13 @@ class NumbaCPUBackend:
         if not (_fusable(qkv, cos, sin) and qkv.is_contiguous()):
             return None
         return rope_split_(qkv, cos, sin, num_heads, num_kv_heads)
+
+    def silu_mul(self, gate_up):
+        """``silu(gate) * up`` from a fused gate/up projection's output ``[T, 2 I]``
+        (``kernels/cpu/activation.py``; float32, bfloat16 or float16)."""
+        if not (gate_up.is_cpu and gate_up.dtype in BITS_DTYPES and gate_up.is_contiguous()):
+            return None
+        return silu_mul_(gate_up)
 
 
 def _fusable(*tensors) -> bool:

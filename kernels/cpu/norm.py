@@ -2,7 +2,7 @@
 
 ``add_rms_norm(out, residual, delta, weight, eps)``: ``residual += delta`` in place (the residual
 stream), then ``out = weight * rms_norm(residual)``, rounded at the same points as Hugging Face's
-``LlamaRMSNorm`` (and ``services/executor/model.py``'s torch form): the sum in the stream's dtype,
+``LlamaRMSNorm`` (and ``services/executor/layers.py``'s torch form): the sum in the stream's dtype,
 the norm in float32, the normalized row rounded to the dtype, then times the weight in the dtype.
 The sum of squares runs in another order than torch's (it vectorizes), so the variance, and with
 it an output element, may differ by an ulp; everything else rounds as torch does.
@@ -15,9 +15,10 @@ this replaces eight torch calls per norm (about 50 us at 64 tokens) by one.
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import njit
 
-from kernels.cpu.common import _FASTMATH, narrow_like, widen
+from kernels.cpu.common import _FASTMATH, kernel_array, narrow_like, widen
 
 
 @njit(fastmath=_FASTMATH, cache=True, nogil=True)  # not inlined by numba: it keeps its fastmath
@@ -56,12 +57,6 @@ def add_rms_norm(out, residual, delta, weight, eps: float) -> None:
 def add_rms_norm_(residual, delta, weight, eps: float):
     """The torch form: ``residual += delta`` in place, returns a new ``RMSNorm(residual)`` tensor
     (CPU, float32 or bfloat16, C-contiguous, one dtype; ``delta`` may have no rows)."""
-    import torch
-
-    from kernels.cpu.backend import sync_threads
-    from kernels.cpu.common import kernel_array
-
-    sync_threads()
     out = torch.empty_like(residual)
     add_rms_norm(kernel_array(out), kernel_array(residual), kernel_array(delta), kernel_array(weight), eps)
     return out

@@ -5,7 +5,7 @@ output), ``cos``/``sin`` ``[T, D]``; writes the rotated queries ``q`` ``[T, H, D
 keys ``k`` ``[T, Hkv, D]`` and the values ``v`` ``[T, Hkv, D]``, all contiguous, in one pass. The
 rotation is the non-interleaved (``rotate_half``) one, ``x * cos + rotate_half(x) * sin``, with
 each product and the sum rounded to the dtype as torch's three elementwise ops round them: the
-results are bit for bit those of ``services/executor/model.py``'s torch form (no fastmath here,
+results are bit for bit those of ``services/executor/layers.py``'s torch form (no fastmath here,
 so nothing is contracted into an FMA). At a decode batch it replaces eight torch calls per layer.
 
 Arrays: float32, or bfloat16 as raw bits (``uint16``), all of one format, C-contiguous.
@@ -13,9 +13,10 @@ Arrays: float32, or bfloat16 as raw bits (``uint16``), all of one format, C-cont
 
 from __future__ import annotations
 
+import torch
 from numba import njit
 
-from kernels.cpu.common import narrow_like, widen
+from kernels.cpu.common import kernel_array, narrow_like, widen
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -49,17 +50,11 @@ def rope_split(q, k, v, qkv, cos, sin):
 def rope_split_(qkv, cos, sin, num_heads: int, num_kv_heads: int):
     """The torch form: (q, k, v) new contiguous tensors from ``qkv`` ``[T, (H + 2 Hkv) * D]`` and
     ``cos``/``sin`` ``[T, 1, D]`` (``RotaryEmbedding.at``); CPU, float32 or bfloat16, one dtype."""
-    import torch
-
-    from kernels.cpu.backend import sync_threads
-    from kernels.cpu.common import kernel_array
-
     num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
     k = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=qkv.dtype)
     v = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=qkv.dtype)
     if num_tokens:
-        sync_threads()
         rope_split(kernel_array(q), kernel_array(k), kernel_array(v), kernel_array(qkv),
                    kernel_array(cos.reshape(num_tokens, head_dim)), kernel_array(sin.reshape(num_tokens, head_dim)))
     return q, k, v

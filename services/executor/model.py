@@ -1,8 +1,10 @@
 """Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a paged KV cache.
 
-Parameter names mirror Hugging Face's so a ``state_dict`` loads as is. The forward pass works on a
-flat batch: all scheduled tokens of all sequences concatenated (``[T]``), with positions, and an
-``AttentionMetadata`` saying which rows belong to which sequence and where their keys go.
+Parameter names mirror Hugging Face's, but for the fused ``qkv_proj`` and ``gate_up_proj`` (one
+matmul each), which ``fuse_projections`` joins from Hugging Face's parts at load. The forward pass
+works on a flat batch: all scheduled tokens of all sequences concatenated (``[T]``), with
+positions, and an ``AttentionMetadata`` saying which rows belong to which sequence and where their
+keys go. The norms, the rotary embedding and the MLP live in ``layers.py``.
 
 Tensor parallelism: built with a ``ShardPlan`` and a communicator, a model holds only its rank's
 slice of each layer (``parallel/sharding.py`` says which) and every rank runs the same forward
@@ -22,6 +24,7 @@ from torch import nn
 from shared.model_check import ModelShape, model_shape
 
 from .attention import AttentionMetadata, paged_attention
+from .layers import MLP, RMSNorm, RotaryEmbedding
 from .parallel.base import Communicator, SingleRank
 from .parallel.sharding import ShardPlan
 
@@ -54,71 +57,6 @@ class ModelConfig(ModelShape):
         )
 
 
-class RMSNorm(nn.Module):
-    """``forward(delta, residual)``: ``residual += delta`` in place (the residual stream; ``delta``
-    may have no rows), then ``(RMSNorm(residual), residual)``: a decoder layer's "sublayer output
-    plus residual, then norm". In one kernel where the attention backend has one for these tensors
-    (``add_rms_norm``: the numba backend on CPU), else in torch, as Hugging Face's."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, delta: torch.Tensor, residual: torch.Tensor, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
-        fused = getattr(backend, "add_rms_norm", None)
-        out = fused(residual, delta, self.weight, self.eps) if fused else None
-        if out is not None:
-            return out, residual
-        if delta.shape[0]:
-            residual.add_(delta)
-        dtype = residual.dtype
-        x = residual.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype), residual
-
-
-
-class RotaryEmbedding(nn.Module):
-    """Non-interleaved (``rotate_half``) rotary embedding with a precomputed cos/sin table."""
-
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, D]`` of ``positions`` ``[T]`` in ``dtype`` (as transformers casts
-        them): looked up once per forward pass, used by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-    def forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                num_kv_heads: int, backend=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``qkv``: a fused projection's output ``[T, (H + 2 Hkv) * D]``; cos and sin ``[T, 1, D]``.
-        Returns new contiguous rotated queries ``[T, H, D]``, rotated keys and values
-        ``[T, Hkv, D]``: in one kernel where the attention backend has one for these tensors
-        (``rope_split``: the numba backend on CPU, bit for bit the same), else as below."""
-        fused = getattr(backend, "rope_split", None)
-        out = fused(qkv, cos, sin, num_heads, num_kv_heads) if fused else None
-        if out is not None:
-            return out
-        num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
-        qk_size = (num_heads + num_kv_heads) * head_dim
-        # queries and keys are adjacent: rotated together, into a new [T, H + Hkv, D]
-        x = qkv[:, :qk_size].view(num_tokens, num_heads + num_kv_heads, head_dim)
-        qk = x * cos + _rotate_half(x) * sin
-        v = qkv[:, qk_size:].reshape(num_tokens, num_kv_heads, head_dim)
-        return qk[:, :num_heads].contiguous(), qk[:, num_heads:].contiguous(), v
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     """This rank's query heads and the KV heads they use; o_proj's partial sums are all-reduced.
 
@@ -145,34 +83,18 @@ class Attention(nn.Module):
         return self.comm.all_reduce_(self.o_proj(out.view(num_tokens, self.q_size)))
 
 
-class MLP(nn.Module):
-    """This rank's intermediate columns; down_proj's partial sums are all-reduced.
-
-    gate_proj and up_proj stay two matmuls: one fused matmul measured no faster on CPUs (within
-    3% either way, fp32 and bf16, batch 1 to a 512-token prefill), unlike q/k/v."""
-
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan, comm: Communicator) -> None:
-        super().__init__()
-        start, stop = plan.intermediate_range
-        self.comm = comm
-        self.gate_proj = nn.Linear(cfg.hidden_size, stop - start, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, stop - start, bias=False)
-        self.down_proj = nn.Linear(stop - start, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce_(self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)))
-
-
 # Hugging Face's separate projections -> (our fused parameter, its parts in order)
 FUSED_PROJECTIONS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
 
 
 def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict with Hugging Face names (whole, or already cut to one rank's slices by
     ``shard_state_dict``) with each layer's q/k/v weights (and biases) concatenated into
-    ``qkv_proj``; every other entry as it was. Parts missing from
+    ``qkv_proj`` and its gate/up weights into ``gate_up_proj`` (``FUSED_PROJECTIONS``); every
+    other entry as it was. Parts missing from
     ``state`` stay as they are (``load_state_dict`` then reports them)."""
     out = dict(state)
     for name in state:
@@ -219,7 +141,7 @@ class DecoderLayer(nn.Module):
         x, residual = self.input_layernorm(delta, residual, backend)
         x, residual = self.post_attention_layernorm(
             self.self_attn(x, rope, rotary, kv_cache, meta, backend), residual, backend)
-        return self.mlp(x), residual
+        return self.mlp(x, backend), residual
 
 
 class LlamaModel(nn.Module):
@@ -268,9 +190,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(delta, residual, backend)[0]
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab] fp32
-        """Every rank must call it; rank 0 gets the logits, the other ranks ``None``."""
-        logits = self.lm_head(hidden).float()  # [N, vocab_shard_size]
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab]
+        """Every rank must call it; rank 0 gets the logits, the other ranks ``None``. The logits
+        stay in the model's dtype, as transformers' LM head returns them: their readers widen them
+        to float32 where they compute with them (an exact cast), and greedy sampling needs no copy
+        (at 64 rows of SmolLM2 in bfloat16 the cast took 0.5 ms, a fresh 12.6 MB)."""
+        logits = self.lm_head(hidden)  # [N, vocab_shard_size]
         if self.comm.world_size == 1:
             return logits
         shards = self.comm.gather(logits, dst=0)

@@ -50,7 +50,7 @@ def score_prompts(
     step: Step,
     hidden: torch.Tensor,  # [T, hidden] the step's final hidden states
     histories: TokenHistories,
-    compute_logits: Callable[[torch.Tensor], torch.Tensor | None],  # [N, hidden] -> [N, vocab] fp32 or None
+    compute_logits: Callable[[torch.Tensor], torch.Tensor | None],  # [N, hidden] -> [N, vocab] or None
 ) -> dict[str, np.ndarray]:
     """The ``StepResult`` fields of the step's prompt scores (``prompt_logprobs`` and so on); empty
     when the step scores nothing or this rank is not rank 0."""
@@ -62,7 +62,7 @@ def score_prompts(
     parts = []
     for begin in range(0, len(rows), MAX_ROWS_PER_PASS):
         end = begin + MAX_ROWS_PER_PASS
-        logits = compute_logits(hidden[row_ids[begin:end]])  # [rows, vocab] fp32 on rank 0
+        logits = compute_logits(hidden[row_ids[begin:end]])  # [rows, vocab] on rank 0
         if logits is not None:
             parts.append(_score(logits, target_ids[begin:end], step.num_prompt_top_logprobs))
     if not parts:
