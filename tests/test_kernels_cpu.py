@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kernels import cpu, reference
+from kernels.cpu.vectors import GroupShapeType
 
 ATOL, RTOL = 2e-5, 1e-4
 
@@ -226,8 +227,10 @@ def test_backend_views_dtypes_and_one_specialization():
 
     # numba follows torch's thread count
     assert numba.get_num_threads() == min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    # one specialization per combination of formats: every array C-contiguous, indices int32/int64
-    # as the wrappers make them, whatever the views and index dtypes the dispatch passed
+    # one specialization per combination of formats (and, for the decode kernels, per group shape:
+    # query heads per KV head and head_dim are compile-time constants there, kernels/cpu/vectors.py;
+    # other tests in this process compile other shapes): every array C-contiguous, indices
+    # int32/int64 as the wrappers make them, whatever the views and index dtypes the dispatch passed
     seen = {}
     for kernel in (cpu.decode._decode_kernel, cpu.decode._decode_partitioned_kernel,
                    cpu.prefill._prefill_kernel, cpu.cache_ops._write_kv_kernel):
@@ -237,9 +240,10 @@ def test_backend_views_dtypes_and_one_specialization():
             assert all(a.layout == "C" for a in arrays), sig
             assert all(a.dtype in (numba.float32, numba.uint16, numba.int16, numba.int32,
                                    numba.int64) for a in arrays), sig
-            formats.add(tuple(a.dtype for a in arrays))
+            shapes = tuple(a for a in sig if isinstance(a, GroupShapeType))
+            formats.add((tuple(a.dtype for a in arrays), shapes))
         assert len(formats) == len(kernel.signatures), kernel.signatures
-        seen[kernel] = {dtype for f in formats for dtype in f}
+        seen[kernel] = {dtype for f, _ in formats for dtype in f}
     # the bf16 cache went through the kernels (decode: partitioned or not, by the thread count)
     decode_kernels = (cpu.decode._decode_kernel, cpu.decode._decode_partitioned_kernel)
     assert numba.uint16 in seen[decode_kernels[0]] | seen[decode_kernels[1]]

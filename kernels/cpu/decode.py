@@ -27,9 +27,10 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from kernels.cpu.common import (
-    _FASTMATH, _prefetch, as_bits, as_input, exp_nonpositive, line_elems, narrow_like, output_target,
-    widen,
+from kernels.cpu.common import _FASTMATH, as_bits, as_input, narrow_like, output_target
+from kernels.cpu.vectors import (
+    TILE, GroupShape, add_weighted_row, query_operand, scale_rows, store_partial_dots, store_rows,
+    tile_scores, tile_softmax, zero_rows,
 )
 
 _PREFETCH_AHEAD = 2  # cache blocks ahead of the one being read whose K/V are prefetched
@@ -37,103 +38,81 @@ MIN_PARTITION_SIZE = 128  # tokens: the automatic partitions are never shorter
 
 
 @njit(fastmath=_FASTMATH, cache=True, nogil=True)
-def _scratch(group, block_size, head_dim):
-    """One task's float32 scratch: (query, accumulator, scores, max, sum)."""
-    gd = group * head_dim
-    buf = np.empty(2 * gd + group * block_size + 2 * group, np.float32)
-    q = buf[:gd].reshape((group, head_dim))
-    acc = buf[gd:2 * gd].reshape((group, head_dim))
-    o = 2 * gd
-    sco = buf[o:o + group * block_size].reshape((group, block_size))
-    o += group * block_size
-    return q, acc, sco, buf[o:o + group], buf[o + group:o + 2 * group]
+def _scratch(group):
+    """One task's float32 scratch: partial dots [G * TILE * 16], the scores of two tiles
+    [G * TILE] each, running max, running sum and rescale factors [G] each."""
+    buf = np.empty(group * TILE * 16 + 2 * group * TILE + 3 * group, np.float32)
+    o = group * TILE * 16
+    part = buf[:o]
+    sco = buf[o:o + group * TILE]
+    sco_next = buf[o + group * TILE:o + 2 * group * TILE]
+    o += 2 * group * TILE
+    return part, sco, sco_next, buf[o:o + group], buf[o + group:o + 2 * group], buf[o + 2 * group:]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _tile(table, kvh, pos, end, key_cache):
+    """The tile at ``pos``: up to TILE tokens of one block (fewer at the block's or the context's
+    end): (tokens, flat offset of its first K/V row, flat offset of the row _PREFETCH_AHEAD blocks
+    ahead to prefetch (near the end of the context, the tile's own row again))."""
+    num_kv_heads, block_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    bi = pos // block_size
+    off = pos - bi * block_size
+    n = min(TILE, block_size - off, end - pos)
+    within = (kvh * block_size + off) * head_dim
+    row = table[bi] * num_kv_heads * block_size * head_dim + within
+    ahead = row
+    if pos + _PREFETCH_AHEAD * block_size < end:
+        ahead = table[bi + _PREFETCH_AHEAD] * num_kv_heads * block_size * head_dim + within
+    return n, row, ahead
 
 
 @njit(fastmath=_FASTMATH, cache=True, nogil=True)
-def _start_group(q, acc, m, l, query_rows):
-    """Widen the group's query rows ([G, D], any format) into ``q``; reset the accumulators."""
-    for g in range(q.shape[0]):
-        m[g] = -np.inf
-        l[g] = 0.0
-        for d in range(q.shape[1]):
-            q[g, d] = widen(query_rows[g, d])
-            acc[g, d] = 0.0
+def _attend_range(acc, m, l, alpha, sco, sco_next, part, qv, key_cache, value_cache, table, kvh,
+                  start, end, scale):
+    """Accumulate positions ``[start, end)`` (``start < end``) of one sequence for one KV head's
+    query group; returns the new ``acc``.
 
+    acc: Rows[G x D] unnormalized output; m, l, alpha: [G] running max, sum, and scratch for the
+    rescale factors; sco, sco_next: [G * TILE] scores scratch; part: [G * TILE * 16] partial dots
+    scratch; qv: the group's query (``query_operand``); table: [max_blocks] the sequence's block
+    table.
 
-@njit(fastmath=_FASTMATH, cache=True, nogil=True)
-def _attend_range(acc, m, l, sco, q, key_cache, value_cache, table, kvh, start, end, scale):
-    """Accumulate positions ``[start, end)`` of one sequence for one KV head's query group.
-
-    acc: [G, D] unnormalized output; m, l: [G] running max and sum; sco: [G, block_size] scratch;
-    q: [G, D] the group's float32 query; table: [max_blocks] the sequence's block table. ``start`` must be a multiple of
-    the block size.
+    Software-pipelined by tiles: the keys of tile i + 1 are read in the same loop as the values of
+    tile i, so the two dependency chains (scores -> softmax -> weights; the accumulators) overlap.
     """
-    group = acc.shape[0]
-    head_dim = acc.shape[1]
-    block_size = key_cache.shape[2]
-    line = line_elems(key_cache)
+    head_dim = key_cache.shape[3]
+    n, row, ahead = _tile(table, kvh, start, end, key_cache)
+    for t in range(n):
+        store_partial_dots(part, t, qv, key_cache, row + t * head_dim, ahead + t * head_dim)
+    tile_scores(sco, part, qv)
+    tile_softmax(sco, m, l, alpha, n, scale, qv)
+    acc = scale_rows(acc, alpha)
     pos = start
-    while pos < end:
-        blk = table[pos // block_size]
-        n = min(block_size, end - pos)
-        # the blocks are scattered, so no hardware prefetcher guesses the next one: prefetch the
-        # K/V rows of the block _PREFETCH_AHEAD blocks ahead, one row per row processed here
-        ahead = pos + _PREFETCH_AHEAD * block_size
-        prefetch = ahead < end
-        kn = key_cache[table[ahead // block_size] if prefetch else blk, kvh]
-        vn = value_cache[table[ahead // block_size] if prefetch else blk, kvh]
-        kb = key_cache[blk, kvh]  # [block_size, D], any format
-        # scores of the block's tokens, each K row loaded once for the whole group
-        for t in range(n):
-            k = kb[t]
-            if prefetch:
-                for i in range(0, head_dim, line):
-                    _prefetch(kn, t * head_dim + i)
-            for g in range(group):
-                qg = q[g]
-                dot = np.float32(0.0)
-                for d in range(head_dim):
-                    dot += qg[d] * widen(k[d])
-                sco[g, t] = dot * scale
-        # online softmax, one rescale per block
-        for g in range(group):
-            bm = sco[g, 0]
-            for t in range(1, n):
-                if sco[g, t] > bm:
-                    bm = sco[g, t]
-            mo = m[g]
-            if bm > mo:
-                alpha = np.exp(mo - bm)  # exp(-inf) = 0 on the first block
-                l[g] *= alpha
-                a = acc[g]
-                for d in range(head_dim):
-                    a[d] *= alpha
-                m[g] = bm
-                mo = bm
-            tot = np.float32(0.0)
-            for t in range(n):
-                p = exp_nonpositive(sco[g, t] - mo)
-                sco[g, t] = p
-                tot += p
-            l[g] += tot
-        # weighted values, each V row loaded once for the whole group
-        vb = value_cache[blk, kvh]
-        for t in range(n):
-            v = vb[t]
-            if prefetch:
-                for i in range(0, head_dim, line):
-                    _prefetch(vn, t * head_dim + i)
-            for g in range(group):
-                p = sco[g, t]
-                a = acc[g]
-                for d in range(head_dim):
-                    a[d] += p * widen(v[d])
-        pos += n
+    while True:
+        nxt = pos + n
+        n1, row1, ahead1 = 0, row, ahead
+        if nxt < end:
+            n1, row1, ahead1 = _tile(table, kvh, nxt, end, key_cache)
+        for t in range(max(n, n1)):
+            if t < n1:
+                store_partial_dots(part, t, qv, key_cache, row1 + t * head_dim,
+                                   ahead1 + t * head_dim)
+            if t < n:
+                acc = add_weighted_row(acc, sco, t, value_cache, row + t * head_dim,
+                                       ahead + t * head_dim)
+        if n1 == 0:
+            return acc
+        tile_scores(sco_next, part, qv)
+        tile_softmax(sco_next, m, l, alpha, n1, scale, qv)
+        acc = scale_rows(acc, alpha)
+        sco, sco_next = sco_next, sco
+        pos, n, row, ahead = nxt, n1, row1, ahead1
 
 
 @njit(fastmath=_FASTMATH, cache=True, nogil=True)
 def _store_group(out_rows, acc, l):
-    """``out_rows`` ([G, D], the output's format) = ``acc / l``."""
+    """``out_rows`` ([G, D], the output's format) = ``acc / l``; ``acc``: float32 [G, D]."""
     for g in range(acc.shape[0]):
         inv = np.float32(1.0) / l[g]
         for d in range(acc.shape[1]):
@@ -141,35 +120,40 @@ def _store_group(out_rows, acc, l):
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
-def _decode_kernel(out, query, key_cache, value_cache, block_tables, context_lens, scale):
+def _decode_kernel(out, query, key_cache, value_cache, block_tables, context_lens, scale, shape):
     # out, query: [S, H, D] float32 or the cache's format; key_cache, value_cache: [num_blocks,
     # num_kv_heads, block_size, D] float32 / bf16 bits (uint16) / fp16 bits (int16);
-    # block_tables: [S, max_blocks] int32; context_lens: [S] int32
-    num_seqs, num_heads, head_dim = query.shape
+    # block_tables: [S, max_blocks] int32; context_lens: [S] int32; shape: GroupShape(H /
+    # num_kv_heads, D), compile-time constants
+    group, head_dim = shape.rows, shape.width
+    num_seqs, num_heads = query.shape[0], query.shape[1]
     num_kv_heads = key_cache.shape[1]
-    group = num_heads // num_kv_heads
     sc = np.float32(scale)
     for task in prange(num_seqs * num_kv_heads):
         s = task // num_kv_heads
         kvh = task - s * num_kv_heads
         h0 = kvh * group
-        q, acc, sco, m, l = _scratch(group, key_cache.shape[2], head_dim)
-        _start_group(q, acc, m, l, query[s, h0:h0 + group])
-        _attend_range(acc, m, l, sco, q, key_cache, value_cache, block_tables[s], kvh, 0,
-                      context_lens[s], sc)
-        _store_group(out[s, h0:h0 + group], acc, l)
+        part, sco, sco_next, m, l, alpha = _scratch(group)
+        m[:] = -np.inf
+        l[:] = 0.0
+        qv = query_operand(query, (s * num_heads + h0) * head_dim, shape, key_cache)
+        acc = _attend_range(zero_rows(shape), m, l, alpha, sco, sco_next, part, qv,
+                            key_cache, value_cache, block_tables[s], kvh, 0, context_lens[s], sc)
+        res = np.empty((group, head_dim), np.float32)
+        store_rows(res, 0, acc)
+        _store_group(out[s, h0:h0 + group], res, l)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
 def _decode_partitioned_kernel(out, query, key_cache, value_cache, block_tables, context_lens, scale,
-                               partition_size, num_parts):
-    # out, query, caches, block_tables, context_lens: as in _decode_kernel;
+                               partition_size, num_parts, shape):
+    # out, query, caches, block_tables, context_lens, shape: as in _decode_kernel;
     # partition_size: tokens per partition (rounded up to a block multiple here); or, when it is 0,
     # num_parts: the number of partitions of the longest context (sized to fit, >= MIN_PARTITION_SIZE)
-    num_seqs, num_heads, head_dim = query.shape
+    group, head_dim = shape.rows, shape.width
+    num_seqs, num_heads = query.shape[0], query.shape[1]
     num_kv_heads = key_cache.shape[1]
     block_size = key_cache.shape[2]
-    group = num_heads // num_kv_heads
     max_len = context_lens.max()
     if partition_size <= 0:
         partition_size = max((max_len + num_parts - 1) // num_parts, MIN_PARTITION_SIZE)
@@ -186,16 +170,19 @@ def _decode_partitioned_kernel(out, query, key_cache, value_cache, block_tables,
         s = sk // num_kv_heads
         kvh = sk - s * num_kv_heads
         h0 = kvh * group
-        q, _, sco, _, _ = _scratch(group, block_size, head_dim)
-        acc = part_acc[task]
+        part, sco, sco_next, _, _, alpha = _scratch(group)
         m = part_stats[task, 0]
         l = part_stats[task, 1]
-        _start_group(q, acc, m, l, query[s, h0:h0 + group])
+        m[:] = -np.inf
+        l[:] = 0.0
+        acc = zero_rows(shape)
         start = p * partition_size
         end = min(start + partition_size, context_lens[s])
         if start < end:
-            _attend_range(acc, m, l, sco, q, key_cache, value_cache, block_tables[s], kvh, start,
-                          end, sc)
+            qv = query_operand(query, (s * num_heads + h0) * head_dim, shape, key_cache)
+            acc = _attend_range(acc, m, l, alpha, sco, sco_next, part, qv, key_cache, value_cache,
+                                block_tables[s], kvh, start, end, sc)
+        store_rows(part_acc, task * group * head_dim, acc)
     # phase 2: log-sum-exp merge of the partitions of each (sequence, KV head); serial, since the
     # entry point partitions small batches only and a second parallel region costs more
     o = np.empty(head_dim, np.float32)
@@ -252,6 +239,7 @@ def paged_decode_attention(out, query, key_cache, value_cache, block_tables, con
     key_cache, value_cache = as_bits(key_cache), as_bits(value_cache)
     out = out.view(np.int16) if out.dtype == np.float16 else out
     num_kv_heads = key_cache.shape[1]
+    shape = GroupShape(query.shape[1] // num_kv_heads, query.shape[2])
     query = as_input(query, key_cache)
     block_tables = np.ascontiguousarray(block_tables, dtype=np.int32)
     context_lens = np.ascontiguousarray(context_lens, dtype=np.int32)
@@ -263,9 +251,9 @@ def paged_decode_attention(out, query, key_cache, value_cache, block_tables, con
         num_parts = auto_partitions(num_seqs, num_kv_heads, threads)
     if partition_size > 0 or num_parts > 1:
         _decode_partitioned_kernel(target, query, key_cache, value_cache, block_tables,
-                                   context_lens, float(scale), partition_size, num_parts)
+                                   context_lens, float(scale), partition_size, num_parts, shape)
     else:
         _decode_kernel(target, query, key_cache, value_cache, block_tables, context_lens,
-                       float(scale))
+                       float(scale), shape)
     if target is not out:
         out[...] = target
