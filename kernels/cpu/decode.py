@@ -39,15 +39,13 @@ MIN_PARTITION_SIZE = 128  # tokens: the automatic partitions are never shorter
 
 @njit(fastmath=_FASTMATH, cache=True, nogil=True)
 def _scratch(group):
-    """One task's float32 scratch: partial dots [G * TILE * 16], the scores of two tiles
-    [G * TILE] each, running max, running sum and rescale factors [G] each."""
-    buf = np.empty(group * TILE * 16 + 2 * group * TILE + 3 * group, np.float32)
+    """One task's float32 scratch: partial dots [G * TILE * 16], the scores of two tiles and the
+    running sums per lane [G * TILE] each, rescale factors [G]."""
+    buf = np.empty(group * TILE * 16 + 3 * group * TILE + group, np.float32)
     o = group * TILE * 16
-    part = buf[:o]
-    sco = buf[o:o + group * TILE]
-    sco_next = buf[o + group * TILE:o + 2 * group * TILE]
-    o += 2 * group * TILE
-    return part, sco, sco_next, buf[o:o + group], buf[o + group:o + 2 * group], buf[o + 2 * group:]
+    gt = group * TILE
+    return buf[:o], buf[o:o + gt], buf[o + gt:o + 2 * gt], buf[o + 2 * gt:o + 3 * gt], \
+        buf[o + 3 * gt:]
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -68,25 +66,25 @@ def _tile(table, kvh, pos, end, key_cache):
 
 
 @njit(fastmath=_FASTMATH, cache=True, nogil=True)
-def _attend_range(acc, m, l, alpha, sco, sco_next, part, qv, key_cache, value_cache, table, kvh,
-                  start, end, scale):
+def _attend_range(acc, m, l, qv, key_cache, value_cache, table, kvh, start, end, scale):
     """Accumulate positions ``[start, end)`` (``start < end``) of one sequence for one KV head's
     query group; returns the new ``acc``.
 
-    acc: Rows[G x D] unnormalized output; m, l, alpha: [G] running max, sum, and scratch for the
-    rescale factors; sco, sco_next: [G * TILE] scores scratch; part: [G * TILE * 16] partial dots
-    scratch; qv: the group's query (``query_operand``); table: [max_blocks] the sequence's block
-    table.
+    acc: Rows[G x D] unnormalized output; m: [G] float32 running max, ``-inf`` on entry; l: [G]
+    float32, set to the softmax denominators (relative to ``m``); qv: the group's query
+    (``query_operand``); table: [max_blocks] the sequence's block table.
 
     Software-pipelined by tiles: the keys of tile i + 1 are read in the same loop as the values of
     tile i, so the two dependency chains (scores -> softmax -> weights; the accumulators) overlap.
     """
     head_dim = key_cache.shape[3]
+    part, sco, sco_next, lanes, alpha = _scratch(m.shape[0])
+    lanes[:] = 0.0
     n, row, ahead = _tile(table, kvh, start, end, key_cache)
     for t in range(n):
         store_partial_dots(part, t, qv, key_cache, row + t * head_dim, ahead + t * head_dim)
     tile_scores(sco, part, qv)
-    tile_softmax(sco, m, l, alpha, n, scale, qv)
+    tile_softmax(sco, m, lanes, alpha, n, scale, qv)
     acc = scale_rows(acc, alpha)
     pos = start
     while True:
@@ -102,9 +100,11 @@ def _attend_range(acc, m, l, alpha, sco, sco_next, part, qv, key_cache, value_ca
                 acc = add_weighted_row(acc, sco, t, value_cache, row + t * head_dim,
                                        ahead + t * head_dim)
         if n1 == 0:
+            for g in range(m.shape[0]):
+                l[g] = lanes[g * TILE:(g + 1) * TILE].sum()
             return acc
         tile_scores(sco_next, part, qv)
-        tile_softmax(sco_next, m, l, alpha, n1, scale, qv)
+        tile_softmax(sco_next, m, lanes, alpha, n1, scale, qv)
         acc = scale_rows(acc, alpha)
         sco, sco_next = sco_next, sco
         pos, n, row, ahead = nxt, n1, row1, ahead1
@@ -133,12 +133,12 @@ def _decode_kernel(out, query, key_cache, value_cache, block_tables, context_len
         s = task // num_kv_heads
         kvh = task - s * num_kv_heads
         h0 = kvh * group
-        part, sco, sco_next, m, l, alpha = _scratch(group)
+        stats = np.empty(2 * group, np.float32)
+        m, l = stats[:group], stats[group:]
         m[:] = -np.inf
-        l[:] = 0.0
         qv = query_operand(query, (s * num_heads + h0) * head_dim, shape, key_cache)
-        acc = _attend_range(zero_rows(shape), m, l, alpha, sco, sco_next, part, qv,
-                            key_cache, value_cache, block_tables[s], kvh, 0, context_lens[s], sc)
+        acc = _attend_range(zero_rows(shape), m, l, qv, key_cache, value_cache, block_tables[s],
+                            kvh, 0, context_lens[s], sc)
         res = np.empty((group, head_dim), np.float32)
         store_rows(res, 0, acc)
         _store_group(out[s, h0:h0 + group], res, l)
@@ -170,7 +170,6 @@ def _decode_partitioned_kernel(out, query, key_cache, value_cache, block_tables,
         s = sk // num_kv_heads
         kvh = sk - s * num_kv_heads
         h0 = kvh * group
-        part, sco, sco_next, _, _, alpha = _scratch(group)
         m = part_stats[task, 0]
         l = part_stats[task, 1]
         m[:] = -np.inf
@@ -180,8 +179,8 @@ def _decode_partitioned_kernel(out, query, key_cache, value_cache, block_tables,
         end = min(start + partition_size, context_lens[s])
         if start < end:
             qv = query_operand(query, (s * num_heads + h0) * head_dim, shape, key_cache)
-            acc = _attend_range(acc, m, l, alpha, sco, sco_next, part, qv, key_cache, value_cache,
-                                block_tables[s], kvh, start, end, sc)
+            acc = _attend_range(acc, m, l, qv, key_cache, value_cache, block_tables[s], kvh, start,
+                                end, sc)
         store_rows(part_acc, task * group * head_dim, acc)
     # phase 2: log-sum-exp merge of the partitions of each (sequence, KV head); serial, since the
     # entry point partitions small batches only and a second parallel region costs more

@@ -271,6 +271,25 @@ def query_operand(typingctx, query, start, shape, cache):
 
 
 @intrinsic
+def load_rows(typingctx, array, start, shape):
+    """``Rows[shape.rows x shape.width]`` from consecutive elements of a float32 ``array`` from flat
+    index ``start`` (what ``store_rows`` stored)."""
+    if not (_c_array(array) and array.dtype == types.float32 and isinstance(start, types.Integer)
+            and isinstance(shape, GroupShapeType)):
+        return None
+    result = Rows(shape.rows, shape.width)
+
+    def codegen(context, builder, sig, args):
+        flat = _load(context, builder, array, args[0], args[1], start, shape.rows * shape.width)
+        value = ir.Constant(context.get_value_type(result), None)
+        for r in range(shape.rows):
+            value = builder.insert_value(value, _slice(builder, flat, r * shape.width, shape.width), r)
+        return value
+
+    return result(array, start, shape), codegen
+
+
+@intrinsic
 def zero_rows(typingctx, shape):
     """``Rows[shape.rows x shape.width]`` of zeros."""
     if not isinstance(shape, GroupShapeType):
@@ -459,9 +478,11 @@ def tile_softmax(typingctx, scores, m, l, alpha, n, scale, query):
     gives the rows): ``s = scale * scores[g * TILE : (g + 1) * TILE]`` (lanes from ``n`` on are
     masked out), ``m' = max(m[g], max(s))``; then ``alpha[g] = exp(m[g] - m')`` (the factor that
     rescales what was accumulated so far; 0 on the first tile, where ``m[g]`` is ``-inf``),
-    ``scores[...] = exp(s - m')`` (0 where masked), ``l[g] = l[g] * alpha[g] + sum of those``,
-    ``m[g] = m'``. ``exp`` is ``common.exp_nonpositive``'s polynomial. ``scores``, ``m``, ``l``,
-    ``alpha``: float32."""
+    ``scores[...] = p = exp(s - m')`` (0 where masked), ``m[g] = m'``, and the running sum, kept
+    per lane so that no tile pays for a horizontal sum: ``l[g * TILE + i] = l[g * TILE + i] *
+    alpha[g] + p[i]`` (``lane_sums`` adds the lanes up at the end). ``exp`` is
+    ``common.exp_nonpositive``'s polynomial, one vector call for the tile's scores of a row and one
+    for the rescale factors of all rows. ``scores``, ``m``, ``l``, ``alpha``: float32."""
     arrays = (scores, m, l, alpha)
     if not (all(_c_array(a) and a.dtype == types.float32 for a in arrays)
             and isinstance(n, types.Integer) and isinstance(scale, types.Float)
@@ -482,24 +503,28 @@ def tile_softmax(typingctx, scores, m, l, alpha, n, scale, query):
                                     _splat(builder, context.cast(builder, n_val, n, types.intp), TILE))
         scale_vec = _splat(builder, context.cast(builder, scale_val, scale, types.float32), TILE)
         minus_inf = ir.Constant(vec, [float("-inf")] * TILE)
-        for g in range(query.rows):
+        rows = query.rows
+        gvec = ir.VectorType(_F32, rows)
+        shift = ir.Constant(gvec, None)  # m[g] - m' of every row
+        probs = []
+        for g in range(rows):
             ptr = builder.bitcast(builder.gep(s_base, [ir.Constant(i64, g * TILE)]), vec.as_pointer())
             s = builder.select(valid, builder.fmul(builder.load(ptr, align=4), scale_vec), minus_inf)
             m_ptr = builder.gep(m_base, [ir.Constant(i64, g)])
             m_old = builder.load(m_ptr, align=4)
             m_new = _max(builder, m_old, _reduce(builder, s, lambda a, b: _max(builder, a, b)))
-            p = _exp_nonpositive(builder, builder.fsub(s, _splat(builder, m_new, TILE)))
-            one = ir.VectorType(_F32, 1)
-            a = builder.extract_element(_exp_nonpositive(builder, builder.insert_element(
-                ir.Constant(one, None), builder.fsub(m_old, m_new), ir.Constant(_I32, 0))),
-                ir.Constant(_I32, 0))
-            total = _reduce(builder, p, builder.fadd)
-            l_ptr = builder.gep(l_base, [ir.Constant(i64, g)])
-            builder.store(_call(builder, "llvm.fmuladd.f32", _F32,
-                                [builder.load(l_ptr, align=4), a, total]), l_ptr, align=4)
             builder.store(m_new, m_ptr, align=4)
-            builder.store(a, builder.gep(a_base, [ir.Constant(i64, g)]), align=4)
+            shift = builder.insert_element(shift, builder.fsub(m_old, m_new), ir.Constant(_I32, g))
+            p = _exp_nonpositive(builder, builder.fsub(s, _splat(builder, m_new, TILE)))
             builder.store(p, ptr, align=4)
+            probs.append(p)
+        factors = _exp_nonpositive(builder, shift)
+        for g, p in enumerate(probs):
+            a = builder.extract_element(factors, ir.Constant(_I32, g))
+            builder.store(a, builder.gep(a_base, [ir.Constant(i64, g)]), align=4)
+            l_ptr = builder.bitcast(builder.gep(l_base, [ir.Constant(i64, g * TILE)]), vec.as_pointer())
+            builder.store(_fma(builder, builder.load(l_ptr, align=4), _splat(builder, a, TILE), p),
+                          l_ptr, align=4)
         return context.get_dummy_value()
 
     return types.void(scores, m, l, alpha, n, scale, query), codegen
