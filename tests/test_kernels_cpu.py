@@ -232,8 +232,8 @@ def test_backend_views_dtypes_and_one_specialization():
     # other tests in this process compile other shapes): every array C-contiguous, indices
     # int32/int64 as the wrappers make them, whatever the views and index dtypes the dispatch passed
     seen = {}
-    for kernel in (cpu.decode._decode_kernel, cpu.decode._decode_partitioned_kernel,
-                   cpu.prefill._prefill_kernel, cpu.cache_ops._write_kv_kernel):
+    for kernel in (cpu.decode._rows_kernel, cpu.decode._rows_partitioned_kernel,
+                   cpu.cache_ops._write_kv_kernel):
         formats = set()
         for sig in kernel.signatures:
             arrays = [a for a in sig if isinstance(a, numba.types.Array)]
@@ -244,10 +244,10 @@ def test_backend_views_dtypes_and_one_specialization():
             formats.add((tuple(a.dtype for a in arrays), shapes))
         assert len(formats) == len(kernel.signatures), kernel.signatures
         seen[kernel] = {dtype for f, _ in formats for dtype in f}
-    # the bf16 cache went through the kernels (decode: partitioned or not, by the thread count)
-    decode_kernels = (cpu.decode._decode_kernel, cpu.decode._decode_partitioned_kernel)
-    assert numba.uint16 in seen[decode_kernels[0]] | seen[decode_kernels[1]]
-    assert numba.uint16 in seen[cpu.prefill._prefill_kernel]
+    # the bf16 cache went through the kernels (decode and prefill both run the rows kernels,
+    # partitioned or not, by the thread count)
+    rows_kernels = (cpu.decode._rows_kernel, cpu.decode._rows_partitioned_kernel)
+    assert numba.uint16 in seen[rows_kernels[0]] | seen[rows_kernels[1]]
 
 
 def test_exp_nonpositive_is_libm_exp_within_3_ulp():

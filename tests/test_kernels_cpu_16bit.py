@@ -165,6 +165,12 @@ def test_backend_runs_16bit_caches_without_the_reference(dtype, monkeypatch):
     reference.write_kv_cache(ref_k, ref_v, new_k, new_k, torch.tensor([0, 17, -1]))
     ref_pools = [t.clone() for t in (ref_k, ref_v)]
     reference.copy_blocks([ref_pools[0]], [ref_pools[1]], torch.tensor([[1, 2]]))
+    # a prefill: the last 5 and 40 positions of sequences 3 and 4 (100 and 257 tokens) as new tokens
+    pre_qsl = torch.tensor([0, 5, 45], dtype=torch.int32)
+    pre_query = torch.randn(45, 6, 64, generator=g).to(dtype)
+    pre_expected = torch.empty(pre_query.shape)
+    reference.paged_prefill_attention(pre_expected, pre_query.float(), key_cache.float(),
+                                      value_cache.float(), tables[3:5], pre_qsl, lens[3:5], 0.125)
 
     def fail(*args, **kwargs):
         raise AssertionError("the reference ran")
@@ -176,6 +182,10 @@ def test_backend_runs_16bit_caches_without_the_reference(dtype, monkeypatch):
     out = torch.empty_like(query)
     backend.decode(out, query, key_cache, value_cache, tables.long(), lens.long(), 0.125)
     torch.testing.assert_close(out.float(), expected, atol=ATOL, rtol=OUT_RTOL[dtype])
+    pre_out = torch.empty_like(pre_query)
+    backend.prefill(pre_out, pre_query, key_cache, value_cache, tables[3:5].long(), pre_qsl,
+                    lens[3:5].long(), 0.125)
+    torch.testing.assert_close(pre_out.float(), pre_expected, atol=ATOL, rtol=OUT_RTOL[dtype])
     backend.write_kv(key_cache, value_cache, new_k, new_k, torch.tensor([0, 17, -1]))
     backend.copy_blocks([key_cache], [value_cache], torch.tensor([[1, 2]]))
     for got, want in zip((key_cache, value_cache), ref_pools):

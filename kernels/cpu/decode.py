@@ -120,120 +120,134 @@ def _store_group(out_rows, acc, l):
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
-def _decode_kernel(out, query, key_cache, value_cache, block_tables, context_lens, scale, shape):
-    # out, query: [S, H, D] float32 or the cache's format; key_cache, value_cache: [num_blocks,
+def _rows_kernel(out, query, key_cache, value_cache, block_tables, rows, seqs, lens, scale, shape):
+    # out, query: [R, H, D] float32 or the cache's format; key_cache, value_cache: [num_blocks,
     # num_kv_heads, block_size, D] float32 / bf16 bits (uint16) / fp16 bits (int16);
-    # block_tables: [S, max_blocks] int32; context_lens: [S] int32; shape: GroupShape(H /
-    # num_kv_heads, D), compile-time constants
+    # block_tables: [S, max_blocks] int32; rows, seqs, lens: [N] int32, in task order: the query
+    # (and out) row, its block-table row, and the positions it attends to ([0, lens[i]), >= 1);
+    # shape: GroupShape(H / num_kv_heads, D), compile-time constants.
+    # Tasks: (row i, KV head), over the rows in the given order.
     group, head_dim = shape.rows, shape.width
-    num_seqs, num_heads = query.shape[0], query.shape[1]
+    num_heads = query.shape[1]
     num_kv_heads = key_cache.shape[1]
     sc = np.float32(scale)
-    for task in prange(num_seqs * num_kv_heads):
-        s = task // num_kv_heads
-        kvh = task - s * num_kv_heads
+    for task in prange(rows.shape[0] * num_kv_heads):
+        i = task // num_kv_heads
+        kvh = task - i * num_kv_heads
+        r = rows[i]
         h0 = kvh * group
-        stats = np.empty(2 * group, np.float32)
-        m, l = stats[:group], stats[group:]
+        buf = np.empty(group * (head_dim + 2), np.float32)
+        m, l, res = buf[:group], buf[group:2 * group], buf[2 * group:]
         m[:] = -np.inf
-        qv = query_operand(query, (s * num_heads + h0) * head_dim, shape, key_cache)
-        acc = _attend_range(zero_rows(shape), m, l, qv, key_cache, value_cache, block_tables[s],
-                            kvh, 0, context_lens[s], sc)
-        res = np.empty((group, head_dim), np.float32)
+        qv = query_operand(query, (r * num_heads + h0) * head_dim, shape, key_cache)
+        acc = _attend_range(zero_rows(shape), m, l, qv, key_cache, value_cache,
+                            block_tables[seqs[i]], kvh, 0, lens[i], sc)
         store_rows(res, 0, acc)
-        _store_group(out[s, h0:h0 + group], res, l)
+        _store_group(out[r, h0:h0 + group], res.reshape((group, head_dim)), l)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
-def _decode_partitioned_kernel(out, query, key_cache, value_cache, block_tables, context_lens, scale,
-                               partition_size, num_parts, shape):
-    # out, query, caches, block_tables, context_lens, shape: as in _decode_kernel;
+def _rows_partitioned_kernel(out, query, key_cache, value_cache, block_tables, rows, seqs, lens,
+                             scale, partition_size, num_parts, shape):
+    # out, query, caches, block_tables, rows, seqs, lens, shape: as in _rows_kernel;
     # partition_size: tokens per partition (rounded up to a block multiple here); or, when it is 0,
-    # num_parts: the number of partitions of the longest context (sized to fit, >= MIN_PARTITION_SIZE)
+    # num_parts: the number of partitions of the longest row (sized to fit, >= MIN_PARTITION_SIZE)
     group, head_dim = shape.rows, shape.width
-    num_seqs, num_heads = query.shape[0], query.shape[1]
+    num_heads = query.shape[1]
     num_kv_heads = key_cache.shape[1]
     block_size = key_cache.shape[2]
-    max_len = context_lens.max()
+    max_len = lens.max()
     if partition_size <= 0:
         partition_size = max((max_len + num_parts - 1) // num_parts, MIN_PARTITION_SIZE)
     partition_size = (partition_size + block_size - 1) // block_size * block_size
     num_parts = (max_len + partition_size - 1) // partition_size
     sc = np.float32(scale)
-    tasks = num_seqs * num_kv_heads * num_parts
+    tasks = rows.shape[0] * num_kv_heads * num_parts
     part_acc = np.empty((tasks, group, head_dim), np.float32)  # unnormalized partial outputs
     part_stats = np.empty((tasks, 2, group), np.float32)  # running max and sum
-    # phase 1: every (sequence, KV head, partition) on its own, unnormalized
+    # phase 1: every (row, KV head, partition) on its own, unnormalized
     for task in prange(tasks):
         p = task % num_parts
-        sk = task // num_parts
-        s = sk // num_kv_heads
-        kvh = sk - s * num_kv_heads
-        h0 = kvh * group
+        ik = task // num_parts
+        i = ik // num_kv_heads
+        kvh = ik - i * num_kv_heads
         m = part_stats[task, 0]
         l = part_stats[task, 1]
         m[:] = -np.inf
         l[:] = 0.0
         acc = zero_rows(shape)
         start = p * partition_size
-        end = min(start + partition_size, context_lens[s])
+        end = min(start + partition_size, lens[i])
         if start < end:
-            qv = query_operand(query, (s * num_heads + h0) * head_dim, shape, key_cache)
-            acc = _attend_range(acc, m, l, qv, key_cache, value_cache, block_tables[s], kvh, start,
-                                end, sc)
+            qv = query_operand(query, (rows[i] * num_heads + kvh * group) * head_dim, shape,
+                               key_cache)
+            acc = _attend_range(acc, m, l, qv, key_cache, value_cache, block_tables[seqs[i]], kvh,
+                                start, end, sc)
         store_rows(part_acc, task * group * head_dim, acc)
-    # phase 2: log-sum-exp merge of the partitions of each (sequence, KV head); serial, since the
-    # entry point partitions small batches only and a second parallel region costs more
+    # phase 2: log-sum-exp merge of the partitions of each (row, KV head); serial, since the entry
+    # point partitions small batches only and a second parallel region costs more
     o = np.empty(head_dim, np.float32)
-    for sk in range(num_seqs * num_kv_heads):
-        s = sk // num_kv_heads
-        kvh = sk - s * num_kv_heads
-        used = (context_lens[s] + partition_size - 1) // partition_size
+    for ik in range(rows.shape[0] * num_kv_heads):
+        i = ik // num_kv_heads
+        kvh = ik - i * num_kv_heads
+        used = (lens[i] + partition_size - 1) // partition_size
         for g in range(group):
             gmax = np.float32(-np.inf)
             for p in range(used):
-                mp = part_stats[sk * num_parts + p, 0, g]
-                if mp > gmax:
-                    gmax = mp
-            for d in range(head_dim):
-                o[d] = 0.0
+                gmax = max(gmax, part_stats[ik * num_parts + p, 0, g])
+            o[:] = 0.0
             total = np.float32(0.0)
             for p in range(used):
-                task = sk * num_parts + p
+                task = ik * num_parts + p
                 w = np.exp(part_stats[task, 0, g] - gmax)
                 total += w * part_stats[task, 1, g]
                 a = part_acc[task, g]
                 for d in range(head_dim):
                     o[d] += w * a[d]
             inv = np.float32(1.0) / total
-            row = out[s, kvh * group + g]
+            row = out[rows[i], kvh * group + g]
             for d in range(head_dim):
                 row[d] = narrow_like(row, o[d] * inv)
 
 
-def auto_partitions(num_seqs: int, num_kv_heads: int, num_threads: int) -> int:
-    """How many partitions the decode entry point splits the longest context into by itself: 1
-    (none) unless the (sequence, KV head) tasks are too few to keep ``num_threads`` threads evenly
+def auto_partitions(num_rows: int, num_kv_heads: int, num_threads: int) -> int:
+    """How many partitions the entry point splits the longest row's context into by itself: 1
+    (none) unless the (row, KV head) tasks are too few to keep ``num_threads`` threads evenly
     busy (fewer than 4 per thread), then enough for ~4 tasks per thread. The partitions are never
     shorter than ``MIN_PARTITION_SIZE`` tokens, so short contexts stay in one."""
-    tasks = num_seqs * num_kv_heads
+    tasks = num_rows * num_kv_heads
     if num_threads <= 1 or tasks >= 4 * num_threads:
         return 1
     return -(-4 * num_threads // tasks)
 
 
-def paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale,
-                           partition_size: int | None = None, num_threads: int | None = None) -> None:
-    """One query per sequence over its whole context; writes ``out`` in place.
+def balanced_order(lens: np.ndarray) -> np.ndarray:
+    """The rows (indices into ``lens``) in task order: by length, alternately from the longest and
+    the shortest end. numba hands each thread an equal contiguous share of the tasks, so that share
+    then holds as much work as the others' (prefill rows grow by one position each: in their own
+    order, the last thread would get the longest rows)."""
+    by_len = np.argsort(lens, kind="stable")
+    order = np.empty_like(by_len)
+    half = (len(by_len) + 1) // 2
+    order[0::2] = by_len[::-1][:half]
+    order[1::2] = by_len[:len(by_len) - half]
+    return order
+
+
+def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_lens, scale,
+                partition_size: int | None = None, num_threads: int | None = None) -> None:
+    """Query row ``r`` attends to positions ``[0, row_lens[r])`` of sequence ``row_seqs[r]``'s
+    cache (``row_lens`` >= 1); writes ``out`` in place. What decode (one row per sequence) and
+    prefill (one row per new token, causal) both are.
 
     Caches: float32, numpy float16, or 16-bit bits (``kernels/cpu/common.py``); ``query`` and
-    ``out`` float32 or the cache's format. ``partition_size``: ``None`` chooses
+    ``out`` ([R, H, D]) float32 or the cache's format. ``partition_size``: ``None`` chooses
     (``auto_partitions``), ``0`` never partitions, a positive number forces the partitioned form
     with partitions of that many tokens (rounded up to a multiple of the block size).
     ``num_threads``: numba's current count, when the caller knows it.
     """
-    num_seqs = query.shape[0]
-    if num_seqs == 0:
+    num_rows = query.shape[0]
+    if num_rows == 0:
         return
     key_cache, value_cache = as_bits(key_cache), as_bits(value_cache)
     out = out.view(np.int16) if out.dtype == np.float16 else out
@@ -241,18 +255,29 @@ def paged_decode_attention(out, query, key_cache, value_cache, block_tables, con
     shape = GroupShape(query.shape[1] // num_kv_heads, query.shape[2])
     query = as_input(query, key_cache)
     block_tables = np.ascontiguousarray(block_tables, dtype=np.int32)
-    context_lens = np.ascontiguousarray(context_lens, dtype=np.int32)
+    row_lens = np.ascontiguousarray(row_lens, dtype=np.int32)
+    rows = balanced_order(row_lens).astype(np.int32)
+    seqs = np.ascontiguousarray(np.asarray(row_seqs)[rows], dtype=np.int32)
+    lens = row_lens[rows]
     target = output_target(out, key_cache)
     num_parts = 1
     if partition_size is None:
         partition_size = 0
         threads = numba.get_num_threads() if num_threads is None else num_threads
-        num_parts = auto_partitions(num_seqs, num_kv_heads, threads)
+        num_parts = auto_partitions(num_rows, num_kv_heads, threads)
     if partition_size > 0 or num_parts > 1:
-        _decode_partitioned_kernel(target, query, key_cache, value_cache, block_tables,
-                                   context_lens, float(scale), partition_size, num_parts, shape)
+        _rows_partitioned_kernel(target, query, key_cache, value_cache, block_tables, rows, seqs,
+                                 lens, float(scale), partition_size, num_parts, shape)
     else:
-        _decode_kernel(target, query, key_cache, value_cache, block_tables, context_lens,
-                       float(scale), shape)
+        _rows_kernel(target, query, key_cache, value_cache, block_tables, rows, seqs, lens,
+                     float(scale), shape)
     if target is not out:
         out[...] = target
+
+
+def paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale,
+                           partition_size: int | None = None, num_threads: int | None = None) -> None:
+    """One query per sequence over its whole context; writes ``out`` in place. Formats and
+    options as in ``attend_rows``."""
+    attend_rows(out, query, key_cache, value_cache, block_tables, np.arange(query.shape[0]),
+                context_lens, scale, partition_size, num_threads)
