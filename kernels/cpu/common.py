@@ -1,5 +1,5 @@
-"""What the Numba CPU kernels share: the 16-bit storage formats, the prefetch intrinsic and the
-fastmath flags.
+"""What the Numba CPU kernels share: the 16-bit storage formats, the prefetch intrinsic, the
+``exp`` of the softmax and the fastmath flags.
 
 Storage formats. Caches, queries, outputs and new keys/values may be float32, bfloat16 or
 float16; the kernels load 16-bit values, widen them to float32 in registers and accumulate in
@@ -15,16 +15,16 @@ their raw bits in integer arrays whose dtype names the format (``BITS_DTYPES``):
 
 ``widen(x)`` gives a float32; ``narrow_like(array, x)`` gives ``x`` in ``array``'s format (a plain
 copy when the formats are equal, so moving 16-bit values never changes a bit). The attention
-kernels widen each K/V element where their loops read it (a shift, which vectorizes with the
-loop): a separate pass widening each block into float32 scratch first measured 1.3x to 1.8x
-slower on bf16 caches.
+kernels widen K/V rows in registers as they load them (``kernels/cpu/vectors.py``; a separate
+pass widening each block into float32 scratch first had measured 1.3x to 1.8x slower on bf16
+caches), or multiply bfloat16 pairs directly where the CPU has AVX-512 BF16.
 
 Flags and cache:
 
-- ``fastmath`` is limited to ``reassoc``/``contract`` (plus ``nsz``/``arcp``) so that the dot
-  products over ``head_dim`` vectorize; no ``nnan``/``ninf`` (the running max starts at ``-inf``)
-  and no ``afn``. The softmax's per-token ``exp`` is ``exp_nonpositive`` (plain arithmetic that
-  vectorizes, within 3 ulp of libm's); the per-block rescales keep libm's ``exp``.
+- ``fastmath`` is limited to ``reassoc``/``contract`` (plus ``nsz``/``arcp``) so that the loops
+  over ``head_dim`` vectorize; no ``nnan``/``ninf`` (a running max starts at ``-inf``) and no
+  ``afn``. The softmax's ``exp`` is ``exp_nonpositive`` (plain arithmetic, within 3 ulp of
+  libm's), which ``kernels/cpu/tiles.py`` computes on vectors with the same polynomial.
 - numba's on-disk cache (``cache=True``) is checked against the kernel's own source file only, not
   against the modules it imports: after editing this module, delete ``kernels/cpu/__pycache__``
   (or the ``NUMBA_CACHE_DIR``) so the kernels are compiled again. Constants that only one kernel
