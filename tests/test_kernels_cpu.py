@@ -49,6 +49,15 @@ def _np(*tensors):
     return [t.numpy() for t in tensors]
 
 
+@pytest.fixture(params=["parallel", "serial"])
+def rows_kernel(request, monkeypatch):
+    """The attention entry points run the parallel rows kernel or the serial one, by the work's
+    size (``decode.MAX_SERIAL_WORK``): a test that takes this fixture checks both."""
+    limit = -1 if request.param == "parallel" else 1 << 40
+    monkeypatch.setattr(cpu.decode, "MAX_SERIAL_WORK", limit)
+    return request.param
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -73,7 +82,8 @@ def test_write_kv_cache_exact_and_skips_negative_slots(block_size, num_heads, nu
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])  # GQA ratios 1 and 3
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("partition_size", [0, None, 40])  # never, auto, forced (rounded to blocks)
-def test_decode_matches_reference(block_size, num_heads, num_kv_heads, head_dim, partition_size):
+def test_decode_matches_reference(block_size, num_heads, num_kv_heads, head_dim, partition_size,
+                                  rows_kernel):
     lens = _lens_for(block_size)
     key_cache, value_cache, tables, g = _make_cache(lens, num_kv_heads, head_dim, block_size, seed=2)
     context_lens = torch.tensor(lens, dtype=torch.int32)
@@ -117,7 +127,7 @@ def _prefill_case(q_lens, lens, num_heads, num_kv_heads, head_dim, block_size, s
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_prefill_matches_reference(block_size, num_heads, num_kv_heads, head_dim):
+def test_prefill_matches_reference(block_size, num_heads, num_kv_heads, head_dim, rows_kernel):
     # fresh prompts (q_len == context), chunked prefills over a cached prefix, single tokens,
     # an empty entry, tile boundaries (16, 17, 33 rows) and block-size multiples
     q_lens = [16, 17, 1, 0, 33, 5, block_size, 40]
@@ -232,8 +242,8 @@ def test_backend_views_dtypes_and_one_specialization():
     # other tests in this process compile other shapes): every array C-contiguous, indices
     # int32/int64 as the wrappers make them, whatever the views and index dtypes the dispatch passed
     seen = {}
-    for kernel in (cpu.decode._rows_kernel, cpu.decode._rows_partitioned_kernel,
-                   cpu.cache_ops._write_kv_kernel):
+    for kernel in (cpu.decode._rows_kernel, cpu.decode._rows_serial_kernel,
+                   cpu.decode._rows_partitioned_kernel, cpu.cache_ops._write_kv_kernel):
         formats = set()
         for sig in kernel.signatures:
             arrays = [a for a in sig if isinstance(a, numba.types.Array)]
@@ -244,10 +254,11 @@ def test_backend_views_dtypes_and_one_specialization():
             formats.add((tuple(a.dtype for a in arrays), shapes))
         assert len(formats) == len(kernel.signatures), kernel.signatures
         seen[kernel] = {dtype for f, _ in formats for dtype in f}
-    # the bf16 cache went through the kernels (decode and prefill both run the rows kernels,
-    # partitioned or not, by the thread count)
-    rows_kernels = (cpu.decode._rows_kernel, cpu.decode._rows_partitioned_kernel)
-    assert numba.uint16 in seen[rows_kernels[0]] | seen[rows_kernels[1]]
+    # the bf16 cache went through the kernels (decode and prefill both run the rows kernels:
+    # parallel, serial or partitioned, by the work's size and the thread count)
+    rows_kernels = (cpu.decode._rows_kernel, cpu.decode._rows_serial_kernel,
+                    cpu.decode._rows_partitioned_kernel)
+    assert numba.uint16 in set().union(*(seen[k] for k in rows_kernels))
 
 
 def test_exp_nonpositive_is_libm_exp_within_3_ulp():

@@ -58,6 +58,12 @@ _PREFETCH_AHEAD = 2  # cache blocks ahead of the one being read whose K/V are pr
 # faster than any partition size up to 8,192 tokens (136 us against 132-143 at 8,192; 55 against
 # 63-79 at 1,024); at 16,384 tokens partitions of 4,096 took 11% less, at 32,768 12%.
 MIN_PARTITION_SIZE = 4096
+# (token, KV head) pairs up to which a call runs on the calling thread: waking the others for a
+# parallel region costs ~50 us (OMP_WAIT_POLICY=PASSIVE, after a torch matmul, as in a model
+# step). Measured, 2 threads, bf16 (fp32 alike): batch 1 x 256 tokens 22 us serial against 70 in
+# parallel; 8 x 256 (6,144 pairs) 64 against 89; 16 x 256 (12,288) 111 against 112; 64 x 64 158
+# against 123.
+MAX_SERIAL_WORK = 6144
 
 
 @njit(fastmath=_FASTMATH, cache=True, nogil=True)
@@ -134,12 +140,29 @@ def _attend_range(acc, m, l, qv, key_cache, value_cache, table, kvh, start, end,
 
 
 @njit(fastmath=_FASTMATH, cache=True, nogil=True)
-def _store_group(out_rows, acc, l):
-    """``out_rows`` ([G, D], the output's format) = ``acc / l``; ``acc``: float32 [G, D]."""
-    for g in range(acc.shape[0]):
+def _row_task(out, query, key_cache, value_cache, block_tables, rows, seqs, lens, scale, shape,
+              task):
+    """Task ``task`` of the rows kernels: row ``task // num_kv_heads`` of the task order, for KV
+    head ``task % num_kv_heads``, written to ``out``."""
+    group, head_dim = shape.rows, shape.width
+    num_heads = query.shape[1]
+    num_kv_heads = key_cache.shape[1]
+    i = task // num_kv_heads
+    kvh = task - i * num_kv_heads
+    r = rows[i]
+    h0 = kvh * group
+    buf = np.empty(group * (head_dim + 2), np.float32)
+    m, l, res = buf[:group], buf[group:2 * group], buf[2 * group:]
+    m[:] = -np.inf
+    qv = query_operand(query, (r * num_heads + h0) * head_dim, shape, key_cache)
+    acc = _attend_range(zero_rows(shape), m, l, qv, key_cache, value_cache, block_tables[seqs[i]],
+                        kvh, 0, lens[i], scale)
+    store_rows(res, 0, acc)
+    out_rows = out[r, h0:h0 + group]
+    for g in range(group):
         inv = np.float32(1.0) / l[g]
-        for d in range(acc.shape[1]):
-            out_rows[g, d] = narrow_like(out_rows, acc[g, d] * inv)
+        for d in range(head_dim):
+            out_rows[g, d] = narrow_like(out_rows, res[g * head_dim + d] * inv)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
@@ -149,24 +172,21 @@ def _rows_kernel(out, query, key_cache, value_cache, block_tables, rows, seqs, l
     # block_tables: [S, max_blocks] int32; rows, seqs, lens: [N] int32, in task order: the query
     # (and out) row, its block-table row, and the positions it attends to ([0, lens[i]), >= 1);
     # shape: GroupShape(H / num_kv_heads, D), compile-time constants.
-    # Tasks: (row i, KV head), over the rows in the given order.
-    group, head_dim = shape.rows, shape.width
-    num_heads = query.shape[1]
-    num_kv_heads = key_cache.shape[1]
+    # Tasks: (row i, KV head), over the rows in the given order, in parallel.
     sc = np.float32(scale)
-    for task in prange(rows.shape[0] * num_kv_heads):
-        i = task // num_kv_heads
-        kvh = task - i * num_kv_heads
-        r = rows[i]
-        h0 = kvh * group
-        buf = np.empty(group * (head_dim + 2), np.float32)
-        m, l, res = buf[:group], buf[group:2 * group], buf[2 * group:]
-        m[:] = -np.inf
-        qv = query_operand(query, (r * num_heads + h0) * head_dim, shape, key_cache)
-        acc = _attend_range(zero_rows(shape), m, l, qv, key_cache, value_cache,
-                            block_tables[seqs[i]], kvh, 0, lens[i], sc)
-        store_rows(res, 0, acc)
-        _store_group(out[r, h0:h0 + group], res.reshape((group, head_dim)), l)
+    for task in prange(rows.shape[0] * key_cache.shape[1]):
+        _row_task(out, query, key_cache, value_cache, block_tables, rows, seqs, lens, sc, shape,
+                  task)
+
+
+@njit(fastmath=_FASTMATH, cache=True, nogil=True)
+def _rows_serial_kernel(out, query, key_cache, value_cache, block_tables, rows, seqs, lens, scale,
+                        shape):
+    # as _rows_kernel, on the calling thread: for work too small to pay for waking the others
+    sc = np.float32(scale)
+    for task in range(rows.shape[0] * key_cache.shape[1]):
+        _row_task(out, query, key_cache, value_cache, block_tables, rows, seqs, lens, sc, shape,
+                  task)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
@@ -266,7 +286,8 @@ def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_
     (``auto_partitions``), ``0`` never partitions, a positive number splits the contexts into
     partitions of that many tokens (rounded up to a multiple of the block size; a context no
     longer than one partition is not split).
-    ``num_threads``: numba's current count, when the caller knows it.
+    ``num_threads``: numba's current count, when the caller knows it. Calls with little work
+    (``MAX_SERIAL_WORK``) or one thread run on the calling thread.
     """
     num_rows = query.shape[0]
     if num_rows == 0:
@@ -284,17 +305,19 @@ def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_
     target = output_target(out, key_cache)
     block_size = key_cache.shape[2]
     max_len = int(lens.max())
+    threads = numba.get_num_threads() if num_threads is None else num_threads
+    serial = threads <= 1 or int(lens.sum()) * num_kv_heads <= MAX_SERIAL_WORK
     if partition_size is None:
-        threads = numba.get_num_threads() if num_threads is None else num_threads
-        num_parts = auto_partitions(num_rows, num_kv_heads, threads)
+        num_parts = 1 if serial else auto_partitions(num_rows, num_kv_heads, threads)
         partition_size = 0 if num_parts == 1 else max(-(-max_len // num_parts), MIN_PARTITION_SIZE)
     partition_size = -(-partition_size // block_size) * block_size
     if 0 < partition_size < max_len:
         _rows_partitioned_kernel(target, query, key_cache, value_cache, block_tables, rows, seqs,
                                  lens, float(scale), partition_size, shape)
     else:
-        _rows_kernel(target, query, key_cache, value_cache, block_tables, rows, seqs, lens,
-                     float(scale), shape)
+        kernel = _rows_serial_kernel if serial else _rows_kernel
+        kernel(target, query, key_cache, value_cache, block_tables, rows, seqs, lens, float(scale),
+               shape)
     if target is not out:
         out[...] = target
 
