@@ -82,8 +82,8 @@ def test_write_kv_cache_exact_and_skips_negative_slots(block_size, num_heads, nu
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])  # GQA ratios 1 and 3
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("partition_size", [0, None, 40])  # never, auto, forced (rounded to blocks)
-def test_decode_matches_reference(block_size, num_heads, num_kv_heads, head_dim, partition_size,
-                                  rows_kernel):
+@pytest.mark.usefixtures("rows_kernel")
+def test_decode_matches_reference(block_size, num_heads, num_kv_heads, head_dim, partition_size):
     lens = _lens_for(block_size)
     key_cache, value_cache, tables, g = _make_cache(lens, num_kv_heads, head_dim, block_size, seed=2)
     context_lens = torch.tensor(lens, dtype=torch.int32)
@@ -127,7 +127,8 @@ def _prefill_case(q_lens, lens, num_heads, num_kv_heads, head_dim, block_size, s
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_prefill_matches_reference(block_size, num_heads, num_kv_heads, head_dim, rows_kernel):
+@pytest.mark.usefixtures("rows_kernel")
+def test_prefill_matches_reference(block_size, num_heads, num_kv_heads, head_dim):
     # fresh prompts (q_len == context), chunked prefills over a cached prefix, single tokens,
     # an empty entry, tile boundaries (16, 17, 33 rows) and block-size multiples
     q_lens = [16, 17, 1, 0, 33, 5, block_size, 40]

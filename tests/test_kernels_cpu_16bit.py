@@ -19,11 +19,13 @@ import pytest
 import torch
 
 from kernels import cpu, reference
-from tests.test_kernels_cpu import ATOL, RTOL, _lens_for, _make_cache, rows_kernel  # noqa: F401
+from tests import test_kernels_cpu
+from tests.test_kernels_cpu import ATOL, RTOL, _lens_for, _make_cache
 
 DTYPES = [torch.bfloat16, torch.float16]
 OUT_RTOL = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: RTOL}
 BITS = {torch.bfloat16: torch.uint16, torch.float16: torch.int16}
+rows_kernel = test_kernels_cpu.rows_kernel  # the fixture: parallel and serial rows kernels
 
 
 def _bits(*tensors):
@@ -53,8 +55,9 @@ def _decode_case(dtype, block_size, num_heads, num_kv_heads, head_dim, seed):
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("partition_size", [0, 40])  # never, forced (rounded to blocks)
+@pytest.mark.usefixtures("rows_kernel")
 def test_decode_16bit_matches_reference(dtype, block_size, num_heads, num_kv_heads, head_dim,
-                                        partition_size, rows_kernel):
+                                        partition_size):
     query, key_cache, value_cache, tables, lens = _decode_case(
         dtype, block_size, num_heads, num_kv_heads, head_dim, seed=11)
     scale = head_dim ** -0.5
@@ -71,7 +74,8 @@ def test_decode_16bit_matches_reference(dtype, block_size, num_heads, num_kv_hea
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
-def test_prefill_16bit_matches_reference(dtype, block_size, num_heads, num_kv_heads, rows_kernel):
+@pytest.mark.usefixtures("rows_kernel")
+def test_prefill_16bit_matches_reference(dtype, block_size, num_heads, num_kv_heads):
     head_dim = 64
     q_lens = [16, 17, 1, 0, 33, 5, block_size, 40]
     lens = [16, 17 + 3, 1, 9, 33 + 2 * block_size, 200, block_size, 40 + 7 * block_size]

@@ -20,19 +20,20 @@ row per sequence, over its whole context), and prefill through it (``kernels/cpu
 - Cache blocks are scattered over the pool, so the hardware prefetchers, which follow contiguous
   streams, stall at every block boundary: each row read prefetches the row at the same offset
   ``_PREFETCH_AHEAD`` (2) blocks ahead (``llvm.prefetch``, into L2). Without it the kernel below
-  took 1.7x as long at batch 64; 1, 3 or 4 blocks ahead or prefetching into L1 measured within
-  a few % of it.
+  took 1.6x as long at batch 64; 1, 3 or 4 blocks ahead or prefetching into L1 measured within
+  5% of it.
 - Rows go to the threads in ``balanced_order`` (numba gives each thread an equal contiguous share
-  of the tasks). A small batch gives too few tasks to keep every thread busy; contexts longer than
-  ``MIN_PARTITION_SIZE`` are then split into partitions, run as (row, KV head, partition) tasks
-  and merged with the log-sum-exp rule (below that, measured no faster than an idle thread).
+  of the tasks). Calls with little work (``MAX_SERIAL_WORK``) run on the calling thread: waking
+  the others costs more. A small batch gives too few tasks to keep every thread busy; contexts
+  longer than ``MIN_PARTITION_SIZE`` are then split into partitions, run as (row, KV head,
+  partition) tasks and merged with the log-sum-exp rule (shorter ones measured no faster split).
 
 Measured against the previous kernel (a dot product and a horizontal sum per key and head, the
 group's accumulators in memory, a softmax step per block in scalar code), SmolLM2's shapes (9
 query heads, 3 KV heads, head_dim 64, block size 16) on a 2-core AMD EPYC Zen 5 (AVX-512 BF16),
 a machine shared with other work: a decode step's attention, 30 layers, batch 64, context 256,
 randomly placed blocks, 2 threads: bf16 23.2 -> 13.0 ms, fp32 31.8 -> 24.8 ms (about 30 GB/s of
-K/V read: bound by memory, where a streaming read of the machine reaches 45-55 GB/s); one layer
+K/V read: bound by memory; torch's sum over 400 MB read 45-55 GB/s in the same hour); one layer
 over caches in L3, 1 thread (the compute): bf16 14.7 -> 5.7 ms, fp32 19.3 -> 7.6 ms per 30
 calls. Tried and not kept: one task per sequence with the KV heads of a tile one after the other
 (contiguous K/V reads: no faster with scattered blocks), widening bfloat16 pairs with one
@@ -323,7 +324,8 @@ def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_
 
 
 def paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale,
-                           partition_size: int | None = None, num_threads: int | None = None) -> None:
+                           partition_size: int | None = None,
+                           num_threads: int | None = None) -> None:
     """One query per sequence over its whole context; writes ``out`` in place. Formats and
     options as in ``attend_rows``."""
     attend_rows(out, query, key_cache, value_cache, block_tables, np.arange(query.shape[0]),

@@ -2,11 +2,11 @@
 (``kernels/cpu/decode.py``), as LLVM IR on 16-lane vectors: the scores from the partial dot
 products (``tile_scores``), and the online softmax's step (``tile_softmax``).
 
-- ``tile_scores``: the 16 partial-dot vectors of a query (one per key, ``vectors.store_partial_dots``)
-  become one vector of 16 scores by a transposing tree: neighbours are shuffled into halves and
-  added, halving the lanes per key and doubling the keys per vector at each step; 15 shuffle
-  pairs and adds for 16 keys, where summing each vector on its own takes 4 shuffles and adds per
-  key.
+- ``tile_scores``: the 16 partial-dot vectors of a query (one per key,
+  ``vectors.store_partial_dots``) become one vector of 16 scores by a transposing tree:
+  neighbours are shuffled into halves and added, halving the lanes per key and doubling the keys
+  per vector at each step; 15 shuffle pairs and adds for 16 keys, where summing each vector on its
+  own takes 4 shuffles and adds per key.
 - ``tile_softmax``: scale and mask the scores, the tile's max by a tree of halves, ``exp`` by
   ``common.exp_nonpositive``'s polynomial on the vector; the rescale factors of all the group's
   queries in one vector ``exp``; the running sums kept per lane (added up once, by the caller, at
@@ -139,15 +139,17 @@ def tile_softmax(typingctx, scores, m, l, alpha, n, scale, query):
         l_base = element_ptr(context, builder, l, l_arr, zero)
         a_base = element_ptr(context, builder, alpha, a_arr, zero)
         vec = ir.VectorType(F32, TILE)
-        valid = builder.icmp_signed("<", ir.Constant(ir.VectorType(I64, TILE), list(range(TILE))),
-                                    splat(builder, context.cast(builder, n_val, n, types.intp), TILE))
+        lane_ids = ir.Constant(ir.VectorType(I64, TILE), list(range(TILE)))
+        n_vec = splat(builder, context.cast(builder, n_val, n, types.intp), TILE)
+        valid = builder.icmp_signed("<", lane_ids, n_vec)
         scale_vec = splat(builder, context.cast(builder, scale_val, scale, types.float32), TILE)
         minus_inf = ir.Constant(vec, [float("-inf")] * TILE)
         shift = ir.Constant(ir.VectorType(F32, query.rows), None)  # m[g] - m' of every row
         probs = []
         for g in range(query.rows):
             ptr = vector_at(builder, s_base, g * TILE, vec)
-            s = builder.select(valid, builder.fmul(builder.load(ptr, align=4), scale_vec), minus_inf)
+            s = builder.fmul(builder.load(ptr, align=4), scale_vec)
+            s = builder.select(valid, s, minus_inf)
             m_ptr = builder.gep(m_base, [ir.Constant(I64, g)])
             m_old = builder.load(m_ptr, align=4)
             m_new = _max(builder, m_old, _fold(builder, s, lambda a, b: _max(builder, a, b)))

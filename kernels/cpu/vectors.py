@@ -54,7 +54,8 @@ class Rows(types.Type):
 class _RowsModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
         lane = ir.IntType(16) if fe_type.bits else F32
-        super().__init__(dmm, fe_type, ir.ArrayType(ir.VectorType(lane, fe_type.width), fe_type.rows))
+        row = ir.VectorType(lane, fe_type.width)
+        super().__init__(dmm, fe_type, ir.ArrayType(row, fe_type.rows))
 
 
 class GroupShape:
@@ -102,7 +103,9 @@ def _group_shape_width(shape):
 
 def target_features() -> set[str]:
     """The CPU features numba compiles for (its ``NUMBA_CPU_FEATURES``, else the host's)."""
-    flat = config.CPU_FEATURES if config.CPU_FEATURES is not None else codegen.get_host_cpu_features()
+    flat = config.CPU_FEATURES
+    if flat is None:
+        flat = codegen.get_host_cpu_features()
     return {f[1:] for f in flat.split(",") if f.startswith("+")}
 
 
@@ -137,8 +140,8 @@ def vector_at(builder, base, offset, vec):
 
 
 def call(builder, name, ret, args):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]),
-                                        name)
+    fn_type = ir.FunctionType(ret, [a.type for a in args])
+    fn = cgutils.get_or_insert_function(builder.module, fn_type, name)
     return builder.call(fn, args)
 
 
@@ -163,7 +166,8 @@ def splat(builder, scalar, lanes):
 def _load(context, builder, aty, array, index, index_ty, lanes):
     """``lanes`` elements of ``array`` from flat ``index``, as stored."""
     vec = ir.VectorType(context.get_data_type(aty.dtype), lanes)
-    ptr = builder.bitcast(element_ptr(context, builder, aty, array, index, index_ty), vec.as_pointer())
+    ptr = element_ptr(context, builder, aty, array, index, index_ty)
+    ptr = builder.bitcast(ptr, vec.as_pointer())
     return builder.load(ptr, align=aty.dtype.bitwidth // 8)
 
 
@@ -213,7 +217,8 @@ def _rows_value(context, builder, result, flat):
     """A ``Rows`` value from one flat vector of ``rows * width`` lanes."""
     value = ir.Constant(context.get_value_type(result), None)
     for r in range(result.rows):
-        value = builder.insert_value(value, lanes_of(builder, flat, r * result.width, result.width), r)
+        row = lanes_of(builder, flat, r * result.width, result.width)
+        value = builder.insert_value(value, row, r)
     return value
 
 
@@ -232,7 +237,9 @@ def query_operand(typingctx, query, start, shape, cache):
 
     def codegen(context, builder, sig, args):
         flat = _load(context, builder, query, args[0], args[1], start, shape.rows * shape.width)
-        return _rows_value(context, builder, result, flat if bits else _widen(builder, query.dtype, flat))
+        if not bits:
+            flat = _widen(builder, query.dtype, flat)
+        return _rows_value(context, builder, result, flat)
 
     return result(query, start, shape, cache), codegen
 
@@ -261,8 +268,8 @@ def store_rows(typingctx, array, start, value):
         base = element_ptr(context, builder, array, args[0], args[1], start)
         vec = ir.VectorType(F32, value.width)
         for r in range(value.rows):
-            builder.store(builder.extract_value(args[2], r), vector_at(builder, base, r * value.width, vec),
-                          align=4)
+            ptr = vector_at(builder, base, r * value.width, vec)
+            builder.store(builder.extract_value(args[2], r), ptr, align=4)
         return context.get_dummy_value()
 
     return types.void(array, start, value), codegen
@@ -299,8 +306,8 @@ def store_partial_dots(typingctx, partial, t, query, cache, row_start, prefetch_
             else:
                 acc = builder.fmul(lanes_of(builder, q, 0, lanes), lanes_of(builder, key, 0, lanes))
                 for c in range(lanes, d, lanes):
-                    acc = fma(builder, lanes_of(builder, q, c, lanes), lanes_of(builder, key, c, lanes),
-                              acc)
+                    acc = fma(builder, lanes_of(builder, q, c, lanes),
+                              lanes_of(builder, key, c, lanes), acc)
             builder.store(acc, vector_at(builder, base, g * TILE * lanes, vec), align=4)
         return context.get_dummy_value()
 
@@ -325,7 +332,8 @@ def add_weighted_row(typingctx, acc, weights, t, cache, row_start, prefetch_star
         base = element_ptr(context, builder, weights, w_val, t_val, t)
         for g in range(acc.rows):
             w = builder.load(builder.gep(base, [ir.Constant(I64, g * TILE)]), align=4)
-            row = fma(builder, splat(builder, w, acc.width), value, builder.extract_value(acc_val, g))
+            row = fma(builder, splat(builder, w, acc.width), value,
+                      builder.extract_value(acc_val, g))
             acc_val = builder.insert_value(acc_val, row, g)
         return acc_val
 
