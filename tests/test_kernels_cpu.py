@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kernels import cpu, reference
+from kernels.cpu.vectors import GroupShapeType
 
 ATOL, RTOL = 2e-5, 1e-4
 
@@ -48,6 +49,15 @@ def _np(*tensors):
     return [t.numpy() for t in tensors]
 
 
+@pytest.fixture(params=["parallel", "serial"])
+def rows_kernel(request, monkeypatch):
+    """The attention entry points run the parallel rows kernel or the serial one, by the work's
+    size (``decode.MAX_SERIAL_WORK``): a test that takes this fixture checks both."""
+    limit = -1 if request.param == "parallel" else 1 << 40
+    monkeypatch.setattr(cpu.decode, "MAX_SERIAL_WORK", limit)
+    return request.param
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -72,6 +82,7 @@ def test_write_kv_cache_exact_and_skips_negative_slots(block_size, num_heads, nu
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])  # GQA ratios 1 and 3
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("partition_size", [0, None, 40])  # never, auto, forced (rounded to blocks)
+@pytest.mark.usefixtures("rows_kernel")
 def test_decode_matches_reference(block_size, num_heads, num_kv_heads, head_dim, partition_size):
     lens = _lens_for(block_size)
     key_cache, value_cache, tables, g = _make_cache(lens, num_kv_heads, head_dim, block_size, seed=2)
@@ -116,6 +127,7 @@ def _prefill_case(q_lens, lens, num_heads, num_kv_heads, head_dim, block_size, s
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.usefixtures("rows_kernel")
 def test_prefill_matches_reference(block_size, num_heads, num_kv_heads, head_dim):
     # fresh prompts (q_len == context), chunked prefills over a cached prefix, single tokens,
     # an empty entry, tile boundaries (16, 17, 33 rows) and block-size multiples
@@ -226,24 +238,28 @@ def test_backend_views_dtypes_and_one_specialization():
 
     # numba follows torch's thread count
     assert numba.get_num_threads() == min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    # one specialization per combination of formats: every array C-contiguous, indices int32/int64
-    # as the wrappers make them, whatever the views and index dtypes the dispatch passed
+    # one specialization per combination of formats (and, for the decode kernels, per group shape:
+    # query heads per KV head and head_dim are compile-time constants there, kernels/cpu/vectors.py;
+    # other tests in this process compile other shapes): every array C-contiguous, indices
+    # int32/int64 as the wrappers make them, whatever the views and index dtypes the dispatch passed
     seen = {}
-    for kernel in (cpu.decode._decode_kernel, cpu.decode._decode_partitioned_kernel,
-                   cpu.prefill._prefill_kernel, cpu.cache_ops._write_kv_kernel):
+    for kernel in (cpu.decode._rows_kernel, cpu.decode._rows_serial_kernel,
+                   cpu.decode._rows_partitioned_kernel, cpu.cache_ops._write_kv_kernel):
         formats = set()
         for sig in kernel.signatures:
             arrays = [a for a in sig if isinstance(a, numba.types.Array)]
             assert all(a.layout == "C" for a in arrays), sig
             assert all(a.dtype in (numba.float32, numba.uint16, numba.int16, numba.int32,
                                    numba.int64) for a in arrays), sig
-            formats.add(tuple(a.dtype for a in arrays))
+            shapes = tuple(a for a in sig if isinstance(a, GroupShapeType))
+            formats.add((tuple(a.dtype for a in arrays), shapes))
         assert len(formats) == len(kernel.signatures), kernel.signatures
-        seen[kernel] = {dtype for f in formats for dtype in f}
-    # the bf16 cache went through the kernels (decode: partitioned or not, by the thread count)
-    decode_kernels = (cpu.decode._decode_kernel, cpu.decode._decode_partitioned_kernel)
-    assert numba.uint16 in seen[decode_kernels[0]] | seen[decode_kernels[1]]
-    assert numba.uint16 in seen[cpu.prefill._prefill_kernel]
+        seen[kernel] = {dtype for f, _ in formats for dtype in f}
+    # the bf16 cache went through the kernels (decode and prefill both run the rows kernels:
+    # parallel, serial or partitioned, by the work's size and the thread count)
+    rows_kernels = (cpu.decode._rows_kernel, cpu.decode._rows_serial_kernel,
+                    cpu.decode._rows_partitioned_kernel)
+    assert numba.uint16 in set().union(*(seen[k] for k in rows_kernels))
 
 
 def test_exp_nonpositive_is_libm_exp_within_3_ulp():

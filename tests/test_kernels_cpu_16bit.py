@@ -19,11 +19,13 @@ import pytest
 import torch
 
 from kernels import cpu, reference
+from tests import test_kernels_cpu
 from tests.test_kernels_cpu import ATOL, RTOL, _lens_for, _make_cache
 
 DTYPES = [torch.bfloat16, torch.float16]
 OUT_RTOL = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: RTOL}
 BITS = {torch.bfloat16: torch.uint16, torch.float16: torch.int16}
+rows_kernel = test_kernels_cpu.rows_kernel  # the fixture: parallel and serial rows kernels
 
 
 def _bits(*tensors):
@@ -53,6 +55,7 @@ def _decode_case(dtype, block_size, num_heads, num_kv_heads, head_dim, seed):
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("partition_size", [0, 40])  # never, forced (rounded to blocks)
+@pytest.mark.usefixtures("rows_kernel")
 def test_decode_16bit_matches_reference(dtype, block_size, num_heads, num_kv_heads, head_dim,
                                         partition_size):
     query, key_cache, value_cache, tables, lens = _decode_case(
@@ -71,6 +74,7 @@ def test_decode_16bit_matches_reference(dtype, block_size, num_heads, num_kv_hea
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
+@pytest.mark.usefixtures("rows_kernel")
 def test_prefill_16bit_matches_reference(dtype, block_size, num_heads, num_kv_heads):
     head_dim = 64
     q_lens = [16, 17, 1, 0, 33, 5, block_size, 40]
@@ -165,6 +169,12 @@ def test_backend_runs_16bit_caches_without_the_reference(dtype, monkeypatch):
     reference.write_kv_cache(ref_k, ref_v, new_k, new_k, torch.tensor([0, 17, -1]))
     ref_pools = [t.clone() for t in (ref_k, ref_v)]
     reference.copy_blocks([ref_pools[0]], [ref_pools[1]], torch.tensor([[1, 2]]))
+    # a prefill: the last 5 and 40 positions of sequences 3 and 4 (100 and 257 tokens) as new tokens
+    pre_qsl = torch.tensor([0, 5, 45], dtype=torch.int32)
+    pre_query = torch.randn(45, 6, 64, generator=g).to(dtype)
+    pre_expected = torch.empty(pre_query.shape)
+    reference.paged_prefill_attention(pre_expected, pre_query.float(), key_cache.float(),
+                                      value_cache.float(), tables[3:5], pre_qsl, lens[3:5], 0.125)
 
     def fail(*args, **kwargs):
         raise AssertionError("the reference ran")
@@ -176,6 +186,10 @@ def test_backend_runs_16bit_caches_without_the_reference(dtype, monkeypatch):
     out = torch.empty_like(query)
     backend.decode(out, query, key_cache, value_cache, tables.long(), lens.long(), 0.125)
     torch.testing.assert_close(out.float(), expected, atol=ATOL, rtol=OUT_RTOL[dtype])
+    pre_out = torch.empty_like(pre_query)
+    backend.prefill(pre_out, pre_query, key_cache, value_cache, tables[3:5].long(), pre_qsl,
+                    lens[3:5].long(), 0.125)
+    torch.testing.assert_close(pre_out.float(), pre_expected, atol=ATOL, rtol=OUT_RTOL[dtype])
     backend.write_kv(key_cache, value_cache, new_k, new_k, torch.tensor([0, 17, -1]))
     backend.copy_blocks([key_cache], [value_cache], torch.tensor([[1, 2]]))
     for got, want in zip((key_cache, value_cache), ref_pools):

@@ -5,10 +5,14 @@ argument in place. ``NumbaCPUBackend`` adapts them to the torch tensors of the a
 (``services/executor/attention.py``), zero-copy through ``Tensor.numpy()``.
 
 - ``common``: the 16-bit storage formats (bfloat16 / float16 as raw bits, widened to float32 in
-  registers), the prefetch intrinsic and the fastmath flags the kernels share.
-- ``decode``: ``paged_decode_attention``, one task per (sequence, KV head), partitioned for small
-  batches (``auto_partitions``, ``MIN_PARTITION_SIZE``).
-- ``prefill``: ``paged_prefill_attention``, one task per (sequence, KV head, tile of query rows).
+  registers), the prefetch intrinsic, the softmax's ``exp`` and the fastmath flags.
+- ``vectors``, ``tiles``: LLVM IR for the attention kernels: a KV head's group of queries and
+  accumulators held in registers (``Rows``, ``GroupShape``), keys' partial dot products
+  (``vdpbf16ps`` on AVX-512 BF16), a tile's scores and online softmax step in vectors.
+- ``decode``: ``attend_rows`` (query rows over a prefix of their sequence's cache, one task per
+  row and KV head, partitioned for few long rows: ``auto_partitions``, ``MIN_PARTITION_SIZE``)
+  and ``paged_decode_attention`` on it.
+- ``prefill``: ``paged_prefill_attention``, each new token a row of ``attend_rows``.
 - ``cache_ops``: ``write_kv_cache``, ``copy_blocks``, ``swap_blocks``.
 - ``norm``, ``rotary``, ``activation``: the model's elementwise chains fused (residual add + RMS
   norm; rotary + the q/k/v split; SiLU(gate) * up), which the backend offers as ``add_rms_norm``,
@@ -20,7 +24,8 @@ argument in place. ``NumbaCPUBackend`` adapts them to the torch tensors of the a
 Compilation: ``cache=True`` (the cache lives in ``kernels/cpu/__pycache__``, or
 ``NUMBA_CACHE_DIR``). The wrappers pass C-contiguous arrays (caches, queries and outputs in
 float32 or 16-bit bits, indices int32 / int64) and a Python float, so each kernel has one
-specialization per combination of formats: one for a float32 model, one for a bf16 model.
+specialization per combination of formats: one for a float32 model, one for a bf16 model (and the
+attention kernels one per ``GroupShape``, the model's heads per KV head and head dimension).
 """
 
 from __future__ import annotations

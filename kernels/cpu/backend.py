@@ -81,11 +81,11 @@ class NumbaCPUBackend:
             return reference.paged_prefill_attention(
                 out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
                 scale)
-        sync_threads()
+        threads = sync_threads()
         paged_prefill_attention(
             kernel_array(out), kernel_array(query), kernel_array(key_cache),
             kernel_array(value_cache), kernel_array(block_tables), kernel_array(query_start_loc),
-            kernel_array(context_lens), scale)
+            kernel_array(context_lens), scale, num_threads=threads)
 
     def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
         if not _pools_ok(*key_caches, *value_caches):

@@ -1,5 +1,5 @@
-"""What the Numba CPU kernels share: the 16-bit storage formats, the prefetch intrinsic and the
-fastmath flags.
+"""What the Numba CPU kernels share: the 16-bit storage formats, the prefetch intrinsic, the
+``exp`` of the softmax and the fastmath flags.
 
 Storage formats. Caches, queries, outputs and new keys/values may be float32, bfloat16 or
 float16; the kernels load 16-bit values, widen them to float32 in registers and accumulate in
@@ -15,16 +15,16 @@ their raw bits in integer arrays whose dtype names the format (``BITS_DTYPES``):
 
 ``widen(x)`` gives a float32; ``narrow_like(array, x)`` gives ``x`` in ``array``'s format (a plain
 copy when the formats are equal, so moving 16-bit values never changes a bit). The attention
-kernels widen each K/V element where their loops read it (a shift, which vectorizes with the
-loop): a separate pass widening each block into float32 scratch first measured 1.3x to 1.8x
-slower on bf16 caches.
+kernels widen K/V rows in registers as they load them (``kernels/cpu/vectors.py``; a separate
+pass widening each block into float32 scratch first had measured 1.3x to 1.8x slower on bf16
+caches), or multiply bfloat16 pairs directly where the CPU has AVX-512 BF16.
 
 Flags and cache:
 
-- ``fastmath`` is limited to ``reassoc``/``contract`` (plus ``nsz``/``arcp``) so that the dot
-  products over ``head_dim`` vectorize; no ``nnan``/``ninf`` (the running max starts at ``-inf``)
-  and no ``afn``. The softmax's per-token ``exp`` is ``exp_nonpositive`` (plain arithmetic that
-  vectorizes, within 3 ulp of libm's); the per-block rescales keep libm's ``exp``.
+- ``fastmath`` is limited to ``reassoc``/``contract`` (plus ``nsz``/``arcp``) so that the loops
+  over ``head_dim`` vectorize; no ``nnan``/``ninf`` (a running max starts at ``-inf``) and no
+  ``afn``. The softmax's ``exp`` is ``exp_nonpositive`` (plain arithmetic, within 3 ulp of
+  libm's), which ``kernels/cpu/tiles.py`` computes on vectors with the same polynomial.
 - numba's on-disk cache (``cache=True``) is checked against the kernel's own source file only, not
   against the modules it imports: after editing this module, delete ``kernels/cpu/__pycache__``
   (or the ``NUMBA_CACHE_DIR``) so the kernels are compiled again. Constants that only one kernel
@@ -189,6 +189,18 @@ def _line_elems(array):
     return lambda array: elems
 
 
+def emit_prefetch(builder, pointer):
+    """LLVM IR: hint the CPU to fetch the cache line holding ``pointer`` (an ``i8*``)."""
+    i32 = ir.IntType(32)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32]),
+        "llvm.prefetch.p0")
+    # read, locality 1 (x86 prefetcht2: into L2, not L1), data cache. Measured on Zen 4 against
+    # locality 3 (prefetcht0): 25-30% less time on the memory-bound shapes; 2 blocks ahead
+    # beat 1 and tied with 3-4.
+    builder.call(fn, [pointer, ir.Constant(i32, 0), ir.Constant(i32, 1), ir.Constant(i32, 1)])
+
+
 @intrinsic
 def _prefetch(typingctx, array, index):
     """Hint the CPU to fetch the cache line holding ``array.flat[index]`` (C-contiguous array)."""
@@ -197,15 +209,7 @@ def _prefetch(typingctx, array, index):
 
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
-        # read, locality 1 (x86 prefetcht2: into L2, not L1), data cache. Measured on Zen 4 against
-        # locality 3 (prefetcht0): 25-30% less time on the memory-bound shapes; 2 blocks ahead
-        # beat 1 and tied with 3-4.
-        builder.call(fn, [builder.bitcast(builder.gep(data, [args[1]]), i8p), ir.Constant(i32, 0),
-                          ir.Constant(i32, 1), ir.Constant(i32, 1)])
+        emit_prefetch(builder, builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer()))
         return context.get_dummy_value()
 
     return types.void(array, index), codegen

@@ -1,24 +1,43 @@
-"""Numba CPU paged decode: one query per sequence over its whole context.
+"""Numba CPU paged attention of query rows over a prefix of their sequence's cache: decode (one
+row per sequence, over its whole context), and prefill through it (``kernels/cpu/prefill.py``).
 
-- One task per (sequence, KV head) in a ``prange``: every K/V row of the sequence is loaded once
-  and used by the whole group of query heads that share it (grouped-query attention). The softmax
-  is online at block granularity: the scores of one cache block are computed for the group, then
-  the running max / sum / accumulator are rescaled once per block (not per token). Everything
-  accumulates in float32, in per-task scratch; ``out`` is written once, at the end.
-- 16-bit caches (bfloat16 / float16 bits, ``kernels/cpu/common.py``): K and V elements are
-  widened to float32 where the dot products and the weighted sum read them (``widen`` vectorizes
-  with them; widening each block into scratch first took 1.8x as long at batch 64, bf16); a
-  float32 cache is read as is. Queries and outputs may be float32 or the cache's format.
-- The softmax's ``exp`` per token is ``exp_nonpositive`` (vectorizes; libm's does not): 15% less
-  time at batch 64.
-- A small batch gives too few tasks to keep every thread evenly busy, so the entry point then
-  splits each context into partitions (a multiple of the block size, at least
-  ``MIN_PARTITION_SIZE`` tokens: short contexts stay whole), runs (sequence, KV head, partition)
-  tasks in parallel, and merges the partial results with the log-sum-exp rule.
+- One task per (row, KV head) in a ``prange``: every K/V row of the context is loaded once for
+  the whole group of query heads that share it (grouped-query attention). The group's queries
+  and its output accumulators are values held in registers for the whole context
+  (``Rows``, ``kernels/cpu/vectors.py``), with ``GroupShape`` (heads per KV head, head_dim)
+  compiled in as constants: one specialization per model shape and formats.
+- Tiles of up to ``TILE`` (16) tokens of one block. Keys: per key, partial dot products with each
+  query of the group (``vdpbf16ps`` on bfloat16 pairs where the CPU has AVX-512 BF16 and query
+  and cache are both bfloat16; else widened to float32 and multiplied there), then the tile's 16
+  scores per query at once by a transposing tree (``tile_scores``) instead of a horizontal sum
+  per key. Softmax: online, one step per tile, in vectors (``tile_softmax``: the ``exp``
+  polynomial of ``common.exp_nonpositive``, one rescale per tile, the running sums kept per lane).
+  Values: widened once per row for the group, accumulated with FMAs into the registers.
+- Software pipelining: the keys of tile i + 1 are read in the same loop as the values of tile i,
+  so that the two dependency chains (scores -> softmax -> weights, and the accumulators) overlap.
+- Everything accumulates in float32; ``out`` is written once, at the end, in its format (float32
+  or the cache's). 16-bit caches are bfloat16 / float16 bits (``kernels/cpu/common.py``).
 - Cache blocks are scattered over the pool, so the hardware prefetchers, which follow contiguous
-  streams, stall at every block boundary: while reading one block the kernel prefetches the K/V
-  rows of the block two ahead (``llvm.prefetch``, into L2), one row per row read. That took the
-  memory-bound decode shapes from ~1.4x to ~0.8x the time of SDPA over a contiguous cache.
+  streams, stall at every block boundary: each row read prefetches the row at the same offset
+  ``_PREFETCH_AHEAD`` (2) blocks ahead (``llvm.prefetch``, into L2). Without it the kernel below
+  took 1.6x as long at batch 64; 1, 3 or 4 blocks ahead or prefetching into L1 measured within
+  5% of it.
+- Rows go to the threads in ``balanced_order`` (numba gives each thread an equal contiguous share
+  of the tasks). Calls with little work (``MAX_SERIAL_WORK``) run on the calling thread: waking
+  the others costs more. A small batch gives too few tasks to keep every thread busy; contexts
+  longer than ``MIN_PARTITION_SIZE`` are then split into partitions, run as (row, KV head,
+  partition) tasks and merged with the log-sum-exp rule (shorter ones measured no faster split).
+
+Measured against the previous kernel (a dot product and a horizontal sum per key and head, the
+group's accumulators in memory, a softmax step per block in scalar code), SmolLM2's shapes (9
+query heads, 3 KV heads, head_dim 64, block size 16) on a 2-core AMD EPYC Zen 5 (AVX-512 BF16),
+a machine shared with other work: a decode step's attention, 30 layers, batch 64, context 256,
+randomly placed blocks, 2 threads: bf16 23.2 -> 13.0 ms, fp32 31.8 -> 24.8 ms (about 30 GB/s of
+K/V read: bound by memory; torch's sum over 400 MB read 45-55 GB/s in the same hour); one layer
+over caches in L3, 1 thread (the compute): bf16 14.7 -> 5.7 ms, fp32 19.3 -> 7.6 ms per 30
+calls. Tried and not kept: one task per sequence with the KV heads of a tile one after the other
+(contiguous K/V reads: no faster with scattered blocks), widening bfloat16 pairs with one
+instruction per 16 lanes (no faster).
 """
 
 from __future__ import annotations
@@ -27,245 +46,287 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from kernels.cpu.common import (
-    _FASTMATH, _prefetch, as_bits, as_input, exp_nonpositive, line_elems, narrow_like, output_target,
-    widen,
+from kernels.cpu.common import _FASTMATH, as_bits, as_input, narrow_like, output_target
+from kernels.cpu.tiles import tile_scores, tile_softmax
+from kernels.cpu.vectors import (
+    TILE, GroupShape, add_weighted_row, query_operand, scale_rows, store_partial_dots, store_rows,
+    zero_rows,
 )
 
 _PREFETCH_AHEAD = 2  # cache blocks ahead of the one being read whose K/V are prefetched
-MIN_PARTITION_SIZE = 128  # tokens: the automatic partitions are never shorter
+# tokens: the automatic partitions are never shorter. Measured at batch 1 (bf16, 2 threads, after a
+# torch matmul with OMP_WAIT_POLICY=PASSIVE, as in a model step): unpartitioned was as fast or
+# faster than any partition size up to 8,192 tokens (136 us against 132-143 at 8,192; 55 against
+# 63-79 at 1,024); at 16,384 tokens partitions of 4,096 took 11% less, at 32,768 12%.
+MIN_PARTITION_SIZE = 4096
+# (token, KV head) pairs up to which a call runs on the calling thread: waking the others for a
+# parallel region costs ~50 us (OMP_WAIT_POLICY=PASSIVE, after a torch matmul, as in a model
+# step). Measured, 2 threads, bf16 (fp32 alike): batch 1 x 256 tokens 22 us serial against 70 in
+# parallel; 8 x 256 (6,144 pairs) 64 against 89; 16 x 256 (12,288) 111 against 112; 64 x 64 158
+# against 123.
+MAX_SERIAL_WORK = 6144
 
 
 @njit(fastmath=_FASTMATH, cache=True, nogil=True)
-def _scratch(group, block_size, head_dim):
-    """One task's float32 scratch: (query, accumulator, scores, max, sum)."""
-    gd = group * head_dim
-    buf = np.empty(2 * gd + group * block_size + 2 * group, np.float32)
-    q = buf[:gd].reshape((group, head_dim))
-    acc = buf[gd:2 * gd].reshape((group, head_dim))
-    o = 2 * gd
-    sco = buf[o:o + group * block_size].reshape((group, block_size))
-    o += group * block_size
-    return q, acc, sco, buf[o:o + group], buf[o + group:o + 2 * group]
+def _scratch(group):
+    """One task's float32 scratch: partial dots [G * TILE * 16], the scores of two tiles and the
+    running sums per lane [G * TILE] each, rescale factors [G]."""
+    buf = np.empty(group * TILE * 16 + 3 * group * TILE + group, np.float32)
+    o = group * TILE * 16
+    gt = group * TILE
+    return buf[:o], buf[o:o + gt], buf[o + gt:o + 2 * gt], buf[o + 2 * gt:o + 3 * gt], \
+        buf[o + 3 * gt:]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _tile(table, kvh, pos, end, key_cache):
+    """The tile at ``pos``: up to TILE tokens of one block (fewer at the block's or the context's
+    end): (tokens, flat offset of its first K/V row, flat offset of the row _PREFETCH_AHEAD blocks
+    ahead to prefetch (near the end of the context, the tile's own row again))."""
+    num_kv_heads, block_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
+    bi = pos // block_size
+    off = pos - bi * block_size
+    n = min(TILE, block_size - off, end - pos)
+    within = (kvh * block_size + off) * head_dim
+    row = table[bi] * num_kv_heads * block_size * head_dim + within
+    ahead = row
+    if pos + _PREFETCH_AHEAD * block_size < end:
+        ahead = table[bi + _PREFETCH_AHEAD] * num_kv_heads * block_size * head_dim + within
+    return n, row, ahead
 
 
 @njit(fastmath=_FASTMATH, cache=True, nogil=True)
-def _start_group(q, acc, m, l, query_rows):
-    """Widen the group's query rows ([G, D], any format) into ``q``; reset the accumulators."""
-    for g in range(q.shape[0]):
-        m[g] = -np.inf
-        l[g] = 0.0
-        for d in range(q.shape[1]):
-            q[g, d] = widen(query_rows[g, d])
-            acc[g, d] = 0.0
+def _attend_range(acc, m, l, qv, key_cache, value_cache, table, kvh, start, end, scale):
+    """Accumulate positions ``[start, end)`` (``start < end``) of one sequence for one KV head's
+    query group; returns the new ``acc``.
 
+    acc: Rows[G x D] unnormalized output; m: [G] float32 running max, ``-inf`` on entry; l: [G]
+    float32, set to the softmax denominators (relative to ``m``); qv: the group's query
+    (``query_operand``); table: [max_blocks] the sequence's block table.
 
-@njit(fastmath=_FASTMATH, cache=True, nogil=True)
-def _attend_range(acc, m, l, sco, q, key_cache, value_cache, table, kvh, start, end, scale):
-    """Accumulate positions ``[start, end)`` of one sequence for one KV head's query group.
-
-    acc: [G, D] unnormalized output; m, l: [G] running max and sum; sco: [G, block_size] scratch;
-    q: [G, D] the group's float32 query; table: [max_blocks] the sequence's block table. ``start`` must be a multiple of
-    the block size.
+    Software-pipelined by tiles: the keys of tile i + 1 are read in the same loop as the values of
+    tile i, so the two dependency chains (scores -> softmax -> weights; the accumulators) overlap.
     """
-    group = acc.shape[0]
-    head_dim = acc.shape[1]
-    block_size = key_cache.shape[2]
-    line = line_elems(key_cache)
+    head_dim = key_cache.shape[3]
+    part, sco, sco_next, lanes, alpha = _scratch(m.shape[0])
+    lanes[:] = 0.0
+    n, row, ahead = _tile(table, kvh, start, end, key_cache)
+    for t in range(n):
+        store_partial_dots(part, t, qv, key_cache, row + t * head_dim, ahead + t * head_dim)
+    tile_scores(sco, part, qv)
+    tile_softmax(sco, m, lanes, alpha, n, scale, qv)
+    acc = scale_rows(acc, alpha)
     pos = start
-    while pos < end:
-        blk = table[pos // block_size]
-        n = min(block_size, end - pos)
-        # the blocks are scattered, so no hardware prefetcher guesses the next one: prefetch the
-        # K/V rows of the block _PREFETCH_AHEAD blocks ahead, one row per row processed here
-        ahead = pos + _PREFETCH_AHEAD * block_size
-        prefetch = ahead < end
-        kn = key_cache[table[ahead // block_size] if prefetch else blk, kvh]
-        vn = value_cache[table[ahead // block_size] if prefetch else blk, kvh]
-        kb = key_cache[blk, kvh]  # [block_size, D], any format
-        # scores of the block's tokens, each K row loaded once for the whole group
-        for t in range(n):
-            k = kb[t]
-            if prefetch:
-                for i in range(0, head_dim, line):
-                    _prefetch(kn, t * head_dim + i)
-            for g in range(group):
-                qg = q[g]
-                dot = np.float32(0.0)
-                for d in range(head_dim):
-                    dot += qg[d] * widen(k[d])
-                sco[g, t] = dot * scale
-        # online softmax, one rescale per block
-        for g in range(group):
-            bm = sco[g, 0]
-            for t in range(1, n):
-                if sco[g, t] > bm:
-                    bm = sco[g, t]
-            mo = m[g]
-            if bm > mo:
-                alpha = np.exp(mo - bm)  # exp(-inf) = 0 on the first block
-                l[g] *= alpha
-                a = acc[g]
-                for d in range(head_dim):
-                    a[d] *= alpha
-                m[g] = bm
-                mo = bm
-            tot = np.float32(0.0)
-            for t in range(n):
-                p = exp_nonpositive(sco[g, t] - mo)
-                sco[g, t] = p
-                tot += p
-            l[g] += tot
-        # weighted values, each V row loaded once for the whole group
-        vb = value_cache[blk, kvh]
-        for t in range(n):
-            v = vb[t]
-            if prefetch:
-                for i in range(0, head_dim, line):
-                    _prefetch(vn, t * head_dim + i)
-            for g in range(group):
-                p = sco[g, t]
-                a = acc[g]
-                for d in range(head_dim):
-                    a[d] += p * widen(v[d])
-        pos += n
+    while True:
+        nxt = pos + n
+        n1, row1, ahead1 = 0, row, ahead
+        if nxt < end:
+            n1, row1, ahead1 = _tile(table, kvh, nxt, end, key_cache)
+        for t in range(max(n, n1)):
+            if t < n1:
+                store_partial_dots(part, t, qv, key_cache, row1 + t * head_dim,
+                                   ahead1 + t * head_dim)
+            if t < n:
+                acc = add_weighted_row(acc, sco, t, value_cache, row + t * head_dim,
+                                       ahead + t * head_dim)
+        if n1 == 0:
+            for g in range(m.shape[0]):
+                l[g] = lanes[g * TILE:(g + 1) * TILE].sum()
+            return acc
+        tile_scores(sco_next, part, qv)
+        tile_softmax(sco_next, m, lanes, alpha, n1, scale, qv)
+        acc = scale_rows(acc, alpha)
+        sco, sco_next = sco_next, sco
+        pos, n, row, ahead = nxt, n1, row1, ahead1
 
 
 @njit(fastmath=_FASTMATH, cache=True, nogil=True)
-def _store_group(out_rows, acc, l):
-    """``out_rows`` ([G, D], the output's format) = ``acc / l``."""
-    for g in range(acc.shape[0]):
+def _row_task(out, query, key_cache, value_cache, block_tables, rows, seqs, lens, scale, shape,
+              task):
+    """Task ``task`` of the rows kernels: row ``task // num_kv_heads`` of the task order, for KV
+    head ``task % num_kv_heads``, written to ``out``."""
+    group, head_dim = shape.rows, shape.width
+    num_heads = query.shape[1]
+    num_kv_heads = key_cache.shape[1]
+    i = task // num_kv_heads
+    kvh = task - i * num_kv_heads
+    r = rows[i]
+    h0 = kvh * group
+    buf = np.empty(group * (head_dim + 2), np.float32)
+    m, l, res = buf[:group], buf[group:2 * group], buf[2 * group:]
+    m[:] = -np.inf
+    qv = query_operand(query, (r * num_heads + h0) * head_dim, shape, key_cache)
+    acc = _attend_range(zero_rows(shape), m, l, qv, key_cache, value_cache, block_tables[seqs[i]],
+                        kvh, 0, lens[i], scale)
+    store_rows(res, 0, acc)
+    out_rows = out[r, h0:h0 + group]
+    for g in range(group):
         inv = np.float32(1.0) / l[g]
-        for d in range(acc.shape[1]):
-            out_rows[g, d] = narrow_like(out_rows, acc[g, d] * inv)
+        for d in range(head_dim):
+            out_rows[g, d] = narrow_like(out_rows, res[g * head_dim + d] * inv)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
-def _decode_kernel(out, query, key_cache, value_cache, block_tables, context_lens, scale):
-    # out, query: [S, H, D] float32 or the cache's format; key_cache, value_cache: [num_blocks,
+def _rows_kernel(out, query, key_cache, value_cache, block_tables, rows, seqs, lens, scale, shape):
+    # out, query: [R, H, D] float32 or the cache's format; key_cache, value_cache: [num_blocks,
     # num_kv_heads, block_size, D] float32 / bf16 bits (uint16) / fp16 bits (int16);
-    # block_tables: [S, max_blocks] int32; context_lens: [S] int32
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[1]
-    group = num_heads // num_kv_heads
+    # block_tables: [S, max_blocks] int32; rows, seqs, lens: [N] int32, in task order: the query
+    # (and out) row, its block-table row, and the positions it attends to ([0, lens[i]), >= 1);
+    # shape: GroupShape(H / num_kv_heads, D), compile-time constants.
+    # Tasks: (row i, KV head), over the rows in the given order, in parallel.
     sc = np.float32(scale)
-    for task in prange(num_seqs * num_kv_heads):
-        s = task // num_kv_heads
-        kvh = task - s * num_kv_heads
-        h0 = kvh * group
-        q, acc, sco, m, l = _scratch(group, key_cache.shape[2], head_dim)
-        _start_group(q, acc, m, l, query[s, h0:h0 + group])
-        _attend_range(acc, m, l, sco, q, key_cache, value_cache, block_tables[s], kvh, 0,
-                      context_lens[s], sc)
-        _store_group(out[s, h0:h0 + group], acc, l)
+    for task in prange(rows.shape[0] * key_cache.shape[1]):
+        _row_task(out, query, key_cache, value_cache, block_tables, rows, seqs, lens, sc, shape,
+                  task)
+
+
+@njit(fastmath=_FASTMATH, cache=True, nogil=True)
+def _rows_serial_kernel(out, query, key_cache, value_cache, block_tables, rows, seqs, lens, scale,
+                        shape):
+    # as _rows_kernel, on the calling thread: for work too small to pay for waking the others
+    sc = np.float32(scale)
+    for task in range(rows.shape[0] * key_cache.shape[1]):
+        _row_task(out, query, key_cache, value_cache, block_tables, rows, seqs, lens, sc, shape,
+                  task)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
-def _decode_partitioned_kernel(out, query, key_cache, value_cache, block_tables, context_lens, scale,
-                               partition_size, num_parts):
-    # out, query, caches, block_tables, context_lens: as in _decode_kernel;
-    # partition_size: tokens per partition (rounded up to a block multiple here); or, when it is 0,
-    # num_parts: the number of partitions of the longest context (sized to fit, >= MIN_PARTITION_SIZE)
-    num_seqs, num_heads, head_dim = query.shape
+def _rows_partitioned_kernel(out, query, key_cache, value_cache, block_tables, rows, seqs, lens,
+                             scale, partition_size, shape):
+    # out, query, caches, block_tables, rows, seqs, lens, shape: as in _rows_kernel;
+    # partition_size: tokens per partition, a multiple of the block size
+    group, head_dim = shape.rows, shape.width
+    num_heads = query.shape[1]
     num_kv_heads = key_cache.shape[1]
-    block_size = key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    max_len = context_lens.max()
-    if partition_size <= 0:
-        partition_size = max((max_len + num_parts - 1) // num_parts, MIN_PARTITION_SIZE)
-    partition_size = (partition_size + block_size - 1) // block_size * block_size
+    max_len = 0
+    for i in range(lens.shape[0]):  # a loop: .max() would be a parallel region of its own
+        max_len = max(max_len, lens[i])
     num_parts = (max_len + partition_size - 1) // partition_size
     sc = np.float32(scale)
-    tasks = num_seqs * num_kv_heads * num_parts
+    tasks = rows.shape[0] * num_kv_heads * num_parts
     part_acc = np.empty((tasks, group, head_dim), np.float32)  # unnormalized partial outputs
     part_stats = np.empty((tasks, 2, group), np.float32)  # running max and sum
-    # phase 1: every (sequence, KV head, partition) on its own, unnormalized
+    # phase 1: every (row, KV head, partition) on its own, unnormalized
     for task in prange(tasks):
         p = task % num_parts
-        sk = task // num_parts
-        s = sk // num_kv_heads
-        kvh = sk - s * num_kv_heads
-        h0 = kvh * group
-        q, _, sco, _, _ = _scratch(group, block_size, head_dim)
-        acc = part_acc[task]
+        ik = task // num_parts
+        i = ik // num_kv_heads
+        kvh = ik - i * num_kv_heads
         m = part_stats[task, 0]
         l = part_stats[task, 1]
-        _start_group(q, acc, m, l, query[s, h0:h0 + group])
+        m[:] = -np.inf
+        l[:] = 0.0
+        acc = zero_rows(shape)
         start = p * partition_size
-        end = min(start + partition_size, context_lens[s])
+        end = min(start + partition_size, lens[i])
         if start < end:
-            _attend_range(acc, m, l, sco, q, key_cache, value_cache, block_tables[s], kvh, start,
-                          end, sc)
-    # phase 2: log-sum-exp merge of the partitions of each (sequence, KV head); serial, since the
-    # entry point partitions small batches only and a second parallel region costs more
+            qv = query_operand(query, (rows[i] * num_heads + kvh * group) * head_dim, shape,
+                               key_cache)
+            acc = _attend_range(acc, m, l, qv, key_cache, value_cache, block_tables[seqs[i]], kvh,
+                                start, end, sc)
+        store_rows(part_acc, task * group * head_dim, acc)
+    # phase 2: log-sum-exp merge of the partitions of each (row, KV head); serial, since the entry
+    # point partitions small batches only and a second parallel region costs more
     o = np.empty(head_dim, np.float32)
-    for sk in range(num_seqs * num_kv_heads):
-        s = sk // num_kv_heads
-        kvh = sk - s * num_kv_heads
-        used = (context_lens[s] + partition_size - 1) // partition_size
+    for ik in range(rows.shape[0] * num_kv_heads):
+        i = ik // num_kv_heads
+        kvh = ik - i * num_kv_heads
+        used = (lens[i] + partition_size - 1) // partition_size
         for g in range(group):
             gmax = np.float32(-np.inf)
             for p in range(used):
-                mp = part_stats[sk * num_parts + p, 0, g]
-                if mp > gmax:
-                    gmax = mp
-            for d in range(head_dim):
-                o[d] = 0.0
+                gmax = max(gmax, part_stats[ik * num_parts + p, 0, g])
+            for d in range(head_dim):  # loops, not o[:] = 0.0: an array expression here would
+                o[d] = 0.0  # be a parallel region of its own, one per row and head
             total = np.float32(0.0)
             for p in range(used):
-                task = sk * num_parts + p
+                task = ik * num_parts + p
                 w = np.exp(part_stats[task, 0, g] - gmax)
                 total += w * part_stats[task, 1, g]
                 a = part_acc[task, g]
                 for d in range(head_dim):
                     o[d] += w * a[d]
             inv = np.float32(1.0) / total
-            row = out[s, kvh * group + g]
+            row = out[rows[i], kvh * group + g]
             for d in range(head_dim):
                 row[d] = narrow_like(row, o[d] * inv)
 
 
-def auto_partitions(num_seqs: int, num_kv_heads: int, num_threads: int) -> int:
-    """How many partitions the decode entry point splits the longest context into by itself: 1
-    (none) unless the (sequence, KV head) tasks are too few to keep ``num_threads`` threads evenly
+def auto_partitions(num_rows: int, num_kv_heads: int, num_threads: int) -> int:
+    """How many partitions the entry point splits the longest row's context into by itself: 1
+    (none) unless the (row, KV head) tasks are too few to keep ``num_threads`` threads evenly
     busy (fewer than 4 per thread), then enough for ~4 tasks per thread. The partitions are never
-    shorter than ``MIN_PARTITION_SIZE`` tokens, so short contexts stay in one."""
-    tasks = num_seqs * num_kv_heads
+    shorter than ``MIN_PARTITION_SIZE`` tokens, so shorter contexts stay in one."""
+    tasks = num_rows * num_kv_heads
     if num_threads <= 1 or tasks >= 4 * num_threads:
         return 1
     return -(-4 * num_threads // tasks)
 
 
-def paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale,
-                           partition_size: int | None = None, num_threads: int | None = None) -> None:
-    """One query per sequence over its whole context; writes ``out`` in place.
+def balanced_order(lens: np.ndarray) -> np.ndarray:
+    """The rows (indices into ``lens``) in task order: by length, alternately from the longest and
+    the shortest end. numba hands each thread an equal contiguous share of the tasks, so that share
+    then holds as much work as the others' (prefill rows grow by one position each: in their own
+    order, the last thread would get the longest rows)."""
+    by_len = np.argsort(lens, kind="stable")
+    order = np.empty_like(by_len)
+    half = (len(by_len) + 1) // 2
+    order[0::2] = by_len[::-1][:half]
+    order[1::2] = by_len[:len(by_len) - half]
+    return order
+
+
+def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_lens, scale,
+                partition_size: int | None = None, num_threads: int | None = None) -> None:
+    """Query row ``r`` attends to positions ``[0, row_lens[r])`` of sequence ``row_seqs[r]``'s
+    cache (``row_lens`` >= 1); writes ``out`` in place. What decode (one row per sequence) and
+    prefill (one row per new token, causal) both are.
 
     Caches: float32, numpy float16, or 16-bit bits (``kernels/cpu/common.py``); ``query`` and
-    ``out`` float32 or the cache's format. ``partition_size``: ``None`` chooses
-    (``auto_partitions``), ``0`` never partitions, a positive number forces the partitioned form
-    with partitions of that many tokens (rounded up to a multiple of the block size).
-    ``num_threads``: numba's current count, when the caller knows it.
+    ``out`` ([R, H, D]) float32 or the cache's format. ``partition_size``: ``None`` chooses
+    (``auto_partitions``), ``0`` never partitions, a positive number splits the contexts into
+    partitions of that many tokens (rounded up to a multiple of the block size; a context no
+    longer than one partition is not split).
+    ``num_threads``: numba's current count, when the caller knows it. Calls with little work
+    (``MAX_SERIAL_WORK``) or one thread run on the calling thread.
     """
-    num_seqs = query.shape[0]
-    if num_seqs == 0:
+    num_rows = query.shape[0]
+    if num_rows == 0:
         return
     key_cache, value_cache = as_bits(key_cache), as_bits(value_cache)
     out = out.view(np.int16) if out.dtype == np.float16 else out
     num_kv_heads = key_cache.shape[1]
+    shape = GroupShape(query.shape[1] // num_kv_heads, query.shape[2])
     query = as_input(query, key_cache)
     block_tables = np.ascontiguousarray(block_tables, dtype=np.int32)
-    context_lens = np.ascontiguousarray(context_lens, dtype=np.int32)
+    row_lens = np.ascontiguousarray(row_lens, dtype=np.int32)
+    rows = balanced_order(row_lens).astype(np.int32)
+    seqs = np.ascontiguousarray(np.asarray(row_seqs)[rows], dtype=np.int32)
+    lens = row_lens[rows]
     target = output_target(out, key_cache)
-    num_parts = 1
+    block_size = key_cache.shape[2]
+    max_len = int(lens.max())
+    threads = numba.get_num_threads() if num_threads is None else num_threads
+    serial = threads <= 1 or int(lens.sum()) * num_kv_heads <= MAX_SERIAL_WORK
     if partition_size is None:
-        partition_size = 0
-        threads = numba.get_num_threads() if num_threads is None else num_threads
-        num_parts = auto_partitions(num_seqs, num_kv_heads, threads)
-    if partition_size > 0 or num_parts > 1:
-        _decode_partitioned_kernel(target, query, key_cache, value_cache, block_tables,
-                                   context_lens, float(scale), partition_size, num_parts)
+        num_parts = 1 if serial else auto_partitions(num_rows, num_kv_heads, threads)
+        partition_size = 0 if num_parts == 1 else max(-(-max_len // num_parts), MIN_PARTITION_SIZE)
+    partition_size = -(-partition_size // block_size) * block_size
+    if 0 < partition_size < max_len:
+        _rows_partitioned_kernel(target, query, key_cache, value_cache, block_tables, rows, seqs,
+                                 lens, float(scale), partition_size, shape)
     else:
-        _decode_kernel(target, query, key_cache, value_cache, block_tables, context_lens,
-                       float(scale))
+        kernel = _rows_serial_kernel if serial else _rows_kernel
+        kernel(target, query, key_cache, value_cache, block_tables, rows, seqs, lens, float(scale),
+               shape)
     if target is not out:
         out[...] = target
+
+
+def paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale,
+                           partition_size: int | None = None,
+                           num_threads: int | None = None) -> None:
+    """One query per sequence over its whole context; writes ``out`` in place. Formats and
+    options as in ``attend_rows``."""
+    attend_rows(out, query, key_cache, value_cache, block_tables, np.arange(query.shape[0]),
+                context_lens, scale, partition_size, num_threads)
