@@ -26,9 +26,10 @@ Flags and cache:
   ``afn``. The softmax's ``exp`` is ``exp_nonpositive`` (plain arithmetic, within 3 ulp of
   libm's), which ``kernels/cpu/tiles.py`` computes on vectors with the same polynomial.
 - numba's on-disk cache (``cache=True``) is checked against the kernel's own source file only, not
-  against the modules it imports: after editing this module, delete ``kernels/cpu/__pycache__``
-  (or the ``NUMBA_CACHE_DIR``) so the kernels are compiled again. Constants that only one kernel
-  reads live in that kernel's module for the same reason.
+  against the modules it imports: after editing this module (or ``vectors.py`` / ``tiles.py``,
+  whose IR the attention kernels inline), delete ``kernels/cpu/__pycache__`` (or the
+  ``NUMBA_CACHE_DIR``) so the kernels are compiled again. Constants that only one kernel reads
+  live in that kernel's module for the same reason.
 """
 
 from __future__ import annotations
