@@ -376,12 +376,9 @@ def crash_model():
 
 @pytest.fixture(scope="module")
 def crash_workload(crash_model):
-    from tests.test_recovery import _add_all, _run, _workload
+    from tests.test_recovery import uninterrupted_run
 
-    prompts, max_new = _workload()
-    engine = InProcessEngine(crash_model, num_blocks=256)
-    _add_all(engine, prompts, max_new)
-    return prompts, max_new, _run(engine)
+    return uninterrupted_run(crash_model)
 
 
 def _crashing_engine(model, **kwargs):

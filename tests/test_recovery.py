@@ -87,12 +87,17 @@ def model():
     return tiny_llama(seed=5)
 
 
-@pytest.fixture(scope="module")
-def workload(model):
+def uninterrupted_run(model):
+    """The workload run to its end without a crash: ``(prompts, max_new, outputs)``."""
     prompts, max_new = _workload()
     engine = InProcessEngine(model, num_blocks=256)
     _add_all(engine, prompts, max_new)
     return prompts, max_new, _run(engine)
+
+
+@pytest.fixture(scope="module")
+def workload(model):
+    return uninterrupted_run(model)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
