@@ -295,19 +295,21 @@ def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_
         return
     key_cache, value_cache = as_bits(key_cache), as_bits(value_cache)
     out = out.view(np.int16) if out.dtype == np.float16 else out
-    num_kv_heads = key_cache.shape[1]
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     shape = GroupShape(query.shape[1] // num_kv_heads, query.shape[2])
     query = as_input(query, key_cache)
     block_tables = np.ascontiguousarray(block_tables, dtype=np.int32)
-    row_lens = np.ascontiguousarray(row_lens, dtype=np.int32)
-    rows = balanced_order(row_lens).astype(np.int32)
-    seqs = np.ascontiguousarray(np.asarray(row_seqs)[rows], dtype=np.int32)
-    lens = row_lens[rows]
-    target = output_target(out, key_cache)
-    block_size = key_cache.shape[2]
-    max_len = int(lens.max())
+    lens = np.ascontiguousarray(row_lens, dtype=np.int32)
+    seqs = np.ascontiguousarray(row_seqs, dtype=np.int32)
     threads = numba.get_num_threads() if num_threads is None else num_threads
     serial = threads <= 1 or int(lens.sum()) * num_kv_heads <= MAX_SERIAL_WORK
+    if serial:
+        rows = np.arange(num_rows, dtype=np.int32)
+    else:
+        rows = balanced_order(lens).astype(np.int32)
+        seqs, lens = seqs[rows], lens[rows]
+    target = output_target(out, key_cache)
+    max_len = int(lens.max())
     if partition_size is None:
         num_parts = 1 if serial else auto_partitions(num_rows, num_kv_heads, threads)
         partition_size = 0 if num_parts == 1 else max(-(-max_len // num_parts), MIN_PARTITION_SIZE)

@@ -58,6 +58,12 @@ class _RowsModel(models.PrimitiveModel):
         super().__init__(dmm, fe_type, ir.ArrayType(row, fe_type.rows))
 
 
+class GroupShapeType(types.Type):
+    def __init__(self, rows: int, width: int):
+        self.rows, self.width = rows, width
+        super().__init__(name=f"GroupShape[{rows}x{width}]")
+
+
 class GroupShape:
     """What a kernel specializes for: query heads per KV head (``rows``) and the head dimension
     (``width``). Passed to a kernel as an argument, it reaches numba as a type that carries both
@@ -65,17 +71,12 @@ class GroupShape:
 
     def __init__(self, rows: int, width: int):
         self.rows, self.width = int(rows), int(width)
-
-
-class GroupShapeType(types.Type):
-    def __init__(self, rows: int, width: int):
-        self.rows, self.width = rows, width
-        super().__init__(name=f"GroupShape[{rows}x{width}]")
+        self.numba_type = GroupShapeType(self.rows, self.width)
 
 
 @typeof_impl.register(GroupShape)
 def _typeof_group_shape(value, context):
-    return GroupShapeType(value.rows, value.width)
+    return value.numba_type
 
 
 @register_model(GroupShapeType)
