@@ -150,6 +150,15 @@ class ExecutorProcess:
                       num_kv_heads=runner.model.plan.num_local_kv_heads, num_heads=runner.model.plan.num_local_heads)
         return comm, runner
 
+    def _warm_up(self, runner) -> None:
+        """A throw-away prefill and decode (``warmup.py``), so the first request does not pay for
+        loading the kernels."""
+        from .warmup import warm_up
+
+        t0 = time.monotonic()
+        num_steps = warm_up(runner, runner.model.config.vocab_size)
+        self.log.info("warmed up", steps=num_steps, seconds=round(time.monotonic() - t0, 2))
+
     def _ready(self, runner, comm) -> ExecutorReady:
         cfg = self.config
         return ExecutorReady(cfg.rank, cfg.world_size, runner.num_blocks, runner.block_size, runner.max_model_len,
@@ -195,6 +204,7 @@ class ExecutorProcess:
         comm = None
         try:
             comm, runner = self._load()
+            self._warm_up(runner)
             results.send(encode(self._ready(runner, comm)))
             return self._serve(runner, comm, steps, results, heartbeat_file)
         except StepFailed as exc:
