@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from kernels.cpu import NumbaCPUBackend
+from kernels.cpu.rotary import PARALLEL_FROM_ROWS
 from services.executor.layers import RotaryEmbedding, _rotate_half
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens", [1, 5, 70])
+@pytest.mark.parametrize("num_tokens", [1, 5, 70, PARALLEL_FROM_ROWS + 3])  # the last: the parallel kernel
 def test_fused_rope_split_is_bit_identical(dtype, num_tokens):
     num_heads, num_kv_heads, head_dim = 9, 3, 64
     g = torch.Generator().manual_seed(num_tokens)
