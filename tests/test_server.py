@@ -208,49 +208,56 @@ def test_dead_executor_stops_everything_without_restarts(tmp_path, tiny_model_di
             proc.wait()
 
 
-def test_api_key_stays_off_every_argv(tmp_path, tiny_model_dir):
+API_KEY = "sk-argv-check-5d1e"
+
+
+@pytest.fixture(scope="module")
+def keyed_small_pool_server(tmp_path_factory, tiny_model_dir):
+    """One tiny-model server for the next two tests (each reads only what its flag changes): an API
+    key, and a pool of 24 blocks of 4 tokens."""
+    proc, url = _start(tmp_path_factory.mktemp("serve-keyed"), "--model", str(tiny_model_dir), "--block-size", "4",
+                       "--num-kv-blocks", "24", "--api-key", API_KEY)
+    yield proc, url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=15)
+
+
+def test_api_key_stays_off_every_argv(keyed_small_pool_server):
     """``serve --api-key`` hands the key to the frontend in its environment: no child's argv (which
     /proc shows to every user) holds it, and only the frontend's environment does."""
-    key = "sk-argv-check-5d1e"
-    proc, url = _start(tmp_path, "--model", str(tiny_model_dir), "--kv-cache-memory", "16MiB", "--api-key", key)
-    try:
-        children = _children(proc.pid)
-        assert sorted(children.values()) == ["executor", "frontend", "scheduler"]
-        for pid, name in children.items():
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                assert key.encode() not in f.read(), name
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-            assert (f"PAGEDSERVE_API_KEY={key}".encode() in environ) == (name == "frontend"), name
-        with pytest.raises(urllib.error.HTTPError) as info:
-            urllib.request.urlopen(f"{url}/v1/models", timeout=30)
-        assert info.value.code == 401
-        request = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"})
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            assert resp.status == 200
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=15)
+    proc, url = keyed_small_pool_server
+    children = _children(proc.pid)
+    assert sorted(children.values()) == ["executor", "frontend", "scheduler"]
+    for pid, name in children.items():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert API_KEY.encode() not in f.read(), name
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+        assert (f"PAGEDSERVE_API_KEY={API_KEY}".encode() in environ) == (name == "frontend"), name
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(f"{url}/v1/models", timeout=30)
+    assert info.value.code == 401
+    request = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        assert resp.status == 200
 
 
-def test_preempted_requests_complete_and_say_so(tmp_path, tiny_model_dir):
+def test_preempted_requests_complete_and_say_so(keyed_small_pool_server, tiny_model_dir):
     import concurrent.futures
 
-    proc, url = _start(tmp_path, "--model", str(tiny_model_dir), "--block-size", "4", "--num-kv-blocks", "24")
-    try:
-        client = _openai(url)
+    from openai import OpenAI
 
-        def ask(i):
-            return client.completions.create(model=tiny_model_dir.name, prompt=[5 + i] * 10, max_tokens=40,
-                                             temperature=0, extra_body={"ignore_eos": True})
+    _, url = keyed_small_pool_server
+    client = OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            replies = list(pool.map(ask, range(8)))  # 8 x 50 tokens need 100 blocks; the pool has 24
-        assert all(r.usage.completion_tokens == 40 for r in replies)
-        assert sum(r.usage.model_extra["num_preemptions"] for r in replies) > 0
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=15)
+    def ask(i):
+        return client.completions.create(model=tiny_model_dir.name, prompt=[5 + i] * 10, max_tokens=40,
+                                         temperature=0, extra_body={"ignore_eos": True})
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(ask, range(8)))  # 8 x 50 tokens need 100 blocks; the pool has 24
+    assert all(r.usage.completion_tokens == 40 for r in replies)
+    assert sum(r.usage.model_extra["num_preemptions"] for r in replies) > 0
 
 
 def save_tiny_model(tmp_path_factory, **config):

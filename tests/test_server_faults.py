@@ -277,32 +277,39 @@ def test_killed_frontend_is_replaced_and_its_requests_are_freed(server):
 # ---------------------------------------------------------------- a request that kills the executor
 
 
-def test_poison_request_is_failed_alone_and_idle_hang_shows_in_health(tmp_path, model_dir):
-    proc, url = _serve(tmp_path, model_dir, "--heartbeat-timeout", "3", "--max-restarts", "10",
-                       env={"PYTHONPATH": os.pathsep.join([str(POISON_DIR), os.getcwd()])})
-    try:
-        innocent = PROMPTS[:7]
-        reference = _reference(url, innocent)
-        assert _restarts(url)["executor"] == 0
-        streams = Streams(url, innocent)
-        streams.midway()
-        with pytest.raises(Exception) as failure:
-            _client(url).completions.create(prompt=[5, 6, POISON_TOKEN_ID, 7], **GREEDY)
-        assert "executor crashes" in str(failure.value)
-        streams.join()
-        assert streams.errors == [None] * 7 and streams.texts == reference
-        assert _restarts(url)["executor"] == 2  # the two crashes that convicted it
-        wait_until_idle(url, RECOVERY_S)
-        # Idle, the executor stops (SIGSTOP): /health says so within the heartbeat timeout, and the
-        # supervisor replaces it.
-        stopped = _child(proc, "executor")
-        os.kill(stopped, signal.SIGSTOP)
-        status, body = _wait_for(lambda: (s := _health(url))[0] == 503 and s, "/health stayed 200")
-        assert body["processes"]["executors"][0]["status"] != "ok"
-        _wait_for(lambda: _health(url)[0] == 200, "the executor did not come back")
-        assert not _alive(stopped) and _restarts(url)["executor"] == 3
-    finally:
-        _stop(proc)
+@pytest.fixture(scope="module")
+def poison_server(tmp_path_factory, model_dir):
+    """A server whose executors die on a poison prompt (``tests/poison_executor``), heartbeats
+    overdue after 3 s: shared by the poison test and the silent-scheduler test (whose prompts hold
+    no poison; each reads only its own process's restarts, counted from its own start)."""
+    proc, url = _serve(tmp_path_factory.mktemp("serve-poison"), model_dir, "--heartbeat-timeout", "3",
+                       "--max-restarts", "10", env={"PYTHONPATH": os.pathsep.join([str(POISON_DIR), os.getcwd()])})
+    yield proc, url
+    _stop(proc)
+
+
+def test_poison_request_is_failed_alone_and_idle_hang_shows_in_health(poison_server):
+    proc, url = poison_server
+    innocent = PROMPTS[:7]
+    reference = _reference(url, innocent)
+    before = _restarts(url)["executor"]
+    streams = Streams(url, innocent)
+    streams.midway()
+    with pytest.raises(Exception) as failure:
+        _client(url).completions.create(prompt=[5, 6, POISON_TOKEN_ID, 7], **GREEDY)
+    assert "executor crashes" in str(failure.value)
+    streams.join()
+    assert streams.errors == [None] * 7 and streams.texts == reference
+    assert _restarts(url)["executor"] == before + 2  # the two crashes that convicted it
+    wait_until_idle(url, RECOVERY_S)
+    # Idle, the executor stops (SIGSTOP): /health says so within the heartbeat timeout, and the
+    # supervisor replaces it.
+    stopped = _child(proc, "executor")
+    os.kill(stopped, signal.SIGSTOP)
+    status, body = _wait_for(lambda: (s := _health(url))[0] == 503 and s, "/health stayed 200")
+    assert body["processes"]["executors"][0]["status"] != "ok"
+    _wait_for(lambda: _health(url)[0] == 200, "the executor did not come back")
+    assert not _alive(stopped) and _restarts(url)["executor"] == before + 3
 
 
 # ---------------------------------------------------------------- nothing left behind
@@ -362,31 +369,29 @@ def test_too_many_restarts_stop_the_server_with_a_clear_message(tmp_path, model_
     assert not [p for p in os.listdir(tmp_path) if p.startswith("pagedserve-")]
 
 
-def test_a_silent_scheduler_makes_health_and_new_requests_answer_503(tmp_path, model_dir):
+def test_a_silent_scheduler_makes_health_and_new_requests_answer_503(poison_server):
     """A stopped scheduler: /health and new requests say 503 (with Retry-After) within the heartbeat
     timeout; the stream in flight waits, and finishes once the scheduler runs again."""
-    proc, url = _serve(tmp_path, model_dir, "--heartbeat-timeout", "2")
+    proc, url = poison_server
+    before = _restarts(url)["scheduler"]
+    reference = _reference(url, PROMPTS[:1])
+    streams = Streams(url, PROMPTS[:1])
+    streams.midway()
+    scheduler = _child(proc, "scheduler")
+    os.kill(scheduler, signal.SIGSTOP)
     try:
-        reference = _reference(url, PROMPTS[:1])
-        streams = Streams(url, PROMPTS[:1])
-        streams.midway()
-        scheduler = _child(proc, "scheduler")
-        os.kill(scheduler, signal.SIGSTOP)
-        try:
-            status, body = _wait_for(lambda: (h := _health(url))[0] == 503 and h, "/health stayed 200")
-            assert "the scheduler has not answered" in body["reason"]
-            assert body["processes"]["scheduler"]["status"] == "lost"
-            request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(
-                {"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode(), headers={"Content-Type": "application/json"})
-            with pytest.raises(urllib.error.HTTPError) as refused:
-                urllib.request.urlopen(request, timeout=30)
-            assert refused.value.code == 503 and refused.value.headers["Retry-After"]
-            assert json.loads(refused.value.read())["error"]["code"] == "engine_unavailable"
-        finally:
-            os.kill(scheduler, signal.SIGCONT)
-        streams.join()
-        assert streams.errors == [None] and streams.texts == reference
-        _wait_for(lambda: _health(url)[0] == 200, "/health did not come back")
-        assert _restarts(url)["scheduler"] == 0  # the same process: nothing was restarted
+        status, body = _wait_for(lambda: (h := _health(url))[0] == 503 and h, "/health stayed 200")
+        assert "the scheduler has not answered" in body["reason"]
+        assert body["processes"]["scheduler"]["status"] == "lost"
+        request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(
+            {"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode(), headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 503 and refused.value.headers["Retry-After"]
+        assert json.loads(refused.value.read())["error"]["code"] == "engine_unavailable"
     finally:
-        _stop(proc)
+        os.kill(scheduler, signal.SIGCONT)
+    streams.join()
+    assert streams.errors == [None] and streams.texts == reference
+    _wait_for(lambda: _health(url)[0] == 200, "/health did not come back")
+    assert _restarts(url)["scheduler"] == before  # the same process: nothing was restarted

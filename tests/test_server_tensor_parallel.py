@@ -7,7 +7,7 @@
   same run. ``/health`` and ``/metrics`` report the group; each rank's KV pool holds only its KV
   heads. The same across two "hosts" (two serve commands, ``--nnodes 2``, torch.distributed and
   ``tcp://`` endpoints).
-- SmolLM2-135M (9 heads, 3 KV heads): ``-tp 3`` over both all-reduce kinds gives transformers'
+- SmolLM2-135M (9 heads, 3 KV heads): ``-tp 3`` over shared memory gives transformers'
   greedy tokens, token for token, with its logprobs within float32 noise (``-tp 1`` gives them too:
   ``tests/test_smollm2_vs_hf.py``, ``tests/test_server.py``).
 - A rank killed (over both all-reduce kinds), or stopped (hung), mid-run: serve restarts the whole
@@ -176,7 +176,10 @@ def test_tiny_gqa_model_sharded_equals_one_rank(world_size, tmp_path, tiny_gqa_d
     assert '"event": "executor group ready"' in log
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+# -tp 2 only: the scheduler's overlapped loop is the same at any size, and one rank is covered
+# in-process (tests/test_async_equivalence.py, tiny Llama tokens and logprobs) and through serve
+# (tests/test_server_faults.py: the async server's streams equal the lock-step server's)
+@pytest.mark.parametrize("world_size", [2])
 def test_async_scheduling_equals_lock_step(world_size, tmp_path, tiny_gqa_dir, tp1_run):
     """``--async-scheduling`` over the same workload: lock-step's tokens; with ``-tp 2`` every rank
     puts rank 0's sampled tokens in the placeholders (a rank that did not would diverge)."""
@@ -276,9 +279,10 @@ def test_a_lost_rank_restarts_the_group_and_streams_continue(all_reduce, how, tm
     log_path = tmp_path / "serve.log"
     try:
         client, model = _openai(url), tiny_gqa_dir.name
-        reference = [_choices(client.completions.create(
-            model=model, prompt=p, max_tokens=RESTART_MAX_TOKENS, temperature=0, logprobs=1,
-            extra_body={"ignore_eos": True}))[0]["tokens"] for p in RESTART_PROMPTS]
+        with concurrent.futures.ThreadPoolExecutor(len(RESTART_PROMPTS)) as pool:  # batched as the streams are
+            reference = list(pool.map(lambda p: _choices(client.completions.create(
+                model=model, prompt=p, max_tokens=RESTART_MAX_TOKENS, temperature=0, logprobs=1,
+                extra_body={"ignore_eos": True}))[0]["tokens"], RESTART_PROMPTS))
         [first_group], old_ranks = _group_ids(log_path), _rank_pids(proc.pid)
         assert sorted(old_ranks) == [0, 1] and _executor_restarts(url) == 0
         streams = [_Stream(client, model, p, RESTART_MAX_TOKENS) for p in RESTART_PROMPTS]
@@ -362,8 +366,11 @@ def smollm2_reference():
     return refs
 
 
-# -tp 1 against transformers, token for token: tests/test_smollm2_vs_hf.py and tests/test_server.py
-@pytest.mark.parametrize("all_reduce", ["shm", "torch"])
+# -tp 1 against transformers, token for token: tests/test_smollm2_vs_hf.py and tests/test_server.py.
+# Shared memory only: the torch (gloo) all-reduce sums three ranks as shared memory does
+# (tests/test_allreduce_torch.py, world size 3), and serve over it gives -tp 1's tokens and logprobs
+# (test_two_hosts_over_torch_distributed) and survives a killed rank (torch-killed below)
+@pytest.mark.parametrize("all_reduce", ["shm"])
 def test_smollm2_tp3_equals_transformers(all_reduce, tmp_path, smollm2_reference):
     proc, url = _start(tmp_path, "-tp", "3", "--all-reduce", all_reduce, "--dtype", "float32", "--max-model-len",
                        "512", "--kv-cache-memory", "64MiB", "--swap-space", "0.05")

@@ -239,14 +239,14 @@ def test_sweep_end_to_end_on_the_tiny_model(tiny_model_dir, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "loadtest.sweep", "--model", str(tiny_model_dir), "--max-model-len", "256",
          "--scale-lengths", "0.25", "--dataset", "alpaca", "--num-kv-blocks", "16", "--policies", ",".join(policies),
-         "--rates", ",".join(map(str, rates)), "--num-requests", "6", "--run-all-rates", "--out", str(out)],
+         "--rates", ",".join(map(str, rates)), "--num-requests", "4", "--run-all-rates", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = _rows(out / "summary.csv")
     assert [(r["policy"], float(r["rate_req_s"])) for r in summary] == [(p, r) for p in policies for r in rates]
     for row in summary:
-        assert (int(row["num_requests"]), int(row["num_completed"]), int(row["num_failed"])) == (6, 6, 0), row
+        assert (int(row["num_requests"]), int(row["num_completed"]), int(row["num_failed"])) == (4, 4, 0), row
         assert 0 < float(row["normalized_latency_s_per_token"]) < math.inf
         assert float(row["throughput_output_tokens_s"]) > 0 and float(row["ttft_p90_s"]) >= float(row["ttft_p50_s"])
         assert float(row["max_send_lag_s"]) >= 0 and float(row["load_avg_1m"]) >= 0
@@ -265,7 +265,7 @@ def test_sweep_end_to_end_on_the_tiny_model(tiny_model_dir, tmp_path):
         assert "KV memory alone predicts" in line, line
     assert "output tokens/s while requests waited (the KV pool full)" in proc.stdout
     assert "(timeline each policy at its highest swept rate)" in proc.stdout
-    assert "[paged 4 req/s, rate 1/2] 6/6 done" in proc.stdout  # the progress lines
+    assert "[paged 4 req/s, rate 1/2] 4/4 done" in proc.stdout  # the progress lines
     # the contiguous policies share one server, and rates are interleaved: every policy at 4, then at 8
     assert proc.stdout.count("starting pagedserve serve") == 2
     assert proc.stdout.index("[contiguous-max] rate 4 req/s") < proc.stdout.index("[paged] rate 8 req/s")
