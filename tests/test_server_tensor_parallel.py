@@ -91,7 +91,8 @@ def run_workload(url: str, model: str) -> dict:
     prompt is prefilled in chunks of the 32-token budget while A decodes, and E (n=2, seeded), F
     and G push the pool (64 blocks of 4) past its size so that groups are swapped out: F and G
     alone grow to 36 blocks each (72 > 64), so this holds however fast A, B and E went (at 30
-    blocks each it took E's 19 besides them, and a fast executor finished E first)."""
+    blocks each it took E's 19 besides them, and a fast executor finished E first). F and G are one
+    request with two prompts (choices 0 and 1)."""
     client = _openai(url)
 
     def complete(prompt, max_tokens, **sampling):
@@ -108,9 +109,10 @@ def run_workload(url: str, model: str) -> dict:
     b.start()
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         e = pool.submit(complete, list(range(500, 510)), 30, n=2, temperature=0.8, seed=7)
-        f = pool.submit(complete, list(range(600, 620)), 124)
-        g = pool.submit(complete, list(range(700, 720)), 124)
-        replies = {"C": c, "D": d, "E": e.result(), "F": f.result(), "G": g.result()}
+        # F and G in one request, so that they arrive together however busy the machine is: the
+        # pool overflows only while both run (sent apart, G more than ~32 steps after F fit beside it)
+        fg = pool.submit(complete, [list(range(600, 620)), list(range(700, 720))], 124)
+        replies = {"C": c, "D": d, "E": e.result(), "F and G": fg.result()}
     for stream in (a, b):
         stream.join(300)
         assert not stream.is_alive() and stream.error is None, stream.error
@@ -132,7 +134,8 @@ def _check_runs_features(run: dict) -> None:
     assert run["a_decoded_during_b_prefill"], "A finished before B's chunked prefill: no mixed step"
     assert len(run["choices"]["E"]) == 2 and run["choices"]["E"][0]["tokens"] != run["choices"]["E"][1]["tokens"]
     assert run["health"]["num_preemptions_by_mode"]["swap"] > 0, f"no group was swapped out: {run['health']}"
-    assert all(len(c["tokens"]) == n for name, n in (("A", 120), ("B", 20), ("F", 124), ("G", 124)) for c in run["choices"][name])
+    assert len(run["choices"]["F and G"]) == 2
+    assert all(len(c["tokens"]) == n for name, n in (("A", 120), ("B", 20), ("F and G", 124)) for c in run["choices"][name])
 
 
 def _check_same_outputs(got: dict, expected: dict, label: str) -> None:
