@@ -14,8 +14,8 @@ this replaces eight torch calls per norm (about 50 us at 64 tokens) by one.
 Rows run serially below ``PARALLEL_FROM_ROWS`` (a parallel region costs more than the work at
 decode batches and short prefills) and in parallel from there. Measured on the 2-core AMD EPYC
 (Zen 5), bfloat16, hidden 576, right after a torch matmul (``OMP_WAIT_POLICY=PASSIVE``, as in a
-step), median of 41, with another process's tests on the machine: 512 rows 72 us serial, 73
-parallel; 1,024 rows 139 and 136; 2,048 rows 278 and 262.
+step), median of 41, quiet machine: 512 rows 77 us serial, 92 parallel; 1,024 rows 142 and 130;
+2,048 rows 288 and 196.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ so nothing is contracted into an FMA). At a decode batch it replaces eight torch
 Tokens run serially below ``PARALLEL_FROM_ROWS`` (a decode batch: a parallel region costs more than
 the work) and in parallel from there (a prefill chunk). Measured on the 2-core AMD EPYC (Zen 5),
 bfloat16, SmolLM2's 9 + 3 + 3 heads, right after a torch matmul (``OMP_WAIT_POLICY=PASSIVE``, as
-in a step), median of 41, with another process's tests on the machine: 128 tokens 39 us serial,
-33 parallel; 256 tokens 77 and 58; 2,048 tokens 606 and 400.
+in a step), median of 41, quiet machine: 128 tokens 39 us serial, 71 parallel; 256 tokens 78 and
+82; 512 tokens 154 and 109; 2,048 tokens 617 and 270.
 
 Arrays: float32, or bfloat16 as raw bits (``uint16``), all of one format, C-contiguous.
 """
@@ -24,7 +24,7 @@ from numba import njit, prange
 
 from kernels.cpu.common import kernel_array, narrow_like, widen
 
-PARALLEL_FROM_ROWS = 256  # tokens; below, a parallel region costs more than it saves (see the docstring)
+PARALLEL_FROM_ROWS = 512  # tokens; below, a parallel region costs more than it saves (see the docstring)
 
 
 @njit(cache=True, nogil=True, inline="always")
