@@ -8,9 +8,7 @@ is given. With ``--zmq-curve`` the three are CURVE servers behind a ZAP allow-li
 
 One loop, never blocked for long: it sends a step when the executors are ready and none is in
 flight (with ``--async-scheduling``, also when one is, planning the next step while the executors
-compute that one: ``Scheduler.can_schedule_ahead``; a result is applied and the next step sent
-before the result's tokens go to the frontends, as the executors wait for the step and the
-frontends can wait a moment longer), then waits on both sockets at once, so that
+compute that one: ``Scheduler.can_schedule_ahead``), then waits on both sockets at once, so that
 while a step runs it still takes requests,
 aborts and heartbeats, and sends ``EngineStats`` every ``STATS_INTERVAL_S`` (the frontends' sign
 that the scheduler lives) and, while a playground watches, block-pool snapshots
@@ -147,9 +145,6 @@ class SchedulerProcess:
         results, loss = self.executors.receive(now)
         for result in results:
             self._apply_result(result)
-        if results and self.scheduler is not None:  # the next step goes out before these tokens
-            self._maybe_step()
-            self._send_outputs()
         loss = loss or self.executors.group.check(now)
         if loss is not None:
             self._lose_executors(loss)
@@ -205,7 +200,8 @@ class SchedulerProcess:
         self.executors.group.step_done(time.monotonic())
         if result.error:
             self.log.error("step failed", step_id=result.step_id, error=result.error)
-        self.scheduler.update(result)  # its outputs go once the next step is out (``_loop_once``)
+        self.scheduler.update(result)
+        self._send_outputs()
 
     def _lose_executors(self, loss: Loss) -> None:
         """Replace the executor group: tell the supervisor, start every sequence over."""
