@@ -22,7 +22,7 @@ def test_warm_up_leaves_no_trace(dtype):
     cold = InProcessEngine(hf, num_blocks=64, block_size=4, backend="numba", dtype=dtype)
     warm = InProcessEngine(hf, num_blocks=64, block_size=4, backend="numba", dtype=dtype)
     before = [c.clone() for layer in warm.runner.kv_caches for c in layer]
-    assert warm_up(warm.runner, hf.config.vocab_size) == 3
+    assert warm_up(warm.runner) == 3
     after = [c for layer in warm.runner.kv_caches for c in layer]
     assert any(not torch.equal(x, y) for x, y in zip(before, after))  # it did write into the pool
     runner = warm.runner

@@ -19,7 +19,8 @@ argument in place. ``NumbaCPUBackend`` adapts them to the torch tensors of the a
   ``rope_split`` and ``silu_mul``.
 - ``argmax``: the first largest logit of each row (float32 or bfloat16), which greedy sampling
   calls directly (``services/executor/sampler.py``), ``torch.argmax`` for other tensors.
-- ``backend``: ``NumbaCPUBackend`` and ``sync_threads`` (numba follows torch's thread count).
+- ``backend``: ``NumbaCPUBackend``. ``common`` has ``sync_threads`` (numba follows torch's thread
+  count) and ``by_rows`` (the elementwise kernels' serial-or-parallel choice by rows).
 
 Compilation: ``cache=True`` (the cache lives in ``kernels/cpu/__pycache__``, or
 ``NUMBA_CACHE_DIR``). The wrappers pass C-contiguous arrays (caches, queries and outputs in
@@ -30,9 +31,10 @@ attention kernels one per ``GroupShape``, the model's heads per KV head and head
 
 from __future__ import annotations
 
-from kernels.cpu.backend import NumbaCPUBackend, sync_threads
+from kernels.cpu.backend import NumbaCPUBackend
 from kernels.cpu.cache_ops import copy_blocks, swap_blocks, write_kv_cache
 from kernels.cpu.decode import MIN_PARTITION_SIZE, auto_partitions, paged_decode_attention
+from kernels.cpu.common import sync_threads
 from kernels.cpu.prefill import paged_prefill_attention
 
 __all__ = [

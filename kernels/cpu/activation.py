@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from kernels.cpu.common import _FASTMATH, exp_nonpositive, kernel_array, narrow_like, widen
+from kernels.cpu.common import _FASTMATH, by_rows, exp_nonpositive, kernel_array, narrow_like, widen
 
 PARALLEL_FROM_ROWS = 256
 
@@ -66,19 +66,12 @@ def silu_mul(out, gate_up) -> None:
     if out.shape[0] != gate_up.shape[0] or gate_up.shape[1] != 2 * out.shape[1]:
         raise ValueError(f"silu_mul: out {out.shape} needs gate_up of [{out.shape[0]}, {2 * out.shape[1]}], "
                          f"got {gate_up.shape}")
-    if out.shape[0] >= PARALLEL_FROM_ROWS:
-        _silu_mul_parallel(out, gate_up)
-    elif out.shape[0]:
-        _silu_mul_serial(out, gate_up)
+    by_rows(out.shape[0], PARALLEL_FROM_ROWS, _silu_mul_serial, _silu_mul_parallel, out, gate_up)
 
 
 def silu_mul_(gate_up):
     """The torch form: a new ``[T, I]`` tensor ``silu(gate) * up`` from ``gate_up`` ``[T, 2 I]``
     (CPU, C-contiguous, float32, bfloat16 or float16)."""
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
-    if out.shape[0] >= PARALLEL_FROM_ROWS:
-        from kernels.cpu.backend import sync_threads  # here: backend imports this module
-
-        sync_threads()
     silu_mul(kernel_array(out), kernel_array(gate_up))
     return out

@@ -1,38 +1,17 @@
-"""The Numba CPU backend of ``services/executor/attention.py``, and numba's thread count."""
+"""The Numba CPU backend of ``services/executor/attention.py``."""
 
 from __future__ import annotations
 
-import threading
-
-import numba
 import torch
 
 from kernels import reference
 from kernels.cpu.activation import silu_mul_
 from kernels.cpu.cache_ops import copy_blocks, swap_blocks, write_kv_cache
-from kernels.cpu.common import BITS_DTYPES, kernel_array
+from kernels.cpu.common import BITS_DTYPES, kernel_array, sync_threads
 from kernels.cpu.decode import paged_decode_attention
 from kernels.cpu.norm import add_rms_norm_
 from kernels.cpu.prefill import paged_prefill_attention
 from kernels.cpu.rotary import rope_split_
-
-
-_thread_state = threading.local()
-
-
-def sync_threads() -> int:
-    """Give numba's parallel loops the same thread count as torch, and return it.
-
-    numba's setting belongs to the calling thread, so this runs on every call (cheaply: numba is
-    only told again when torch's count changed since this thread's last call).
-    """
-    wanted = torch.get_num_threads()
-    state = _thread_state.__dict__
-    if state.get("torch") != wanted:
-        n = max(1, min(wanted, numba.config.NUMBA_NUM_THREADS))
-        numba.set_num_threads(n)
-        state["torch"], state["numba"] = wanted, n
-    return state["numba"]
 
 
 def _pools_ok(*caches) -> bool:

@@ -1,5 +1,6 @@
 """What the Numba CPU kernels share: the 16-bit storage formats, the prefetch intrinsic, the
-``exp`` of the softmax and the fastmath flags.
+``exp`` of the softmax, the fastmath flags, and their threads (``sync_threads``: numba follows
+torch's count; ``by_rows``: a row kernel runs serially or in parallel by its number of rows).
 
 Storage formats. Caches, queries, outputs and new keys/values may be float32, bfloat16 or
 float16; the kernels load 16-bit values, widen them to float32 in registers and accumulate in
@@ -34,6 +35,9 @@ Flags and cache:
 
 from __future__ import annotations
 
+import threading
+
+import numba
 import numpy as np
 import torch
 from llvmlite import ir
@@ -50,6 +54,35 @@ _NP_FORMATS = (np.dtype(np.float32), np.dtype(np.uint16), np.dtype(np.int16))
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 _I16, _I32, _F32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
+
+
+_thread_state = threading.local()
+
+
+def sync_threads() -> int:
+    """Give numba's parallel loops the same thread count as torch, and return it.
+
+    numba's setting belongs to the calling thread, so this runs on every call (cheaply: numba is
+    only told again when torch's count changed since this thread's last call).
+    """
+    wanted = torch.get_num_threads()
+    state = _thread_state.__dict__
+    if state.get("torch") != wanted:
+        n = max(1, min(wanted, numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(n)
+        state["torch"], state["numba"] = wanted, n
+    return state["numba"]
+
+
+def by_rows(num_rows: int, parallel_from_rows: int, serial, parallel, *args) -> None:
+    """Run a kernel whose rows are independent: ``serial(*args)`` below ``parallel_from_rows``
+    rows (waking the other threads would cost more than the work), ``parallel(*args)`` from there,
+    on numba threads matched to torch's (``sync_threads``); nothing for no rows."""
+    if num_rows >= parallel_from_rows:
+        sync_threads()
+        parallel(*args)
+    elif num_rows:
+        serial(*args)
 
 
 def kernel_array(tensor: torch.Tensor) -> np.ndarray:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from kernels.cpu.common import _FASTMATH, kernel_array, narrow_like, widen
+from kernels.cpu.common import _FASTMATH, by_rows, kernel_array, narrow_like, widen
 
 PARALLEL_FROM_ROWS = 1024  # rows; below, a parallel region costs more than it saves (see the docstring)
 
@@ -67,13 +67,8 @@ def _add_rms_norm_parallel(out, residual, delta, weight, eps):
 
 def add_rms_norm(out, residual, delta, weight, eps: float) -> None:
     """``residual += delta`` (skipped when ``delta`` has no rows), ``out = RMSNorm(residual)``."""
-    if residual.shape[0] >= PARALLEL_FROM_ROWS:
-        from kernels.cpu.backend import sync_threads  # here: backend imports this module
-
-        sync_threads()
-        _add_rms_norm_parallel(out, residual, delta, weight, np.float32(eps))
-    elif residual.shape[0]:
-        _add_rms_norm_serial(out, residual, delta, weight, np.float32(eps))
+    by_rows(residual.shape[0], PARALLEL_FROM_ROWS, _add_rms_norm_serial, _add_rms_norm_parallel,
+            out, residual, delta, weight, np.float32(eps))
 
 
 def add_rms_norm_(residual, delta, weight, eps: float):

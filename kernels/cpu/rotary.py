@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from numba import njit, prange
 
-from kernels.cpu.common import kernel_array, narrow_like, widen
+from kernels.cpu.common import by_rows, kernel_array, narrow_like, widen
 
 PARALLEL_FROM_ROWS = 512  # tokens; below, a parallel region costs more than it saves (see the docstring)
 
@@ -68,13 +68,7 @@ def _rope_split_parallel(q, k, v, qkv, cos, sin):
 
 def rope_split(q, k, v, qkv, cos, sin) -> None:
     """Serial below ``PARALLEL_FROM_ROWS`` tokens (a decode batch), parallel from there."""
-    if q.shape[0] >= PARALLEL_FROM_ROWS:
-        from kernels.cpu.backend import sync_threads  # here: backend imports this module
-
-        sync_threads()
-        _rope_split_parallel(q, k, v, qkv, cos, sin)
-    elif q.shape[0]:
-        _rope_split_serial(q, k, v, qkv, cos, sin)
+    by_rows(q.shape[0], PARALLEL_FROM_ROWS, _rope_split_serial, _rope_split_parallel, q, k, v, qkv, cos, sin)
 
 
 def rope_split_(qkv, cos, sin, num_heads: int, num_kv_heads: int):

@@ -156,7 +156,7 @@ class ExecutorProcess:
         from .warmup import warm_up
 
         t0 = time.monotonic()
-        num_steps = warm_up(runner, runner.model.config.vocab_size)
+        num_steps = warm_up(runner)
         self.log.info("warmed up", steps=num_steps, seconds=round(time.monotonic() - t0, 2))
 
     def _ready(self, runner, comm) -> ExecutorReady:

@@ -63,9 +63,10 @@ def warmup_steps(block_size: int, num_blocks: int, max_model_len: int, vocab_siz
     return [prefill, decode, free]
 
 
-def warm_up(runner, vocab_size: int) -> int:
+def warm_up(runner) -> int:
     """Run the warm-up steps on ``runner``; returns how many ran."""
-    steps = warmup_steps(runner.block_size, runner.num_blocks, runner.max_model_len, vocab_size)
+    steps = warmup_steps(runner.block_size, runner.num_blocks, runner.max_model_len,
+                         runner.model.config.vocab_size)
     for step in steps:
         runner.execute(step)
     return len(steps)
