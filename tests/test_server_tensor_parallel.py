@@ -119,14 +119,25 @@ def run_workload(url: str, model: str) -> dict:
     out = {name: _choices(reply) for name, reply in replies.items()}
     out["A"] = [{"tokens": a.tokens, "logprobs": a.logprobs, "text": "".join(a.tokens)}]
     out["B"] = [{"tokens": b.tokens, "logprobs": b.logprobs, "text": "".join(b.tokens)}]
-    # the scheduler's stats reach /health every 0.5 s: read them once they show the run ended (a
-    # fast run is over within one interval, and /health right away showed the run's beginning)
-    wait_until_idle(url, 120)
-    health = json.loads(_get(f"{url}/health"))
+    health = _health_after_run(url)
     return {"choices": out, "health": health, "d_cached_tokens": d.usage.prompt_tokens_details.cached_tokens,
             "a_decoded_during_b_prefill": a.times[-1] > b.times[0],
             "num_preemptions": sum(r.usage.model_extra["num_preemptions"] for r in replies.values()),
             "metrics": _get(f"{url}/metrics")}
+
+
+def _health_after_run(url: str, timeout_s: float = 120.0) -> dict:
+    """/health once its stats show the run, over: the scheduler's stats reach it every 0.5 s, so
+    right after the replies it may still show the run's middle, or (seen once in CI on a loaded
+    machine) an idle pool with nothing run yet; idle alone does not tell those apart, having run
+    (``max_num_running``) and then being idle does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = json.loads(_get(f"{url}/health"))
+        if health["max_num_running"] > 0 and health["num_running"] == health["num_waiting"] == health["num_blocks_used"] == 0:
+            return health
+        assert time.monotonic() < deadline, f"/health did not show the finished run within {timeout_s} s: {health}"
+        time.sleep(0.05)
 
 
 def _check_runs_features(run: dict) -> None:
