@@ -64,6 +64,9 @@ def _add_executor_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--linear-kernel", default=None, choices=["auto", "onednn", "torch"],
                    help="the model's matmuls (default auto: oneDNN-packed weights on CPUs in float32/bfloat16)")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch and numba")
+    g.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each small step on one thread or on all, whichever its timing shows faster "
+                        "(default on where the results cannot differ: one rank, oneDNN-packed matmuls)")
     g.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
 
 
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 rank=args.rank, world_size=args.world_size, zmq_curve=curve_dir(args),
                 **_kwargs(args, ["model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory",
                                  "swap_space", "max_model_len", "attention_backend", "linear_kernel",
-                                 "num_threads", "seed", "all_reduce", "num_nodes", "dist_init_addr", "group_id",
+                                 "num_threads", "adaptive_threads", "seed", "all_reduce", "num_nodes", "dist_init_addr", "group_id",
                                  "group_store", "group_timeout_s"]),
             ))
         elif args.command == "frontend":

@@ -273,9 +273,11 @@ def scheduler_argv(args) -> list[str]:
 
 
 def executor_argv(args) -> list[str]:
-    return _flags(args, ["model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory",
+    argv = _flags(args, ["model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory",
                          "swap_space", "max_model_len", "attention_backend", "linear_kernel", "num_threads",
                          "seed"])
+    adaptive = getattr(args, "adaptive_threads", None)
+    return argv + ([] if adaptive is None else ["--adaptive-threads" if adaptive else "--no-adaptive-threads"])
 
 
 def frontend_argv(args) -> list[str]:

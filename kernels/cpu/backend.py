@@ -36,6 +36,9 @@ class NumbaCPUBackend:
     """
 
     name = "numba"
+    # the thread count the attention kernels size their partitions for (``decode.attend_rows``);
+    # None: the current count. An executor that changes its count per step fixes it here.
+    partition_threads: int | None = None
 
     def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
         if not (_pools_ok(key_cache, value_cache) and _io_ok(key_cache, key, value)):
@@ -52,7 +55,7 @@ class NumbaCPUBackend:
         paged_decode_attention(
             kernel_array(out), kernel_array(query), kernel_array(key_cache),
             kernel_array(value_cache), kernel_array(block_tables), kernel_array(context_lens),
-            scale, num_threads=threads)
+            scale, num_threads=threads, partition_threads=self.partition_threads)
 
     def prefill(self, out, query, key_cache, value_cache, block_tables, query_start_loc,
                 context_lens, scale) -> None:
@@ -64,7 +67,8 @@ class NumbaCPUBackend:
         paged_prefill_attention(
             kernel_array(out), kernel_array(query), kernel_array(key_cache),
             kernel_array(value_cache), kernel_array(block_tables), kernel_array(query_start_loc),
-            kernel_array(context_lens), scale, num_threads=threads)
+            kernel_array(context_lens), scale, num_threads=threads,
+            partition_threads=self.partition_threads)
 
     def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
         if not _pools_ok(*key_caches, *value_caches):

@@ -277,7 +277,8 @@ def balanced_order(lens: np.ndarray) -> np.ndarray:
 
 
 def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_lens, scale,
-                partition_size: int | None = None, num_threads: int | None = None) -> None:
+                partition_size: int | None = None, num_threads: int | None = None,
+                partition_threads: int | None = None) -> None:
     """Query row ``r`` attends to positions ``[0, row_lens[r])`` of sequence ``row_seqs[r]``'s
     cache (``row_lens`` >= 1); writes ``out`` in place. What decode (one row per sequence) and
     prefill (one row per new token, causal) both are.
@@ -288,7 +289,10 @@ def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_
     partitions of that many tokens (rounded up to a multiple of the block size; a context no
     longer than one partition is not split).
     ``num_threads``: numba's current count, when the caller knows it. Calls with little work
-    (``MAX_SERIAL_WORK``) or one thread run on the calling thread.
+    (``MAX_SERIAL_WORK``) or one thread run on the calling thread. ``partition_threads``: the
+    count ``auto_partitions`` sizes the partitions for (default ``num_threads``); a caller whose
+    count changes from call to call fixes it, so that the partitions, and with them the sums'
+    order and every output bit, do not change with it.
     """
     num_rows = query.shape[0]
     if num_rows == 0:
@@ -302,7 +306,9 @@ def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_
     lens = np.ascontiguousarray(row_lens, dtype=np.int32)
     seqs = np.ascontiguousarray(row_seqs, dtype=np.int32)
     threads = numba.get_num_threads() if num_threads is None else num_threads
-    serial = threads <= 1 or int(lens.sum()) * num_kv_heads <= MAX_SERIAL_WORK
+    sized_for = threads if partition_threads is None else partition_threads
+    small = int(lens.sum()) * num_kv_heads <= MAX_SERIAL_WORK
+    serial = threads <= 1 or small
     if serial:
         rows = np.arange(num_rows, dtype=np.int32)
     else:
@@ -311,7 +317,7 @@ def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_
     target = output_target(out, key_cache)
     max_len = int(lens.max())
     if partition_size is None:
-        num_parts = 1 if serial else auto_partitions(num_rows, num_kv_heads, threads)
+        num_parts = 1 if small else auto_partitions(num_rows, num_kv_heads, sized_for)
         partition_size = 0 if num_parts == 1 else max(-(-max_len // num_parts), MIN_PARTITION_SIZE)
     partition_size = -(-partition_size // block_size) * block_size
     if 0 < partition_size < max_len:
@@ -326,9 +332,9 @@ def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_
 
 
 def paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale,
-                           partition_size: int | None = None,
-                           num_threads: int | None = None) -> None:
+                           partition_size: int | None = None, num_threads: int | None = None,
+                           partition_threads: int | None = None) -> None:
     """One query per sequence over its whole context; writes ``out`` in place. Formats and
     options as in ``attend_rows``."""
     attend_rows(out, query, key_cache, value_cache, block_tables, np.arange(query.shape[0]),
-                context_lens, scale, partition_size, num_threads)
+                context_lens, scale, partition_size, num_threads, partition_threads)

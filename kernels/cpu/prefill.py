@@ -20,7 +20,8 @@ from kernels.cpu.decode import attend_rows
 
 
 def paged_prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc,
-                            context_lens, scale, num_threads: int | None = None) -> None:
+                            context_lens, scale, num_threads: int | None = None,
+                            partition_threads: int | None = None) -> None:
     """New tokens attend causally to themselves and their cached prefix; writes ``out`` in place.
 
     Sequence ``s`` owns query rows ``[query_start_loc[s], query_start_loc[s + 1])``; with
@@ -36,4 +37,4 @@ def paged_prefill_attention(out, query, key_cache, value_cache, block_tables, qu
     row_lens = first + np.arange(starts[0], starts[0] + num_tokens) + 1
     rows = slice(int(starts[0]), int(starts[0]) + num_tokens)
     attend_rows(out[rows], query[rows], key_cache, value_cache, block_tables, seqs, row_lens,
-                scale, num_threads=num_threads)
+                scale, num_threads=num_threads, partition_threads=partition_threads)

@@ -70,6 +70,7 @@ class ExecutorConfig:
     rank: int = 0
     world_size: int = 1
     num_threads: int | None = None
+    adaptive_threads: bool = True  # one or all threads per step by timing (thread_tuner.py)
     seed: int = 0
     # The group (flags of the same names; parallel/group.py): how the ranks exchange tensors.
     all_reduce: str = "auto"
@@ -109,6 +110,7 @@ class ExecutorProcess:
         self.incarnation = secrets.randbits(62) + 1  # nonzero; new for every executor process
         self.epoch = 0  # of the scheduler this process answered last
         self._request_ids: dict[int, str] = {}  # seq_id -> request_id, for logs
+        self._run_step = None  # runner.execute on the threads thread_tuner.py chooses, once loaded
         self.curve = load_keys(config.zmq_curve, "executor") if config.zmq_curve else None
         log_mode(self.log, self.curve)
 
@@ -205,6 +207,9 @@ class ExecutorProcess:
         try:
             comm, runner = self._load()
             self._warm_up(runner)
+            from .thread_tuner import step_runner
+
+            self._run_step = step_runner(runner, threads.num_threads, cfg.world_size, cfg.adaptive_threads, self.log)
             results.send(encode(self._ready(runner, comm)))
             return self._serve(runner, comm, steps, results, heartbeat_file)
         except StepFailed as exc:
@@ -260,7 +265,7 @@ class ExecutorProcess:
         from .parallel.base import GroupError
 
         try:
-            return runner.execute(step)
+            return (self._run_step or runner.execute)(step)
         except GroupError:
             raise
         except Exception as exc:  # with one rank, a failed step fails its requests, not the process
