@@ -11,7 +11,9 @@ import torch
 
 from kernels.cpu.decode import attend_rows
 from services.executor.linear import PackedLinear
-from services.executor.thread_tuner import ThreadTuner, step_runner, thread_tuner_for, tuned_execute
+from services.executor.thread_tuner import (
+    ThreadTuner, step_runner, thread_ladder, thread_tuner_for, tuned_execute,
+)
 from tests.harness import InProcessEngine, tiny_llama
 
 
@@ -60,6 +62,14 @@ def test_large_steps_always_use_every_thread_and_are_not_learned():
 def test_bad_candidates_are_refused(candidates):
     with pytest.raises(ValueError, match="thread candidates"):
         ThreadTuner(candidates)
+
+
+def test_the_counts_tried_are_one_doublings_and_all():
+    assert [thread_ladder(n) for n in (1, 2, 3, 4, 6, 16)] == [
+        (1,), (1, 2), (1, 2, 3), (1, 2, 4), (1, 2, 4, 6), (1, 2, 4, 8, 16)]
+    tuner = ThreadTuner(thread_ladder(6), min_samples=1, explore_every=2)
+    chosen = drive(tuner, 10, {1: 9.0, 2: 5.0, 4: 4.0, 6: 4.5}, 40)
+    assert tuner.best() == {8: 4} and set(chosen) == {1, 2, 4, 6}  # the others are still tried
 
 
 def test_enabled_only_where_results_cannot_depend_on_it():
@@ -172,7 +182,7 @@ def test_step_runner_logs_why_and_each_new_choice():
         assert [run(step) for _ in range(10)] == [3] * 10
     finally:
         torch.set_num_threads(before)
-    assert log.events[0] == ("threads per step", {"adaptive": True, "why": "1 or 2 threads per step, by time"})
+    assert log.events[0] == ("threads per step", {"adaptive": True, "why": "one of 1, 2 threads per step, by time"})
     chosen = [fields["by_min_tokens"] for event, fields in log.events[1:]]
     assert chosen and set(chosen[0]) == {2}  # steps of 2-3 tokens learned
     assert step_runner(runner, 2, 1, False, Log()) is None

@@ -1,4 +1,5 @@
-"""Threads per step, chosen by timing: one thread or all of them, per size of step.
+"""Threads per step, chosen by timing: one thread, all of them or a power of two between, per
+size of step.
 
 A small step's matmuls are short and bound by memory; waking a second OpenMP thread for each of
 them (``OMP_WAIT_POLICY=PASSIVE``, ``shared/threads.py``) can cost more than it saves, and how much
@@ -129,7 +130,16 @@ def thread_tuner_for(runner, num_threads: int, world_size: int, enabled: bool = 
         return None, f"{num_threads} thread(s), {world_size} rank(s): nothing to choose"
     if linear_kernel_name(runner.model) != "onednn":
         return None, "matmuls on F.linear, whose results depend on the thread count"
-    return ThreadTuner((1, num_threads)), f"1 or {num_threads} threads per step, by time"
+    candidates = thread_ladder(num_threads)
+    return ThreadTuner(candidates), f"one of {', '.join(map(str, candidates))} threads per step, by time"
+
+
+def thread_ladder(num_threads: int) -> tuple[int, ...]:
+    """The counts tried: 1 and its doublings below ``num_threads``, then ``num_threads``."""
+    ladder = [1]
+    while ladder[-1] * 2 < num_threads:
+        ladder.append(ladder[-1] * 2)
+    return tuple(ladder + [num_threads]) if num_threads > 1 else (1,)
 
 
 def step_runner(runner, num_threads: int, world_size: int, enabled: bool, log):
