@@ -50,14 +50,33 @@ def _decode_case(dtype, block_size, num_heads, num_kv_heads, head_dim, seed):
             torch.tensor(lens, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+def _decode_cases():
+    """(rows kernel, partition size, cache format, heads, KV heads, head_dim) for the decode test.
+
+    Every (kernel, format, group shape) is a Numba specialization of its own, compiled when first
+    called (a second or more each for the parallel kernels); the full product (3 kernels x 2
+    formats x 4 shapes) compiled 48 of them. These 12 cases cover every pair instead: each
+    kernel (parallel rows, serial rows, partitioned) on every group shape (GQA ratios 1 and 3,
+    head_dim 64 and 128), each kernel with both formats, each shape with both formats, and the
+    partitioned kernel under both row orders (the ``rows_kernel`` fixture's values). The
+    float32 format's full product stays in ``test_kernels_cpu``; block sizes 4 and 16 (ragged
+    batches, shared blocks) run for every case."""
+    shapes = [(4, 4, 64), (4, 4, 128), (6, 2, 64), (6, 2, 128)]
+    cases = []
+    for i, shape in enumerate(shapes):
+        cases.append(("parallel", 0, DTYPES[i % 2], *shape))
+        cases.append(("serial", 0, DTYPES[(i + 1) % 2], *shape))
+        # partition size 40: forced (rounded up to a multiple of the block size)
+        cases.append((["parallel", "serial"][i % 2], 40, DTYPES[i // 2], *shape))
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return [pytest.param(*c, id=f"{c[0]}-part{c[1]}-{names[c[2]]}-{c[3]}h{c[4]}kv-d{c[5]}") for c in cases]
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("partition_size", [0, 40])  # never, forced (rounded to blocks)
-@pytest.mark.usefixtures("rows_kernel")
-def test_decode_16bit_matches_reference(dtype, block_size, num_heads, num_kv_heads, head_dim,
-                                        partition_size):
+@pytest.mark.parametrize("rows_kernel,partition_size,dtype,num_heads,num_kv_heads,head_dim",
+                         _decode_cases(), indirect=["rows_kernel"])
+def test_decode_16bit_matches_reference(rows_kernel, partition_size, dtype, num_heads,
+                                        num_kv_heads, head_dim, block_size):
     query, key_cache, value_cache, tables, lens = _decode_case(
         dtype, block_size, num_heads, num_kv_heads, head_dim, seed=11)
     scale = head_dim ** -0.5
