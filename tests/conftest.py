@@ -44,6 +44,18 @@ def tiny_model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory)
 
 
+@pytest.fixture(scope="session")
+def tiny_api_server(tmp_path_factory, tiny_model_dir):
+    """``pagedserve serve`` on the tiny model for ``test_server_api`` and ``test_server_groups``
+    (one server for both: a start fewer); its URL. Its log is in the ``serve-api`` folder."""
+    from tests.test_server import tiny_server
+    from tests.test_server_api import MAX_MODEL_LEN, MODEL
+
+    yield from tiny_server(tmp_path_factory, "serve-api", "--served-model-name", MODEL, "--max-model-len",
+                           str(MAX_MODEL_LEN), "--kv-cache-memory", "16MiB", "--max-queue-len", "200",
+                           model_dir=tiny_model_dir)
+
+
 @pytest.fixture(scope="module")
 def model(request):
     return default_served_model(max_model_len=getattr(request.module, "MAX_MODEL_LEN", 256))

@@ -50,14 +50,34 @@ def _decode_case(dtype, block_size, num_heads, num_kv_heads, head_dim, seed):
             torch.tensor(lens, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+def _decode_cases():
+    """(rows kernel, partition size, cache format, heads, KV heads, head_dim) for the decode test.
+
+    Every (kernel, format, group shape) is a Numba specialization of its own, compiled when first
+    called (a second or more each for the parallel kernels); the full product (3 kernels x 2
+    formats x 4 shapes) compiled 48 of them. These 12 cases cover every pair instead: each
+    kernel (parallel rows, serial rows, partitioned) on every group shape (GQA ratios 1 and 3,
+    head_dim 64 and 128), each kernel with both formats, each shape with both formats, and the
+    partitioned kernel under both row orders (the ``rows_kernel`` fixture's values). The
+    float32 format's full product stays in ``test_kernels_cpu``; block sizes 4 and 16 (ragged
+    batches, shared blocks) run for every case. The head_dim 64 rows-kernel cases are also
+    every pair for the prefill test, which runs them (``_prefill_cases``): nothing new to compile."""
+    shapes = [(4, 4, 64), (6, 2, 64), (4, 4, 128), (6, 2, 128)]
+    cases = []
+    for i, shape in enumerate(shapes):
+        cases.append(("parallel", 0, DTYPES[i % 2], *shape))
+        cases.append(("serial", 0, DTYPES[(i + 1) % 2], *shape))
+        # partition size 40: forced (rounded up to a multiple of the block size)
+        cases.append((["parallel", "serial"][i % 2], 40, DTYPES[i // 2], *shape))
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return [pytest.param(*c, id=f"{c[0]}-part{c[1]}-{names[c[2]]}-{c[3]}h{c[4]}kv-d{c[5]}") for c in cases]
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("partition_size", [0, 40])  # never, forced (rounded to blocks)
-@pytest.mark.usefixtures("rows_kernel")
-def test_decode_16bit_matches_reference(dtype, block_size, num_heads, num_kv_heads, head_dim,
-                                        partition_size):
+@pytest.mark.parametrize("rows_kernel,partition_size,dtype,num_heads,num_kv_heads,head_dim",
+                         _decode_cases(), indirect=["rows_kernel"])
+def test_decode_16bit_matches_reference(rows_kernel, partition_size, dtype, num_heads,
+                                        num_kv_heads, head_dim, block_size):
     query, key_cache, value_cache, tables, lens = _decode_case(
         dtype, block_size, num_heads, num_kv_heads, head_dim, seed=11)
     scale = head_dim ** -0.5
@@ -71,11 +91,17 @@ def test_decode_16bit_matches_reference(dtype, block_size, num_heads, num_kv_hea
         torch.testing.assert_close(out.float(), expected, atol=ATOL, rtol=OUT_RTOL[out_dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+def _prefill_cases():
+    """(rows kernel, cache format, heads, KV heads): the decode test's unpartitioned head_dim 64
+    cases, every pair of (kernel, format, GQA ratio 1 or 3), compiled once for both tests."""
+    return [pytest.param(*c.values[:1], *c.values[2:5], id=c.id.replace("-part0", "").rsplit("-d", 1)[0])
+            for c in _decode_cases() if c.values[1] == 0 and c.values[5] == 64]
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
-@pytest.mark.usefixtures("rows_kernel")
-def test_prefill_16bit_matches_reference(dtype, block_size, num_heads, num_kv_heads):
+@pytest.mark.parametrize("rows_kernel,dtype,num_heads,num_kv_heads", _prefill_cases(),
+                         indirect=["rows_kernel"])
+def test_prefill_16bit_matches_reference(rows_kernel, dtype, num_heads, num_kv_heads, block_size):
     head_dim = 64
     q_lens = [16, 17, 1, 0, 33, 5, block_size, 40]
     lens = [16, 17 + 3, 1, 9, 33 + 2 * block_size, 200, block_size, 40 + 7 * block_size]

@@ -36,7 +36,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 240.0) -> N
                     return
         except OSError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.05)  # ready is seen at once: every server start in the suite waits here
     raise TimeoutError("server not healthy in time")
 
 
@@ -188,44 +188,27 @@ def test_sigterm_stops_all_and_removes_sockets(server):
     assert not [p for p in os.listdir(root) if p.startswith("pagedserve-")], "socket directory left behind"
 
 
-def test_dead_executor_stops_everything_without_restarts(tmp_path, tiny_model_dir):
-    proc, _ = _start(tmp_path, "--model", str(tiny_model_dir), "--kv-cache-memory", "16MiB", "--max-restarts", "0")
-    try:
-        children = _children(proc.pid)
-        executor = next(pid for pid, name in children.items() if name == "executor")
-        os.kill(executor, signal.SIGKILL)
-        assert proc.wait(timeout=20) != 0
-        log = (tmp_path / "serve.log").read_text()
-        assert "the executor process failed 1 time within 600 s (--max-restarts 0" in log
-        assert "was killed by SIGKILL" in log
-        for pid, name in children.items():
-            if name != "executor":
-                assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-        assert not [p for p in os.listdir(tmp_path) if p.startswith("pagedserve-")]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
 API_KEY = "sk-argv-check-5d1e"
 
 
 @pytest.fixture(scope="module")
 def keyed_small_pool_server(tmp_path_factory, tiny_model_dir):
-    """One tiny-model server for the next two tests (each reads only what its flag changes): an API
-    key, and a pool of 24 blocks of 4 tokens."""
-    proc, url = _start(tmp_path_factory.mktemp("serve-keyed"), "--model", str(tiny_model_dir), "--block-size", "4",
-                       "--num-kv-blocks", "24", "--api-key", API_KEY)
-    yield proc, url
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=15)
+    """One tiny-model server for the next three tests (each reads only what its flag changes): an
+    API key, a pool of 24 blocks of 4 tokens, and ``--max-restarts 0`` (the last test ends it by
+    killing its executor)."""
+    root = tmp_path_factory.mktemp("serve-keyed")
+    proc, url = _start(root, "--model", str(tiny_model_dir), "--block-size", "4", "--num-kv-blocks", "24",
+                       "--api-key", API_KEY, "--max-restarts", "0")
+    yield proc, url, root
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
 
 
 def test_api_key_stays_off_every_argv(keyed_small_pool_server):
     """``serve --api-key`` hands the key to the frontend in its environment: no child's argv (which
     /proc shows to every user) holds it, and only the frontend's environment does."""
-    proc, url = keyed_small_pool_server
+    proc, url, _ = keyed_small_pool_server
     children = _children(proc.pid)
     assert sorted(children.values()) == ["executor", "frontend", "scheduler"]
     for pid, name in children.items():
@@ -247,7 +230,7 @@ def test_preempted_requests_complete_and_say_so(keyed_small_pool_server, tiny_mo
 
     from openai import OpenAI
 
-    _, url = keyed_small_pool_server
+    _, url, _ = keyed_small_pool_server
     client = OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
     def ask(i):
@@ -258,6 +241,27 @@ def test_preempted_requests_complete_and_say_so(keyed_small_pool_server, tiny_mo
         replies = list(pool.map(ask, range(8)))  # 8 x 50 tokens need 100 blocks; the pool has 24
     assert all(r.usage.completion_tokens == 40 for r in replies)
     assert sum(r.usage.model_extra["num_preemptions"] for r in replies) > 0
+
+
+def test_dead_executor_stops_everything_without_restarts(keyed_small_pool_server):
+    """Runs last on this server (``--max-restarts 0``): it ends it."""
+    proc, _, root = keyed_small_pool_server
+    try:
+        children = _children(proc.pid)
+        executor = next(pid for pid, name in children.items() if name == "executor")
+        os.kill(executor, signal.SIGKILL)
+        assert proc.wait(timeout=20) != 0
+        log = (root / "serve.log").read_text()
+        assert "the executor process failed 1 time within 600 s (--max-restarts 0" in log
+        assert "was killed by SIGKILL" in log
+        for pid, name in children.items():
+            if name != "executor":
+                assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        assert not [p for p in os.listdir(root) if p.startswith("pagedserve-")]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def save_tiny_model(tmp_path_factory, **config):

@@ -21,7 +21,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_server import tiny_server
 
 pytestmark = pytest.mark.slow
 
@@ -38,10 +37,8 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir):
-    yield from tiny_server(tmp_path_factory, "serve-api", "--served-model-name", MODEL, "--max-model-len",
-                           str(MAX_MODEL_LEN), "--kv-cache-memory", "16MiB", "--max-queue-len", "200",
-                           model_dir=tiny_model_dir)
+def server(tiny_api_server):
+    return tiny_api_server  # the session's (conftest.py), shared with test_server_groups
 
 
 @pytest.fixture(scope="module")

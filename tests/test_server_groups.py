@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_server import tiny_server
-from tests.test_server_api import metrics, wait_until_idle
+from tests.test_server_api import MODEL, metrics, wait_until_idle
 
 pytestmark = pytest.mark.slow
 
-MAX_MODEL_LEN = 80
-MODEL = "tiny"
 PROMPT = "Once upon a time"
 IGNORE_EOS = {"ignore_eos": True}  # a random model may end at any token; fixed lengths are easier to check
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir):
-    yield from tiny_server(tmp_path_factory, "serve-groups", "--served-model-name", MODEL, "--max-model-len",
-                           str(MAX_MODEL_LEN), "--kv-cache-memory", "16MiB", model_dir=tiny_model_dir)
+def server(tiny_api_server):
+    """test_server_api's server (conftest.py): the same model, length and pool; its
+    --max-queue-len 200 is far above what these tests queue."""
+    return tiny_api_server
 
 
 @pytest.fixture(scope="module")

@@ -171,9 +171,13 @@ def tp1_run(tmp_path_factory, tiny_gqa_dir):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tiny_gqa_model_sharded_equals_one_rank(world_size, tmp_path, tiny_gqa_dir, tp1_run):
-    proc, url = _start(tmp_path, "--model", str(tiny_gqa_dir), "-tp", str(world_size), *TINY_FLAGS)
+    """The workload as at -tp 1; then (``--max-restarts 0``) rank 1 killed mid-request ends serve,
+    naming the rank (``_end_by_killing_rank_1``: on this server, rather than on one started for it)."""
+    proc, url = _start(tmp_path, "--model", str(tiny_gqa_dir), "-tp", str(world_size), *TINY_FLAGS,
+                       "--max-restarts", "0")
     try:
         run = run_workload(url, tiny_gqa_dir.name)
+        _end_by_killing_rank_1(proc, url, tmp_path, tiny_gqa_dir.name, world_size)
     finally:
         stop(proc)
     _check_runs_features(run)
@@ -327,21 +331,16 @@ def test_a_lost_rank_restarts_the_group_and_streams_continue(all_reduce, how, tm
     assert log.count('"event": "process restarted"') == 1 and '"service": "executor"' in log
 
 
-def test_without_restarts_a_killed_rank_ends_the_group_named(tmp_path, tiny_gqa_dir):
-    """--max-restarts 0: rank 1 killed mid-request stops serve, naming the rank; nothing is left."""
-    proc, url = _start(tmp_path, "--model", str(tiny_gqa_dir), "-tp", "2", *TINY_FLAGS, "--max-restarts", "0")
-    try:
-        [group_id], ranks = _group_ids(tmp_path / "serve.log"), _rank_pids(proc.pid)
-        assert sorted(ranks) == [0, 1]
-        stream = _Stream(_openai(url), tiny_gqa_dir.name, list(range(300, 312)), 200)
-        stream.start()
-        assert stream.first.wait(120)
-        os.kill(ranks[1], signal.SIGKILL)
-        assert proc.wait(timeout=90) == 1
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+def _end_by_killing_rank_1(proc: subprocess.Popen, url: str, tmp_path, model: str, world_size: int) -> None:
+    """serve started with ``--max-restarts 0``: rank 1 killed mid-request stops serve (exit 1),
+    naming the rank; no rank process or segment of the group is left."""
+    [group_id], ranks = _group_ids(tmp_path / "serve.log"), _rank_pids(proc.pid)
+    assert sorted(ranks) == list(range(world_size))
+    stream = _Stream(_openai(url), model, list(range(300, 312)), 200)
+    stream.start()
+    assert stream.first.wait(120)
+    os.kill(ranks[1], signal.SIGKILL)
+    assert proc.wait(timeout=90) == 1
     assert all(_gone(pid) for pid in ranks.values())
     assert _segments(group_id) == [], "a segment was left"
     [message] = [line for line in (tmp_path / "serve.log").read_text().splitlines() if line.startswith("pagedserve: ")]
