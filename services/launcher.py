@@ -258,26 +258,24 @@ def _flags(args, names: list[str]) -> list[str]:
     argv = []
     for name in names:
         value = getattr(args, name, None)
-        if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(value, bool):  # a --flag / --no-flag switch (argparse.BooleanOptionalAction)
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            argv += [flag, str(value)]
     return argv
 
 
 def scheduler_argv(args) -> list[str]:
     argv = _flags(args, ["max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode",
-                         "kv_policy", "step_timeout", "heartbeat_timeout"])
-    argv += ["--no-prefix-caching"] if args.enable_prefix_caching is False else []
-    if args.async_scheduling is not None:
-        argv.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
-    return argv
+                         "kv_policy", "step_timeout", "heartbeat_timeout", "async_scheduling"])
+    return argv + (["--no-prefix-caching"] if args.enable_prefix_caching is False else [])
 
 
 def executor_argv(args) -> list[str]:
-    argv = _flags(args, ["model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory",
+    return _flags(args, ["model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory",
                          "swap_space", "max_model_len", "attention_backend", "linear_kernel", "num_threads",
-                         "seed"])
-    adaptive = getattr(args, "adaptive_threads", None)
-    return argv + ([] if adaptive is None else ["--adaptive-threads" if adaptive else "--no-adaptive-threads"])
+                         "adaptive_threads", "seed"])
 
 
 def frontend_argv(args) -> list[str]:

@@ -104,3 +104,18 @@ def test_metrics_report_the_group():
                  'pagedserve:kv_blocks_per_rank{rank="1"} 90.0', 'pagedserve:kv_cache_bytes_per_rank{rank="0"} 4096.0'):
         assert line in text.splitlines()
     assert "pagedserve:tensor_parallel_size 0.0" in FrontendMetrics(lambda: None).render().decode()
+
+
+@pytest.mark.parametrize("flag", ["--async-scheduling", "--no-async-scheduling", None])
+@pytest.mark.parametrize("threads_flag", ["--adaptive-threads", "--no-adaptive-threads", None])
+def test_serve_passes_each_switch_on_as_given(flag, threads_flag):
+    from services.launcher import executor_argv, scheduler_argv
+
+    args = build_parser().parse_args(["serve", "--num-threads", "2", *filter(None, [flag, threads_flag])])
+    scheduler, executor = scheduler_argv(args), executor_argv(args)
+    assert [a for a in scheduler if "async" in a] == ([flag] if flag else [])
+    assert [a for a in executor if "adaptive" in a] == ([threads_flag] if threads_flag else [])
+    assert "True" not in scheduler + executor and "False" not in scheduler + executor
+    assert executor[executor.index("--num-threads") + 1] == "2"
+    parsed = build_parser().parse_args(["executor", *executor])  # the executor takes what it is given
+    assert parsed.adaptive_threads == (None if threads_flag is None else threads_flag == "--adaptive-threads")
