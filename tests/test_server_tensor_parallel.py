@@ -7,9 +7,7 @@
   same run. ``/health`` and ``/metrics`` report the group; each rank's KV pool holds only its KV
   heads. The same across two "hosts" (two serve commands, ``--nnodes 2``, torch.distributed and
   ``tcp://`` endpoints).
-- SmolLM2-135M (9 heads, 3 KV heads): ``-tp 3`` over shared memory gives transformers'
-  greedy tokens, token for token, with its logprobs within float32 noise (``-tp 1`` gives them too:
-  ``tests/test_smollm2_vs_hf.py``, ``tests/test_server.py``).
+- SmolLM2-135M with ``-tp 3`` against transformers: ``tests/test_server_tensor_parallel_smollm2.py``.
 - A rank killed (over both all-reduce kinds), or stopped (hung), mid-run: serve restarts the whole
   group under a new group id, the streams in flight end exactly as an uninterrupted run's, and no
   process or shared-memory segment of the lost group is left. With ``--max-restarts 0`` a killed
@@ -347,57 +345,3 @@ def _end_by_killing_rank_1(proc: subprocess.Popen, url: str, tmp_path, model: st
     assert message.startswith("pagedserve: the executor process failed 1 time within 600 s (--max-restarts 0, "
                               "--restart-window-s 600); last: executor rank 1 was killed by SIGKILL")
     assert message.endswith("; stopped the others")
-
-
-# ---------------------------------------------------------------- SmolLM2 against transformers
-
-SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,"]
-SMOLLM2_MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def smollm2_reference():
-    """transformers' greedy tokens for each prompt, each token as its own text (as logprobs show it),
-    and each token's logprob."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from shared.model_source import resolve_model
-
-    src = resolve_model(None)
-    tok = AutoTokenizer.from_pretrained(src.directory, **src.pretrained_kwargs())
-    model = AutoModelForCausalLM.from_pretrained(src.directory, dtype=torch.float32, **src.pretrained_kwargs()).eval()
-    refs = []
-    for prompt in SMOLLM2_PROMPTS:
-        ids = torch.tensor([tok(prompt)["input_ids"]])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=SMOLLM2_MAX_TOKENS,
-                                 do_sample=False, eos_token_id=None, output_logits=True, return_dict_in_generate=True)
-        new_ids = out.sequences[0, ids.shape[1]:].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, new_ids)]
-        refs.append({"tokens": [tok.decode([t], skip_special_tokens=False) for t in new_ids], "logprobs": logprobs})
-    return refs
-
-
-# -tp 1 against transformers, token for token: tests/test_smollm2_vs_hf.py and tests/test_server.py.
-# Shared memory only: the torch (gloo) all-reduce sums three ranks as shared memory does
-# (tests/test_allreduce_torch.py, world size 3), and serve over it gives -tp 1's tokens and logprobs
-# (test_two_hosts_over_torch_distributed) and survives a killed rank (torch-killed below)
-@pytest.mark.parametrize("all_reduce", ["shm"])
-def test_smollm2_tp3_equals_transformers(all_reduce, tmp_path, smollm2_reference):
-    proc, url = _start(tmp_path, "-tp", "3", "--all-reduce", all_reduce, "--dtype", "float32", "--max-model-len",
-                       "512", "--kv-cache-memory", "64MiB", "--swap-space", "0.05")
-    try:
-        client = _openai(url)
-        with concurrent.futures.ThreadPoolExecutor(len(SMOLLM2_PROMPTS)) as pool:
-            replies = list(pool.map(lambda p: client.completions.create(
-                model="SmolLM2-135M-Instruct", prompt=p, max_tokens=SMOLLM2_MAX_TOKENS, temperature=0, logprobs=1,
-                extra_body={"ignore_eos": True}), SMOLLM2_PROMPTS))
-        health = json.loads(_get(f"{url}/health"))
-    finally:
-        stop(proc)
-    for i, (run, ref) in enumerate(zip((_choices(r)[0] for r in replies), smollm2_reference)):
-        assert run["tokens"] == ref["tokens"], f"prompt {i}: {run['text']!r} != {''.join(ref['tokens'])!r}"
-        # 30 layers of sums split over 3 ranks and added in another order: float32 noise only
-        assert max(abs(x - y) for x, y in zip(run["logprobs"], ref["logprobs"], strict=True)) < 1e-3
-    assert health["group"]["world_size"] == 3 and health["group"]["all_reduce"] == all_reduce

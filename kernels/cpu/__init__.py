@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from kernels.cpu.backend import NumbaCPUBackend
 from kernels.cpu.cache_ops import copy_blocks, swap_blocks, write_kv_cache
-from kernels.cpu.decode import MIN_PARTITION_SIZE, auto_partitions, paged_decode_attention
 from kernels.cpu.common import sync_threads
+from kernels.cpu.decode import MIN_PARTITION_SIZE, auto_partitions, paged_decode_attention
 from kernels.cpu.prefill import paged_prefill_attention
 
 __all__ = [
