@@ -5,18 +5,19 @@ wired by ``ipc://`` sockets in a private directory. With ``-tp N`` there are N e
 (``group_layout`` says which run on this host and with which flags).
 
 A process that dies is started again, its cause logged (how it ended and its last error line) and
-counted. The executor ranks restart together, as a new group: tensor-parallel ranks cannot go on
-without one of theirs, so when any rank ends the others are stopped, the old group's shared-memory
-segments and handle store are removed, and every rank starts again under a fresh group id (and a
-fresh local rendezvous port when serve chose the first). A hung executor is found by the scheduler
-(missed heartbeats, an overdue step), which reports it on the supervisor socket (``ProcessLost``):
-the launcher kills it, then restarts it as if it had died. More than ``--max-restarts`` restarts
-of one process (the ranks count as one) within ``--restart-window-s`` (``restarts.RestartBudget``),
-or a configuration error (exit code 2), stops everything, and ``serve`` exits non-zero naming the
-process and why; of several ranks that ended, the one that failed first is named, not those that
-stopped because it did. On a host without the scheduler (``--node-rank`` > 0), ranks that end
-cleanly were stopped by the scheduler: ``serve`` stops and exits 0. SIGTERM or Ctrl-C stops them
-all, removes the socket directory and any shared-memory segment of the group.
+counted (for /metrics: ``shared.restart_counts``). The executor ranks restart together, as a new
+group: tensor-parallel ranks cannot go on without one of theirs, so when any rank ends the others
+are stopped, the old group's shared-memory segments and handle store are removed, and every rank
+starts again under a fresh group id (and a fresh local rendezvous port when serve chose the first).
+A hung executor is found by the scheduler (missed heartbeats, an overdue step), which reports it on
+the supervisor socket (``ProcessLost``): the launcher kills it, then restarts it as if it had died.
+More than ``--max-restarts`` restarts of one process (the ranks count as one) within
+``--restart-window-s`` (``restarts.RestartBudget``), or a configuration error (exit code 2), stops
+everything, and ``serve`` exits non-zero naming the process and why; of several ranks that ended,
+the one that failed first is named, not those that stopped because it did. On a host without the
+scheduler (``--node-rank`` > 0), ranks that end cleanly were stopped by the scheduler: ``serve``
+stops and exits 0. SIGTERM or Ctrl-C stops them all, removes the socket directory and any
+shared-memory segment of the group.
 
 ``--zmq-curve DIR`` (or ``$PAGEDSERVE_ZMQ_CURVE``) hands every child the key directory in its
 environment (``shared.zmq_auth``); ``--zmq-curve`` alone makes throw-away keys in the private
@@ -42,6 +43,7 @@ from services.restarts import RestartBudget
 from shared.endpoints import Endpoints, make_private_socket_dir
 from shared.logging import configure_logging
 from shared.messages import DecodeError, ProcessLost, decode
+from shared.restart_counts import ENV_VAR as RESTARTS_ENV_VAR, restarts_path, write_restart_counts
 from shared.zmq_auth import ENV_VAR as CURVE_ENV_VAR, EPHEMERAL, create_keys, curve_dir, load_keys
 
 _SECRET_ENV = ("PAGEDSERVE_API_KEY", "PAGEDSERVE_API_KEY_FILE")  # only the frontend gets these
@@ -65,7 +67,8 @@ def serve(args) -> int:
              ephemeral_keys=curve is not None and curve.startswith(sock_dir))
     supervisor_endpoint = f"ipc://{os.path.join(sock_dir, 'supervisor.sock')}"
     env = {**os.environ, **Endpoints.in_directory(sock_dir).to_env(), "PYTHONUNBUFFERED": "1",
-           "PAGEDSERVE_SUPERVISOR_ENDPOINT": supervisor_endpoint, **({CURVE_ENV_VAR: curve} if curve else {})}
+           "PAGEDSERVE_SUPERVISOR_ENDPOINT": supervisor_endpoint, RESTARTS_ENV_VAR: restarts_path(sock_dir),
+           **({CURVE_ENV_VAR: curve} if curve else {})}
     env.setdefault("PAGEDSERVE_LOG_FORMAT", "console" if sys.stderr.isatty() else "json")
     stop = threading.Event()
     received: list[str] = []
@@ -112,8 +115,14 @@ class _Supervisor:
         return (child for children in self.groups.values() for child in children)
 
     def start_all(self) -> None:
+        self._write_restart_counts()
         for child in self.children():
             child.start(self.log)
+
+    def _write_restart_counts(self) -> None:
+        """For /metrics: only the launcher sees a process killed before others heard of it."""
+        counts = {name: self.budget.num_restarts[name] for name in self.groups}
+        write_restart_counts(restarts_path(self.sock_dir), counts)
 
     def run(self, stop: threading.Event) -> tuple[int, str | None]:
         """Restart what ends until ``stop``; returns (exit code, why it gave up or None)."""
@@ -145,6 +154,7 @@ class _Supervisor:
             return 1, f"{self.budget.refusal(name)}; last: {last}"
         self.log.warning("process restarted", service=name, rank=ended.rank, cause=last,
                          num_restarts=self.budget.num_restarts[name])
+        self._write_restart_counts()
         stop_all([c for c in children if c.running])  # a group restarts whole
         if name == "executor":
             self._renew_group(children)

@@ -10,6 +10,7 @@ import aiohttp
 import openai
 import pytest
 
+from shared.restart_counts import write_restart_counts
 from tests.frontend_doubles import HOLD_MARKER, FrontendThread
 from tests.test_frontend_api import http
 
@@ -100,6 +101,26 @@ def test_metrics(frontend, model):
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert delta[f"pagedserve:{name}_count"] == 2, name
     assert delta['pagedserve:request_success_total{finished_reason="length"}'] == 2
+
+
+def test_metrics_count_restarts_from_the_launchers_file(model, fake, tmp_path):
+    """Under ``pagedserve serve`` /metrics shows the launcher's restart counts, read at each scrape."""
+    path = str(tmp_path / "restarts.json")
+    server = FrontendThread(model, fake.endpoints, restarts_file=path).start()
+
+    def restarts() -> dict[str, float]:
+        values = metric_values(http("GET", server.base_url + "/metrics")[2].decode())
+        return {p: values[f'pagedserve:process_restarts_total{{process="{p}"}}'] for p in ("executor", "scheduler",
+                                                                                            "frontend")}
+
+    try:
+        assert restarts() == {"executor": 0, "scheduler": 0, "frontend": 0}  # no file yet: what the fake reports
+        write_restart_counts(path, {"executor": 3, "scheduler": 1, "frontend": 2})
+        assert restarts() == {"executor": 3, "scheduler": 1, "frontend": 2}
+        write_restart_counts(path, {"executor": 4, "scheduler": 1, "frontend": 2})
+        assert restarts()["executor"] == 4
+    finally:
+        server.stop()
 
 
 def test_api_key(model, fake):

@@ -319,26 +319,31 @@ def _shm_segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("psv-")}
 
 
-def test_restarts_and_a_kill_during_start_up_leave_nothing_behind(tmp_path, model_dir):
+def test_restarts_and_kills_during_start_up_leave_nothing_behind_and_are_counted(tmp_path, model_dir):
+    """Each process killed while it starts up (before any other heard of it), then more restarts in
+    a row: /metrics counts every replaced process once, across the frontend's own restart."""
     shm_before = _shm_segments()
     proc, url = _serve(tmp_path, model_dir, "--heartbeat-timeout", "3", wait=False)
     try:
-        os.kill(_child(proc, "executor"), signal.SIGKILL)  # while it loads
+        for victim in ("executor", "scheduler", "frontend"):
+            os.kill(_child(proc, victim), signal.SIGKILL)  # while it loads
         _wait_healthy(url, proc)
+        assert _restarts(url) == {"executor": 1, "scheduler": 1, "frontend": 1}
         for victim in ("executor", "executor", "scheduler", "frontend"):  # restarts in a row
             killed = _child(proc, victim)
             os.kill(killed, signal.SIGKILL)
             _wait_for(lambda: _health(url)[0] == 200 and _child(proc, victim) != killed, f"no new {victim}")
         assert _client(url).completions.create(prompt="Hello", **GREEDY).usage.completion_tokens == 120
+        assert _restarts(url) == {"executor": 3, "scheduler": 2, "frontend": 2}
     finally:
         assert _stop(proc) == 0
     started = _started_pids(tmp_path)
-    assert len(started) == 3 + 5  # the first three, and five restarts
+    assert len(started) == 3 + 7  # the first three, and seven restarts
     assert not [pid for pid in started if _alive(pid)], "orphan processes"
     assert not [p for p in os.listdir(tmp_path) if p.startswith("pagedserve-")], "socket directory left behind"
     assert _shm_segments() <= shm_before, "shared memory left behind"
     log = (tmp_path / "serve.log").read_text()
-    assert log.count('"process restarted"') == 5 and "was killed by SIGKILL" in log
+    assert log.count('"process restarted"') == 7 and "was killed by SIGKILL" in log
 
 
 def test_sigterm_during_start_up_stops_everything(tmp_path, model_dir):

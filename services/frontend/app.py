@@ -26,6 +26,7 @@ from services.frontend.playground import add_playground, is_page_path
 from services.frontend.served_model import ServedModel
 from services.frontend.state import REQUEST_ID, STATE, FrontendState
 from services.frontend.tokenizer_pools import TokenizerPools
+from shared.restart_counts import supervised_or_observed
 
 log = structlog.get_logger()
 
@@ -42,6 +43,7 @@ def create_app(
     api_key: str | None = None,
     http_limits: HttpLimits | None = None,
     playground: bool = True,
+    restarts_file: str | None = None,
 ) -> web.Application:
     """The frontend's application. Starting it starts ``client`` (ZMQ reader); shutting it down
     gives running requests ``shutdown_grace_s`` to finish, then cancels (and so aborts) them;
@@ -53,11 +55,13 @@ def create_app(
     ``Authorization: Bearer <api_key>``. ``max_body_bytes``: ``None`` sizes the body limit from
     the model (``ServedModel.body_limit_bytes``). ``http_limits``: the body-read deadline is read
     from it here; the connection deadlines are the server's (``connection_guard``). ``playground``:
-    serve the chat page and /v1/kv/events (``playground``)."""
+    serve the chat page and /v1/kv/events (``playground``). ``restarts_file``: the launcher's
+    restart counts, which /metrics prefers to those the processes saw (``shared.restart_counts``)."""
     app = web.Application(client_max_size=max_body_bytes or model.body_limit_bytes,
                           middlewares=[connection_middleware, error_middleware, auth_middleware])
     app[HTTP_LIMITS] = http_limits or HttpLimits()
-    metrics = FrontendMetrics(lambda: client.latest_stats, client.process_restarts)
+    metrics = FrontendMetrics(lambda: client.latest_stats,
+                              lambda: supervised_or_observed(client.process_restarts(), restarts_file))
     app[STATE] = FrontendState(
         model, client, TokenizerPools(), metrics, TokenFormatter(model.tokenizer), max_queue_len=max_queue_len,
         api_key=api_key or None, shutdown_grace_s=shutdown_grace_s,

@@ -25,6 +25,7 @@ class FrontendConfig:
     no cap). ``api_key``: when set, every route but /health needs ``Authorization: Bearer <key>``.
     ``playground``: serve the chat page at / and /v1/kv/events (``--no-playground``: not).
     ``zmq_curve``: the ``--zmq-curve`` key directory (``shared.zmq_auth``; None: plain ZeroMQ).
+    ``restarts_file``: the launcher's restart counts (``shared.restart_counts``; None: no launcher).
     Keyword arguments only.
     """
 
@@ -41,6 +42,7 @@ class FrontendConfig:
     heartbeat_timeout: float = 10.0
     playground: bool = True
     zmq_curve: str | None = None
+    restarts_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.served_model_name is not None and not self.served_model_name.strip():

@@ -12,9 +12,10 @@ With ``--zmq-curve`` the DEALER is a CURVE client of the scheduler (``shared.zmq
 The scheduler's liveness: silent for ``heartbeat_timeout_s`` it counts as lost (``scheduler_lost``:
 /health says 503, new requests get a 503); silent for ``silence_timeout_s`` every waiting request
 fails. A new epoch in its stats means a new scheduler process: once it is ready every request in
-flight is handed to it (``RequestRoutes.resubmissions``) and continues where it was. Restarts are
-counted here: the scheduler's, and the executors' (reported by each scheduler; the counts of
-earlier schedulers are kept).
+flight is handed to it (``RequestRoutes.resubmissions``) and continues where it was. Restarts seen
+are counted here: the scheduler's, and the executors' (reported by each scheduler; the counts of
+earlier schedulers are kept); under ``pagedserve serve`` /metrics shows the launcher's instead
+(``metrics``).
 
 For the playground, ``watch_kv`` asks the scheduler for block-pool snapshots (``KvWatch``), which
 arrive at ``on_kv_snapshot`` (``kv_stream.KvHub``).

@@ -21,6 +21,7 @@ from services.frontend.playground import add_playground_argument
 from services.frontend.served_model import ServedModel, load_served_model
 from shared.endpoints import Endpoints
 from shared.logging import configure_logging
+from shared.restart_counts import ENV_VAR as RESTARTS_ENV_VAR
 from shared.zmq_auth import CurveKeys, add_curve_argument, curve_dir, load_keys, log_mode
 
 log = structlog.get_logger()
@@ -42,7 +43,7 @@ class FrontendServer:
         self.app = create_app(
             model, self.client, max_body_bytes=config.max_body_bytes, shutdown_grace_s=shutdown_grace_s,
             max_queue_len=config.max_queue_len, api_key=config.api_key, http_limits=config.http_limits,
-            playground=config.playground,
+            playground=config.playground, restarts_file=config.restarts_file,
         )
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=HANDLER_SHUTDOWN_TIMEOUT_S
@@ -150,6 +151,7 @@ def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | N
         http_limits=http_limits_from_args(args),
         playground=getattr(args, "playground", True),
         zmq_curve=curve_dir(args),
+        restarts_file=os.environ.get(RESTARTS_ENV_VAR) or None,
         **({"heartbeat_timeout": args.heartbeat_timeout} if getattr(args, "heartbeat_timeout", None) else {}),
     )
 

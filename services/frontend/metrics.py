@@ -16,10 +16,17 @@ in ``request_success`` by its finish reason (as vLLM counts finished sequences).
 ``num_queued`` counts engine requests sent that have had no output yet (waiting at the
 scheduler or being prefilled): what ``--max-queue-len`` limits.
 
-``process_restarts_total{process}`` counts the processes that died or hung and were replaced, each
-where it is seen: the executor ranks by the scheduler (summed over the schedulers this frontend
-knew), the scheduler by this frontend (a new epoch), the frontends by the scheduler (frontends that
-went away or fell silent).
+``process_restarts_total{process}`` counts the processes that ended (died, were killed as hung, or
+were killed while they started up) and were replaced, each replacement once; the executor ranks
+restart together and count as one. Under ``pagedserve serve`` the count is the launcher's, which
+replaced them all (read from its file, ``shared.restart_counts``): only the launcher sees a process
+killed before any other heard of it, and its count goes on across restarts of this frontend and of
+the scheduler. A process no launcher of ours supervises (started on its own, by compose say) is
+counted where it is seen instead: the executor ranks by the scheduler (an accepted rank lost;
+summed over the schedulers this frontend knew), the scheduler by this frontend (a new epoch), the
+frontends by the scheduler (frontends that went away or fell silent); there, a process that ends
+before any of these heard of it is not counted, and a restarted frontend starts again from the
+counts the current scheduler reports.
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ class _RestartsCollector(Collector):
         self._restarts = restarts
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(PREFIX + "process_restarts", "Processes that died or hung and were replaced.",
+        family = CounterMetricFamily(PREFIX + "process_restarts",
+                                     "Processes that ended (died, hung, killed while starting) and were replaced.",
                                      labels=["process"])
         for process, num in sorted(self._restarts().items()):
             family.add_metric([process], num)
