@@ -40,6 +40,16 @@ def test_learns_each_group_then_runs_the_faster_and_keeps_checking_the_other():
     # another group learns on its own, and there two threads are faster
     assert drive(tuner, 40, {1: 30.0, 2: 20.0}, 40)[6:].count(2) >= 30
     assert tuner.best() == {8: 1, 32: 2}
+    assert (tuner.best_for(15), tuner.best_for(32), tuner.best_for(63)) == (1, 2, 2)  # each its group's
+    assert tuner.best_for(4) is None  # a group never run
+
+
+def test_a_group_has_no_best_while_it_learns():
+    tuner = ThreadTuner((1, 2), min_samples=3)
+    drive(tuner, 5, {1: 10.0, 2: 12.0}, 5)  # one thread ran 3 times, two threads twice
+    assert tuner.best_for(5) is None and tuner.best() == {}
+    drive(tuner, 5, {1: 10.0, 2: 12.0}, 1)
+    assert tuner.best_for(5) == 1 and tuner.best() == {4: 1}
 
 
 def test_a_change_of_load_changes_the_choice():
@@ -54,7 +64,7 @@ def test_a_change_of_load_changes_the_choice():
 def test_large_steps_always_use_every_thread_and_are_not_learned():
     tuner = ThreadTuner((1, 4), max_tokens=128)
     assert drive(tuner, 2048, {1: 1.0, 4: 100.0}, 10) == [4] * 10
-    assert tuner.best() == {}
+    assert tuner.best() == {} and tuner.best_for(2048) is None
     assert ThreadTuner((2,)).choose(1) == 2
 
 
@@ -180,9 +190,14 @@ def test_step_runner_logs_why_and_each_new_choice():
         run = step_runner(runner, 2, 1, True, log)
         step = SimpleNamespace(input_token_ids=[1, 2, 3])
         assert [run(step) for _ in range(10)] == [3] * 10
+        larger = SimpleNamespace(input_token_ids=list(range(9)))
+        assert [run(larger) for _ in range(10)] == [9] * 10
     finally:
         torch.set_num_threads(before)
     assert log.events[0] == ("threads per step", {"adaptive": True, "why": "one of 1, 2 threads per step, by time"})
+    assert {event for event, _ in log.events} == {"threads per step"}
     chosen = [fields["by_min_tokens"] for event, fields in log.events[1:]]
     assert chosen and set(chosen[0]) == {2}  # steps of 2-3 tokens learned
+    assert set(chosen[-1]) == {2, 8}  # then steps of 8-15: every group's choice is logged, not the last one's
+    assert all(a != b for a, b in zip(chosen, chosen[1:]))  # logged only when a choice changed
     assert step_runner(runner, 2, 1, False, Log()) is None

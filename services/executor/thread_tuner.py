@@ -65,6 +65,11 @@ class ThreadTuner:
         """Steps of 1, 2-3, 4-7, 8-15, ... tokens share a group."""
         return max(1, num_tokens).bit_length()
 
+    @classmethod
+    def min_tokens_of(cls, num_tokens: int) -> int:
+        """The smallest token count of ``num_tokens``'s group (what ``best`` is keyed by)."""
+        return 1 << (cls.group_of(num_tokens) - 1)
+
     def choose(self, num_tokens: int) -> int:
         if num_tokens > self.max_tokens or len(self.candidates) == 1:
             return self.candidates[-1]
@@ -97,9 +102,20 @@ class ThreadTuner:
         exploration; only groups whose candidates all ran ``min_samples`` times."""
         out = {}
         for key, group in sorted(self._groups.items()):
-            if all(arm.samples >= self.min_samples for arm in group.arms.values()):
-                out[1 << (key - 1)] = min(group.arms, key=lambda c: group.arms[c].mean_ms)
+            if (choice := self._learned_choice(group)) is not None:
+                out[1 << (key - 1)] = choice
         return out
+
+    def best_for(self, num_tokens: int) -> int | None:
+        """``best()`` of the group of ``num_tokens`` alone (the only one a step of that size can
+        change); None while that group is still learning, or for a step larger than ``max_tokens``."""
+        group = self._groups.get(self.group_of(num_tokens))
+        return None if num_tokens > self.max_tokens or group is None else self._learned_choice(group)
+
+    def _learned_choice(self, group: _Group) -> int | None:
+        if any(arm.samples < self.min_samples for arm in group.arms.values()):
+            return None
+        return min(group.arms, key=lambda c: group.arms[c].mean_ms)
 
 
 def tuned_execute(tuner: ThreadTuner, execute, step, num_tokens: int, set_threads):
@@ -144,21 +160,22 @@ def thread_ladder(num_threads: int) -> tuple[int, ...]:
 
 def step_runner(runner, num_threads: int, world_size: int, enabled: bool, log):
     """``runner.execute`` through a tuner where ``thread_tuner_for`` gives one (None otherwise),
-    logging what it chose whenever a group learns or changes its choice."""
+    logging what it chose (every group's choice) whenever a group learns or changes its choice."""
     tuner, why = thread_tuner_for(runner, num_threads, world_size, enabled)
     log.info("threads per step", adaptive=tuner is not None, why=why)
     if tuner is None:
         return None
     import torch
 
-    chosen: dict[int, int] = {}
+    chosen: dict[int, int] = {}  # tuner.best() as last logged
 
     def run(step):
-        result = tuned_execute(tuner, runner.execute, step, len(step.input_token_ids), torch.set_num_threads)
-        if (best := tuner.best()) != chosen:
-            chosen.clear()
-            chosen.update(best)
-            log.info("threads per step", by_min_tokens=best)
+        num_tokens = len(step.input_token_ids)
+        result = tuned_execute(tuner, runner.execute, step, num_tokens, torch.set_num_threads)
+        best = tuner.best_for(num_tokens)  # only the group this step was timed in can have changed
+        if best is not None and chosen.get(key := tuner.min_tokens_of(num_tokens)) != best:
+            chosen[key] = best
+            log.info("threads per step", by_min_tokens=dict(sorted(chosen.items())))
         return result
 
     return run
