@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from kernels import reference
@@ -9,6 +11,7 @@ from kernels.cpu.activation import silu_mul_
 from kernels.cpu.cache_ops import copy_blocks, swap_blocks, write_kv_cache
 from kernels.cpu.common import BITS_DTYPES, kernel_array, sync_threads
 from kernels.cpu.decode import paged_decode_attention
+from kernels.cpu.live_arrays import live_array
 from kernels.cpu.norm import add_rms_norm_
 from kernels.cpu.prefill import paged_prefill_attention
 from kernels.cpu.rotary import rope_split_
@@ -19,6 +22,27 @@ def _pools_ok(*caches) -> bool:
     dtype = caches[0].dtype
     return dtype in BITS_DTYPES and all(
         c.is_cpu and c.dtype == dtype and c.is_contiguous() for c in caches)
+
+
+# (id(key pool), id(value pool)) -> weak references to both, for pairs that passed _pools_ok
+_checked_pairs: dict[tuple[int, int], tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _pool_pair_ok(key_cache, value_cache) -> bool:
+    """``_pools_ok`` for a layer's (key, value) pools, remembered per pair of pool objects: each
+    layer's pools are checked once, not at each of the two or three calls per layer and step. (An
+    entry outlives its pools only as two dead weak references, which never match a new pool.)"""
+    refs = _checked_pairs.get((id(key_cache), id(value_cache)))
+    if refs is not None and refs[0]() is key_cache and refs[1]() is value_cache:
+        return True
+    if not _pools_ok(key_cache, value_cache):
+        return False
+    _checked_pairs[(id(key_cache), id(value_cache))] = (weakref.ref(key_cache), weakref.ref(value_cache))
+    return True
+    if not _pools_ok(key_cache, value_cache):
+        return False
+    _checked_pairs[key_cache] = value_cache
+    return True
 
 
 def _io_ok(cache, *tensors) -> bool:
@@ -41,33 +65,33 @@ class NumbaCPUBackend:
     partition_threads: int | None = None
 
     def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
-        if not (_pools_ok(key_cache, value_cache) and _io_ok(key_cache, key, value)):
+        if not (_pool_pair_ok(key_cache, value_cache) and _io_ok(key_cache, key, value)):
             return reference.write_kv_cache(key_cache, value_cache, key, value, slot_mapping)
         sync_threads()
-        write_kv_cache(kernel_array(key_cache), kernel_array(value_cache), kernel_array(key),
-                       kernel_array(value), kernel_array(slot_mapping))
+        write_kv_cache(live_array(key_cache), live_array(value_cache), kernel_array(key),
+                       kernel_array(value), live_array(slot_mapping))
 
     def decode(self, out, query, key_cache, value_cache, block_tables, context_lens, scale) -> None:
-        if not (_pools_ok(key_cache, value_cache) and _io_ok(key_cache, out, query)):
+        if not (_pool_pair_ok(key_cache, value_cache) and _io_ok(key_cache, out, query)):
             return reference.paged_decode_attention(
                 out, query, key_cache, value_cache, block_tables, context_lens, scale)
         threads = sync_threads()
         paged_decode_attention(
-            kernel_array(out), kernel_array(query), kernel_array(key_cache),
-            kernel_array(value_cache), kernel_array(block_tables), kernel_array(context_lens),
+            kernel_array(out), kernel_array(query), live_array(key_cache),
+            live_array(value_cache), live_array(block_tables), live_array(context_lens),
             scale, num_threads=threads, partition_threads=self.partition_threads)
 
     def prefill(self, out, query, key_cache, value_cache, block_tables, query_start_loc,
                 context_lens, scale) -> None:
-        if not (_pools_ok(key_cache, value_cache) and _io_ok(key_cache, out, query)):
+        if not (_pool_pair_ok(key_cache, value_cache) and _io_ok(key_cache, out, query)):
             return reference.paged_prefill_attention(
                 out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
                 scale)
         threads = sync_threads()
         paged_prefill_attention(
-            kernel_array(out), kernel_array(query), kernel_array(key_cache),
-            kernel_array(value_cache), kernel_array(block_tables), kernel_array(query_start_loc),
-            kernel_array(context_lens), scale, num_threads=threads,
+            kernel_array(out), kernel_array(query), live_array(key_cache),
+            live_array(value_cache), live_array(block_tables), live_array(query_start_loc),
+            live_array(context_lens), scale, num_threads=threads,
             partition_threads=self.partition_threads)
 
     def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:

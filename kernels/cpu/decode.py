@@ -300,7 +300,7 @@ def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_
     key_cache, value_cache = as_bits(key_cache), as_bits(value_cache)
     out = out.view(np.int16) if out.dtype == np.float16 else out
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-    shape = GroupShape(query.shape[1] // num_kv_heads, query.shape[2])
+    shape = GroupShape.of(query.shape[1] // num_kv_heads, query.shape[2])
     query = as_input(query, key_cache)
     block_tables = np.ascontiguousarray(block_tables, dtype=np.int32)
     lens = np.ascontiguousarray(row_lens, dtype=np.int32)
@@ -315,12 +315,12 @@ def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_
         rows = balanced_order(lens).astype(np.int32)
         seqs, lens = seqs[rows], lens[rows]
     target = output_target(out, key_cache)
-    max_len = int(lens.max())
     if partition_size is None:
         num_parts = 1 if small else auto_partitions(num_rows, num_kv_heads, sized_for)
-        partition_size = 0 if num_parts == 1 else max(-(-max_len // num_parts), MIN_PARTITION_SIZE)
+        partition_size = 0 if num_parts == 1 else max(-(-int(lens.max()) // num_parts),
+                                                      MIN_PARTITION_SIZE)
     partition_size = -(-partition_size // block_size) * block_size
-    if 0 < partition_size < max_len:
+    if partition_size > 0 and partition_size < int(lens.max()):  # max only where partitions may be
         _rows_partitioned_kernel(target, query, key_cache, value_cache, block_tables, rows, seqs,
                                  lens, float(scale), partition_size, shape)
     else:

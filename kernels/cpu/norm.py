@@ -25,6 +25,7 @@ import torch
 from numba import njit, prange
 
 from kernels.cpu.common import _FASTMATH, by_rows, kernel_array, narrow_like, widen
+from kernels.cpu.live_arrays import live_array
 
 PARALLEL_FROM_ROWS = 1024  # rows; below, a parallel region costs more than it saves (see the docstring)
 
@@ -75,5 +76,6 @@ def add_rms_norm_(residual, delta, weight, eps: float):
     """The torch form: ``residual += delta`` in place, returns a new ``RMSNorm(residual)`` tensor
     (CPU, float32 or bfloat16, C-contiguous, one dtype; ``delta`` may have no rows)."""
     out = torch.empty_like(residual)
-    add_rms_norm(kernel_array(out), kernel_array(residual), kernel_array(delta), kernel_array(weight), eps)
+    # the stream and the weight are the same tensors in every layer: their views are made once
+    add_rms_norm(kernel_array(out), live_array(residual), kernel_array(delta), live_array(weight), eps)
     return out

@@ -23,6 +23,7 @@ import torch
 from numba import njit, prange
 
 from kernels.cpu.common import by_rows, kernel_array, narrow_like, widen
+from kernels.cpu.live_arrays import live_array
 
 PARALLEL_FROM_ROWS = 512  # tokens; below, a parallel region costs more than it saves (see the docstring)
 
@@ -79,6 +80,7 @@ def rope_split_(qkv, cos, sin, num_heads: int, num_kv_heads: int):
     k = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=qkv.dtype)
     v = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=qkv.dtype)
     if num_tokens:
+        # cos and sin are the step's tables, the same tensors in every layer: viewed once
         rope_split(kernel_array(q), kernel_array(k), kernel_array(v), kernel_array(qkv),
-                   kernel_array(cos.reshape(num_tokens, head_dim)), kernel_array(sin.reshape(num_tokens, head_dim)))
+                   live_array(cos).reshape(num_tokens, head_dim), live_array(sin).reshape(num_tokens, head_dim))
     return q, k, v

@@ -11,7 +11,7 @@ tensors to the PyTorch reference. ``select_backend`` picks one by name
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,18 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1] int32
     # the prefill part, re-based so that its first sequence starts at query row 0
     prefill_query_start_loc: torch.Tensor  # [S - num_decodes + 1] int32
+    # the decodes' and the prefills' rows of block_tables and context_lens, sliced once per step:
+    # every layer passes the same tensors, so the kernels' views of them are made once too
+    # (``kernels/cpu/live_arrays.py``)
+    decode_block_tables: torch.Tensor = field(init=False)
+    decode_context_lens: torch.Tensor = field(init=False)
+    prefill_block_tables: torch.Tensor = field(init=False)
+    prefill_context_lens: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        nd = self.num_decodes
+        self.decode_block_tables, self.prefill_block_tables = self.block_tables[:nd], self.block_tables[nd:]
+        self.decode_context_lens, self.prefill_context_lens = self.context_lens[:nd], self.context_lens[nd:]
 
 
 class TorchBackend:
@@ -97,12 +109,12 @@ def paged_attention(
     nd, ndt = meta.num_decodes, meta.num_decode_tokens
     if nd:
         backend.decode(
-            out[:ndt], query[:ndt], key_cache, value_cache, meta.block_tables[:nd],
-            meta.context_lens[:nd], scale,
+            out[:ndt], query[:ndt], key_cache, value_cache, meta.decode_block_tables,
+            meta.decode_context_lens, scale,
         )
     if ndt < query.shape[0]:
         backend.prefill(
-            out[ndt:], query[ndt:], key_cache, value_cache, meta.block_tables[nd:],
-            meta.prefill_query_start_loc, meta.context_lens[nd:], scale,
+            out[ndt:], query[ndt:], key_cache, value_cache, meta.prefill_block_tables,
+            meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
         )
     return out
