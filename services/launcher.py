@@ -5,7 +5,7 @@ wired by ``ipc://`` sockets in a private directory. With ``-tp N`` there are N e
 (``group_layout`` says which run on this host and with which flags).
 
 A process that dies is started again, its cause logged (how it ended and its last error line) and
-counted (for /metrics: ``shared.restart_counts``). The executor ranks restart together, as a new
+counted (``shared.restart_counts``). The executor ranks restart together, as a new
 group: tensor-parallel ranks cannot go on without one of theirs, so when any rank ends the others
 are stopped, the old group's shared-memory segments and handle store are removed, and every rank
 starts again under a fresh group id (and a fresh local rendezvous port when serve chose the first).
@@ -120,7 +120,7 @@ class _Supervisor:
             child.start(self.log)
 
     def _write_restart_counts(self) -> None:
-        """For /metrics: only the launcher sees a process killed before others heard of it."""
+        """For /metrics and /health: only the launcher sees a process killed before others heard of it."""
         counts = {name: self.budget.num_restarts[name] for name in self.groups}
         write_restart_counts(restarts_path(self.sock_dir), counts)
 

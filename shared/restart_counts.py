@@ -1,12 +1,13 @@
-"""The launcher's count of the processes it replaced, handed to its frontend in a file for /metrics.
+"""The launcher's count of the processes it replaced, handed to its frontend in a file for /metrics
+and /health.
 
 ``pagedserve serve``'s launcher replaces every process of its host that ends, one killed while it
 starts up included: such a process may end before any other process heard of it, so only the
 launcher can count it. The launcher writes its counts (process name -> restarts; the executor ranks
 restart together and count as one) to ``restarts.json`` in its private socket directory, at start
 (all zero) and after each restart, and names the file to its children in
-``PAGEDSERVE_RESTARTS_FILE``; the frontend reads it when /metrics is scraped, so the counts outlive
-a restarted frontend or scheduler. The file is replaced whole (written under another name, then
+``PAGEDSERVE_RESTARTS_FILE``; the frontend reads it whenever /metrics or /health is asked, so the
+counts outlive a restarted frontend or scheduler. The file is replaced whole (written under another name, then
 renamed): a reader never sees half of it.
 """
 

@@ -138,13 +138,13 @@ def test_engine_client_hands_its_requests_to_a_restarted_scheduler(tmp_path):
             await receive(first, AddRequest)
             first.send_multipart([identity, encode(RequestOutput("r", 0, [7, 8]))])
             assert (await queue.get()).new_token_ids == [7, 8]
-            assert health_report(client)[0] == 200
+            assert health_report(client, client.process_restarts())[0] == 200
             first.close()  # the scheduler dies
             for _ in range(500):
                 if client.scheduler_lost:
                     break
                 await asyncio.sleep(0.01)
-            status, body = health_report(client)
+            status, body = health_report(client, client.process_restarts())
             assert status == 503 and "the scheduler has not answered" in body["reason"]
             second = scheduler()  # a new one, on the same endpoint, knowing nothing
             identity, _ = await receive(second, FrontendHello)
@@ -166,7 +166,11 @@ def test_engine_client_hands_its_requests_to_a_restarted_scheduler(tmp_path):
             last = await asyncio.wait_for(queue.get(), 10)
             assert (last.request_id, last.new_token_ids, last.finish_reason) == ("r", [9], "length")
             assert client.process_restarts() == {"executor": 2, "scheduler": 1, "frontend": 0}
-            assert health_report(client)[0] == 200 and client.num_pending == 0
+            status, body = health_report(client, client.process_restarts())
+            assert status == 200 and client.num_pending == 0
+            # /health's counts are /metrics': the executor restarts the first scheduler saw are kept
+            assert body["processes"]["scheduler"]["num_restarts"] == 1
+            assert [e["num_restarts"] for e in body["processes"]["executors"]] == [2]
             second.close()
         finally:
             await client.close()

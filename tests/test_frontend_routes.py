@@ -12,7 +12,7 @@ import pytest
 
 from shared.restart_counts import write_restart_counts
 from tests.frontend_doubles import HOLD_MARKER, FrontendThread
-from tests.test_frontend_api import http
+from tests.test_frontend_api import http, wait_for_health
 
 MAX_MODEL_LEN = 128
 API_KEY = "sk-test-7f3a"
@@ -103,8 +103,9 @@ def test_metrics(frontend, model):
     assert delta['pagedserve:request_success_total{finished_reason="length"}'] == 2
 
 
-def test_metrics_count_restarts_from_the_launchers_file(model, fake, tmp_path):
-    """Under ``pagedserve serve`` /metrics shows the launcher's restart counts, read at each scrape."""
+def test_metrics_and_health_count_restarts_from_the_launchers_file(model, fake, tmp_path):
+    """Under ``pagedserve serve`` /metrics and /health show the launcher's restart counts, read at
+    each request."""
     path = str(tmp_path / "restarts.json")
     server = FrontendThread(model, fake.endpoints, restarts_file=path).start()
 
@@ -113,12 +114,17 @@ def test_metrics_count_restarts_from_the_launchers_file(model, fake, tmp_path):
         return {p: values[f'pagedserve:process_restarts_total{{process="{p}"}}'] for p in ("executor", "scheduler",
                                                                                             "frontend")}
 
+    def scheduler_restarts_in_health() -> int:
+        return wait_for_health(server.base_url, 200)["processes"]["scheduler"]["num_restarts"]
+
     try:
         assert restarts() == {"executor": 0, "scheduler": 0, "frontend": 0}  # no file yet: what the fake reports
+        assert scheduler_restarts_in_health() == 0
         write_restart_counts(path, {"executor": 3, "scheduler": 1, "frontend": 2})
         assert restarts() == {"executor": 3, "scheduler": 1, "frontend": 2}
-        write_restart_counts(path, {"executor": 4, "scheduler": 1, "frontend": 2})
-        assert restarts()["executor"] == 4
+        assert scheduler_restarts_in_health() == 1
+        write_restart_counts(path, {"executor": 4, "scheduler": 2, "frontend": 2})
+        assert restarts()["executor"] == 4 and scheduler_restarts_in_health() == 2
     finally:
         server.stop()
 

@@ -81,6 +81,13 @@ def _restarts(url: str) -> dict[str, float]:
     return {p: m[f'pagedserve:process_restarts_total{{process="{p}"}}'] for p in ("executor", "scheduler", "frontend")}
 
 
+def _health_restarts(url: str) -> dict[str, int | list[int]]:
+    """/health's restart counts: the scheduler's, and each executor rank's."""
+    processes = _health(url)[1]["processes"]
+    return {"executor": [e["num_restarts"] for e in processes["executors"]],
+            "scheduler": processes["scheduler"]["num_restarts"]}
+
+
 def _health(url: str) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
@@ -321,7 +328,8 @@ def _shm_segments() -> set[str]:
 
 def test_restarts_and_kills_during_start_up_leave_nothing_behind_and_are_counted(tmp_path, model_dir):
     """Each process killed while it starts up (before any other heard of it), then more restarts in
-    a row: /metrics counts every replaced process once, across the frontend's own restart."""
+    a row: /metrics counts every replaced process once, across the frontend's own restart, and
+    /health reports the same counts."""
     shm_before = _shm_segments()
     proc, url = _serve(tmp_path, model_dir, "--heartbeat-timeout", "3", wait=False)
     try:
@@ -329,12 +337,14 @@ def test_restarts_and_kills_during_start_up_leave_nothing_behind_and_are_counted
             os.kill(_child(proc, victim), signal.SIGKILL)  # while it loads
         _wait_healthy(url, proc)
         assert _restarts(url) == {"executor": 1, "scheduler": 1, "frontend": 1}
+        assert _health_restarts(url) == {"executor": [1], "scheduler": 1}
         for victim in ("executor", "executor", "scheduler", "frontend"):  # restarts in a row
             killed = _child(proc, victim)
             os.kill(killed, signal.SIGKILL)
             _wait_for(lambda: _health(url)[0] == 200 and _child(proc, victim) != killed, f"no new {victim}")
         assert _client(url).completions.create(prompt="Hello", **GREEDY).usage.completion_tokens == 120
         assert _restarts(url) == {"executor": 3, "scheduler": 2, "frontend": 2}
+        assert _health_restarts(url) == {"executor": [3], "scheduler": 2}
     finally:
         assert _stop(proc) == 0
     started = _started_pids(tmp_path)

@@ -56,15 +56,19 @@ def create_app(
     the model (``ServedModel.body_limit_bytes``). ``http_limits``: the body-read deadline is read
     from it here; the connection deadlines are the server's (``connection_guard``). ``playground``:
     serve the chat page and /v1/kv/events (``playground``). ``restarts_file``: the launcher's
-    restart counts, which /metrics prefers to those the processes saw (``shared.restart_counts``)."""
+    restart counts, which /metrics and /health prefer to those the processes saw
+    (``shared.restart_counts``)."""
     app = web.Application(client_max_size=max_body_bytes or model.body_limit_bytes,
                           middlewares=[connection_middleware, error_middleware, auth_middleware])
     app[HTTP_LIMITS] = http_limits or HttpLimits()
-    metrics = FrontendMetrics(lambda: client.latest_stats,
-                              lambda: supervised_or_observed(client.process_restarts(), restarts_file))
+
+    def process_restarts() -> dict[str, int]:  # the one source of /metrics' and /health's restart counts
+        return supervised_or_observed(client.process_restarts(), restarts_file)
+
+    metrics = FrontendMetrics(lambda: client.latest_stats, process_restarts)
     app[STATE] = FrontendState(
-        model, client, TokenizerPools(), metrics, TokenFormatter(model.tokenizer), max_queue_len=max_queue_len,
-        api_key=api_key or None, shutdown_grace_s=shutdown_grace_s,
+        model, client, TokenizerPools(), metrics, TokenFormatter(model.tokenizer), process_restarts,
+        max_queue_len=max_queue_len, api_key=api_key or None, shutdown_grace_s=shutdown_grace_s,
     )
     app.router.add_post("/v1/completions", serving.create_completion)
     app.router.add_post("/v1/chat/completions", serving.create_chat_completion)

@@ -14,8 +14,8 @@ The scheduler's liveness: silent for ``heartbeat_timeout_s`` it counts as lost (
 fails. A new epoch in its stats means a new scheduler process: once it is ready every request in
 flight is handed to it (``RequestRoutes.resubmissions``) and continues where it was. Restarts seen
 are counted here: the scheduler's, and the executors' (reported by each scheduler; the counts of
-earlier schedulers are kept); under ``pagedserve serve`` /metrics shows the launcher's instead
-(``metrics``).
+earlier schedulers are kept); under ``pagedserve serve`` /metrics and /health show the launcher's
+instead (``metrics``).
 
 For the playground, ``watch_kv`` asks the scheduler for block-pool snapshots (``KvWatch``), which
 arrive at ``on_kv_snapshot`` (``kv_stream.KvHub``).

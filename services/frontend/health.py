@@ -3,9 +3,11 @@
 200 only when the scheduler has been heard from within its heartbeat timeout, its latest stats
 say ready, and every executor rank is ``ok`` (answering its heartbeats); else 503 with the reason.
 The body reports each process (this frontend; the scheduler: epoch, pid, seconds since its last
-stats, restarts this frontend saw; every executor rank: status, pid, seconds since its heartbeat,
-restarts) and the executor group (tensor-parallel size, all-reduce kind, KV blocks and bytes per
-rank) beside the engine's counters.
+stats, restarts; every executor rank: status, pid, seconds since its heartbeat, restarts) and the
+executor group (tensor-parallel size, all-reduce kind, KV blocks and bytes per rank) beside the
+engine's counters. The restarts are the counts /metrics reports (``restarts``, the caller's
+``process_restarts``: the launcher's under ``pagedserve serve``, else those the processes saw; see
+``metrics``); the executor ranks restart together, so each rank reports the group's count.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from typing import Any
 from services.frontend.engine_client import EngineClient
 
 
-def health_report(client: EngineClient) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, body)."""
+def health_report(client: EngineClient, restarts: dict[str, int]) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, body). ``restarts``: restarts by process ("executor", "scheduler"), as /metrics
+    reports them."""
     stats = client.latest_stats
     if stats is None:
         return 503, {"status": "unavailable", "reason": "no stats from the scheduler yet",
@@ -56,9 +59,10 @@ def health_report(client: EngineClient) -> tuple[int, dict[str, Any]]:
             "frontend": _frontend(),
             "scheduler": {"status": "lost" if client.scheduler_lost else "ok", "pid": stats.pid,
                           "epoch": stats.epoch, "seconds_since_stats": round(silence, 3),
-                          "num_restarts": client.num_scheduler_restarts},
+                          "num_restarts": restarts["scheduler"]},
             "executors": [{"rank": e.rank, "status": e.status, "pid": e.pid,
-                           "seconds_since_heartbeat": e.seconds_since_heartbeat, "num_restarts": e.num_restarts}
+                           "seconds_since_heartbeat": e.seconds_since_heartbeat,
+                           "num_restarts": restarts["executor"]}
                           for e in stats.executors],
         },
     })

@@ -58,7 +58,8 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     """200 when every process answers and the scheduler is ready, else 503 (see ``health``)."""
-    status, body = health_report(request.app[STATE].client)
+    state = request.app[STATE]
+    status, body = health_report(state.client, state.process_restarts())
     return web.json_response(body, status=status)
 
 

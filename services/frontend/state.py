@@ -25,6 +25,8 @@ class FrontendState:
     tokenizer_pools: TokenizerPools
     metrics: FrontendMetrics
     token_formatter: TokenFormatter
+    # Restarts by process, as /metrics and /health report them (``metrics``; ``app.create_app``).
+    process_restarts: Callable[[], dict[str, int]]
     max_queue_len: int | None = None
     api_key: str | None = None
     # Handler tasks with a request at the scheduler, so that shutdown can end them (and abort).
