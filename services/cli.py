@@ -28,8 +28,8 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="paged (default) or the contiguous baseline that reserves prompt + max_tokens")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan each step while the executors compute the one before (as vLLM's "
-                        "--async-scheduling); outputs stay the same (default: off: not measured faster "
-                        "on a 2-core CPU)")
+                        "--async-scheduling); outputs stay the same (default: on; --no-async-scheduling "
+                        "runs lock-step)")
 
 
 def _add_liveness_arguments(p: argparse.ArgumentParser, supervisor: bool) -> None:

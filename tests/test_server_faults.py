@@ -177,9 +177,12 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir):
-    """A step is overdue after 5 s; heartbeats (30 s) give the step timeout the first word."""
+    """A step is overdue after 5 s; heartbeats (30 s) give the step timeout the first word. Lock-step
+    (``--no-async-scheduling``): the faults of the default overlapped loop have their own test, whose
+    texts must equal this server's."""
     root = tmp_path_factory.mktemp("serve-faults")
-    proc, url = _serve(root, model_dir, "--step-timeout", "5", "--heartbeat-timeout", "30", "--max-restarts", "20")
+    proc, url = _serve(root, model_dir, "--no-async-scheduling", "--step-timeout", "5", "--heartbeat-timeout", "30",
+                       "--max-restarts", "20")
     yield proc, url, root, _reference(url)
     _stop(proc)
 

@@ -157,7 +157,9 @@ def _check_same_outputs(got: dict, expected: dict, label: str) -> None:
 
 @pytest.fixture(scope="module")
 def tp1_run(tmp_path_factory, tiny_gqa_dir):
-    proc, url = _start(tmp_path_factory.mktemp("tp1"), "--model", str(tiny_gqa_dir), *TINY_FLAGS)
+    # lock-step: the reference of the sharded runs and of the overlapped loop's
+    proc, url = _start(tmp_path_factory.mktemp("tp1"), "--model", str(tiny_gqa_dir), *TINY_FLAGS,
+                       "--no-async-scheduling")
     try:
         run = run_workload(url, tiny_gqa_dir.name)
     finally:

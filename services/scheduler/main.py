@@ -7,8 +7,9 @@ is given. With ``--zmq-curve`` the three are CURVE servers behind a ZAP allow-li
 (``shared.zmq_auth``): only the frontends' and executors' keys get through.
 
 One loop, never blocked for long: it sends a step when the executors are ready and none is in
-flight (with ``--async-scheduling``, also when one is, planning the next step while the executors
-compute that one: ``Scheduler.can_schedule_ahead``), then waits on both sockets at once, so that
+flight, and by default (async scheduling; ``--no-async-scheduling`` is lock-step) also when one
+is, planning the next step while the executors compute that one (``Scheduler.can_schedule_ahead``),
+then waits on both sockets at once, so that
 while a step runs it still takes requests,
 aborts and heartbeats, and sends ``EngineStats`` every ``STATS_INTERVAL_S`` (the frontends' sign
 that the scheduler lives) and, while a playground watches, block-pool snapshots
@@ -69,7 +70,7 @@ class SchedulerProcessConfig:
     heartbeat_timeout: float = 10.0  # seconds an executor rank or a frontend may be silent
     supervisor_endpoint: str | None = None  # where to report lost processes (pagedserve serve)
     zmq_curve: str | None = None  # --zmq-curve: the CURVE key directory; None: plain ZeroMQ
-    async_scheduling: bool = False  # --async-scheduling: plan step N + 1 while the executors run step N
+    async_scheduling: bool = True  # plan step N + 1 while the executors run step N (--no-async-scheduling: lock-step)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
