@@ -98,6 +98,9 @@ def _mixed_batch(async_scheduling: bool, preemption_mode: str):
         "aborted": (prompt(8), dict(temperature=0.0, max_tokens=40, ignore_eos=True)),
         "one": (shared + prompt(2), dict(temperature=0.0, max_tokens=1, ignore_eos=True)),
         "prefix": (shared + prompt(4), dict(temperature=0.5, seed=99, max_tokens=18, ignore_eos=True)),
+        # prompt logprobs, of a prompt prefilled in chunks beside the others (64 tokens a step): the
+        # overlapped loop plans its next chunk and first decode while the chunk before is in flight
+        "scored": (prompt(40), dict(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=2)),
     }
     for rid, (tokens, sampling) in requests.items():
         assert engine.add(rid, tokens, eos=list(range(60, 70)) if rid == "eos" else [], **sampling) == []
@@ -109,6 +112,8 @@ def _mixed_batch(async_scheduling: bool, preemption_mode: str):
             tokens, logprobs, _ = got.get((out.request_id, out.choice_idx), ([], [], None))
             got[(out.request_id, out.choice_idx)] = (tokens + out.new_token_ids, logprobs + out.logprobs,
                                                      out.finish_reason)
+            if out.prompt_logprobs:  # (top token ids, logprobs, -) as the choices' (tokens, logprobs, reason)
+                got[(out.request_id, "prompt")] = (out.prompt_top_token_ids, out.prompt_logprobs, None)
         if "aborted" in engine.scheduler.groups and len(got.get(("aborted", 0), [[]])[0]) >= 4:
             engine.abort_request("aborted")
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
@@ -124,6 +129,7 @@ def test_tiny_llama_overlapped_gives_lock_steps_tokens_and_logprobs(preemption_m
     assert {k: (t, r) for k, (t, _, r) in got.items()} == {k: (t, r) for k, (t, _, r) in expected.items()}
     assert expected[("stop", 0)][2] == "stop" and expected[("eos", 0)][2] == "stop"
     assert len(expected[("aborted", 0)][0]) == 4 and len(expected[("n2", 1)][0]) == 12
+    assert len(expected[("scored", "prompt")][1]) == 39  # every position after the first, scored once
     for key, (_, logprobs, _) in expected.items():
         # Equal up to float32 rounding: a step's batch (which differs between the loops: a sequence
         # that stopped rides along once more) changes the matmuls' rounding, by ~5e-7 here, as
