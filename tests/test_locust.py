@@ -16,7 +16,6 @@ import pytest
 
 from loadtest.stream_timing import read_stream
 from loadtest.workloads import CHAT_OVERHEAD_TOKENS, DATASETS
-from tests.test_server import tiny_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,11 +51,12 @@ def test_stream_timings_from_server_sent_events():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir):
-    for url in tiny_server(tmp_path_factory, "serve-locust", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
-                           model_dir=tiny_model_dir):
-        _warm_up(url)  # the kernels compile on first use: not inside Locust's few seconds
-        yield url
+def server(tiny_api_server):
+    """The session's tiny-model server (conftest.py, shared with test_server_api and
+    test_server_groups: a start fewer); Locust clips its requests to the 80 tokens /v1/models
+    gives, and its streams cut at the end are aborted by the server as any client's are."""
+    _warm_up(tiny_api_server)  # the kernels compile on first use: not inside Locust's few seconds
+    return tiny_api_server
 
 
 def _warm_up(url: str) -> None:
