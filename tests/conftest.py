@@ -46,9 +46,8 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_api_server(tmp_path_factory, tiny_model_dir):
-    """``pagedserve serve`` on the tiny model for ``test_server_api``, ``test_server_groups`` and
-    ``test_locust`` (one server for them: two starts fewer); its URL. Its log is in the
-    ``serve-api`` folder."""
+    """``pagedserve serve`` on the tiny model for ``test_server_api`` and ``test_server_groups``
+    (one server for both: a start fewer); its URL. Its log is in the ``serve-api`` folder."""
     from tests.test_server import tiny_server
     from tests.test_server_api import MAX_MODEL_LEN, MODEL
 
@@ -60,8 +59,9 @@ def tiny_api_server(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="session")
 def tiny_f32_server(tmp_path_factory, tiny_model_dir):
     """``pagedserve serve`` on the tiny model in float32 (served as ``tiny``, 16 MiB of KV cache) for
-    ``test_offline`` and ``test_server_frontends`` (one server for both: a start fewer): ``(URL,
-    folder)``; the folder holds its ``serve.log`` and its socket directory (``TMPDIR``)."""
+    ``test_locust``, ``test_offline`` and ``test_server_frontends`` (one server for them: two
+    starts fewer): ``(URL, folder)``; the folder holds its ``serve.log`` and its socket directory
+    (``TMPDIR``)."""
     from tests.test_server import _start, stop
 
     root = tmp_path_factory.mktemp("serve-f32")

@@ -51,12 +51,13 @@ def test_stream_timings_from_server_sent_events():
 
 
 @pytest.fixture(scope="module")
-def server(tiny_api_server):
-    """The session's tiny-model server (conftest.py, shared with test_server_api and
-    test_server_groups: a start fewer); Locust clips its requests to the 80 tokens /v1/models
-    gives, and its streams cut at the end are aborted by the server as any client's are."""
-    _warm_up(tiny_api_server)  # the kernels compile on first use: not inside Locust's few seconds
-    return tiny_api_server
+def server(tiny_f32_server):
+    """The session's float32 tiny-model server (conftest.py, shared with test_offline and
+    test_server_frontends: a start fewer; served as ``tiny`` with the model's whole 256-token
+    context); the streams Locust cuts at the end are aborted by the server as any client's are."""
+    url = tiny_f32_server[0]
+    _warm_up(url)  # the kernels compile on first use: not inside Locust's few seconds
+    return url
 
 
 def _warm_up(url: str) -> None:
