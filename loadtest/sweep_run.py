@@ -94,7 +94,7 @@ def wait_idle(url: str, timeout_s: float = 120.0) -> None:
         health = _get_json(f"{url}/health")
         if not health.get("num_running") and not health.get("num_waiting"):
             return
-        time.sleep(0.5)
+        time.sleep(0.05)  # an aborted stream ends within a step or two
     raise SystemExit(f"the server still holds requests {timeout_s:.0f} s after a run: see its log")
 
 

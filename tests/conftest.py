@@ -56,6 +56,21 @@ def tiny_api_server(tmp_path_factory, tiny_model_dir):
                            model_dir=tiny_model_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_f32_server(tmp_path_factory, tiny_model_dir):
+    """``pagedserve serve`` on the tiny model in float32 (served as ``tiny``, 16 MiB of KV cache) for
+    ``test_locust``, ``test_offline`` and ``test_server_frontends`` (one server for them: two
+    starts fewer): ``(URL, folder)``; the folder holds its ``serve.log`` and its socket directory
+    (``TMPDIR``)."""
+    from tests.test_server import _start, stop
+
+    root = tmp_path_factory.mktemp("serve-f32")
+    proc, url = _start(root, "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--dtype", "float32",
+                       "--kv-cache-memory", "16MiB")
+    yield url, root
+    stop(proc)
+
+
 @pytest.fixture(scope="module")
 def model(request):
     return default_served_model(max_model_len=getattr(request.module, "MAX_MODEL_LEN", 256))

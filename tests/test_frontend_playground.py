@@ -14,12 +14,13 @@ import urllib.request
 import numpy as np
 import pytest
 
-from services.frontend.playground import STATIC_TYPES
+from services.frontend.playground import KV_HUB, STATIC_TYPES
 from services.launcher import frontend_argv
 from shared.messages import EngineStats, KvSnapshot, encode
 from tests.frontend_doubles import FrontendThread
 
 API_KEY = "sk-playground-test"
+RENEW_S = 0.3  # this frontend's watch renewal period (the product's is 1 s): the waits below are two of it
 
 
 def _get(url: str, key: str | None = None) -> tuple[int, dict, bytes]:
@@ -85,6 +86,7 @@ class _EventStream:
 @pytest.fixture(scope="module")
 def server(model, fake):
     frontend = FrontendThread(model, fake.endpoints, api_key=API_KEY).start()
+    frontend.server.app[KV_HUB].renew_s = RENEW_S
     yield frontend
     frontend.stop()
 
@@ -110,7 +112,7 @@ def test_page_and_files_are_served_without_a_key_and_the_events_need_one(server)
 
 def test_events_watch_the_scheduler_only_while_a_client_is_connected(server, fake):
     num_before = len(fake.kv_watches)
-    time.sleep(1.5)  # longer than the renewal period: nobody watching means nothing is sent
+    time.sleep(2 * RENEW_S)  # longer than the renewal period: nobody watching means nothing is sent
     assert len(fake.kv_watches) == num_before and fake.kv_watches[-1:] in ([], [False])
     stream = _EventStream(server.server.port)
     try:
@@ -127,7 +129,7 @@ def test_events_watch_the_scheduler_only_while_a_client_is_connected(server, fak
     assert fake.wait_for(lambda f: f.kv_watches[-1] is False)
     assert _wait(lambda: _metric(server.base_url, "kv_events_clients") == 0)
     num_after = len(fake.kv_watches)
-    time.sleep(1.5)
+    time.sleep(2 * RENEW_S)
     assert len(fake.kv_watches) == num_after  # no renewal once the last client left
 
 

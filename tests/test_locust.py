@@ -16,7 +16,6 @@ import pytest
 
 from loadtest.stream_timing import read_stream
 from loadtest.workloads import CHAT_OVERHEAD_TOKENS, DATASETS
-from tests.test_server import tiny_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,11 +51,13 @@ def test_stream_timings_from_server_sent_events():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir):
-    for url in tiny_server(tmp_path_factory, "serve-locust", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
-                           model_dir=tiny_model_dir):
-        _warm_up(url)  # the kernels compile on first use: not inside Locust's few seconds
-        yield url
+def server(tiny_f32_server):
+    """The session's float32 tiny-model server (conftest.py, shared with test_offline and
+    test_server_frontends: a start fewer; served as ``tiny`` with the model's whole 256-token
+    context); the streams Locust cuts at the end are aborted by the server as any client's are."""
+    url = tiny_f32_server[0]
+    _warm_up(url)  # the kernels compile on first use: not inside Locust's few seconds
+    return url
 
 
 def _warm_up(url: str) -> None:

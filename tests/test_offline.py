@@ -10,7 +10,6 @@ from services.offline import LLM
 from shared.messages import SamplingParams
 from tests.harness import tiny_llama
 from tests.test_engine_vs_hf import hf_greedy
-from tests.test_server import tiny_server
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -54,12 +53,9 @@ def test_refused_prompt_raises_and_leaves_nothing_behind(llm):
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_model_dir):
-    """(model directory, URL of ``pagedserve serve`` on it)."""
-    server = tiny_server(tmp_path_factory, "serve-offline", "--served-model-name", "tiny", "--dtype", "float32",
-                         "--kv-cache-memory", "16MiB", model_dir=tiny_model_dir)
-    yield tiny_model_dir, next(server)
-    next(server, None)  # stops it
+def served(tiny_model_dir, tiny_f32_server):
+    """(model directory, URL of ``pagedserve serve`` on it in float32: the session's, conftest.py)."""
+    return tiny_model_dir, tiny_f32_server[0]
 
 
 @pytest.mark.slow

@@ -32,6 +32,9 @@ GREEDY = dict(model=MODEL, max_tokens=120, temperature=0, extra_body={"ignore_eo
 POISON_DIR = Path(__file__).parent / "poison_executor"
 POISON_TOKEN_ID = 49151  # tests/poison_executor/sitecustomize.py kills the executor on it
 RECOVERY_S = 240.0  # a guard against hangs only
+# what the stopped-executor tests wait out: a tiny-model step takes milliseconds (the kernels are
+# loaded during the executor's warm-up), so 3 s is still a wide margin on a loaded machine
+STEP_TIMEOUT_S = "3"
 
 
 def _client(url: str):
@@ -177,12 +180,12 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir):
-    """A step is overdue after 5 s; heartbeats (30 s) give the step timeout the first word. Lock-step
-    (``--no-async-scheduling``): the faults of the default overlapped loop have their own test, whose
-    texts must equal this server's."""
+    """A step is overdue after STEP_TIMEOUT_S; heartbeats (30 s) give the step timeout the first word.
+    Lock-step (``--no-async-scheduling``): the faults of the default overlapped loop have their own
+    test, whose texts must equal this server's."""
     root = tmp_path_factory.mktemp("serve-faults")
-    proc, url = _serve(root, model_dir, "--no-async-scheduling", "--step-timeout", "5", "--heartbeat-timeout", "30",
-                       "--max-restarts", "20")
+    proc, url = _serve(root, model_dir, "--no-async-scheduling", "--step-timeout", STEP_TIMEOUT_S,
+                       "--heartbeat-timeout", "30", "--max-restarts", "20")
     yield proc, url, root, _reference(url)
     _stop(proc)
 
@@ -249,8 +252,8 @@ def test_overlapped_loop_gives_the_same_streams_and_recovers_with_two_steps_in_f
     """``--async-scheduling``: the lock-step server's texts, then the same after an executor killed
     and one stopped (overdue) mid-stream, with two steps in flight."""
     reference = server[3]
-    proc, url = _serve(tmp_path, model_dir, "--async-scheduling", "--step-timeout", "5", "--heartbeat-timeout",
-                       "30", "--max-restarts", "20")
+    proc, url = _serve(tmp_path, model_dir, "--async-scheduling", "--step-timeout", STEP_TIMEOUT_S,
+                       "--heartbeat-timeout", "30", "--max-restarts", "20")
     try:
         assert _reference(url) == reference
         for fault in (signal.SIGKILL, signal.SIGSTOP):

@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from shared.endpoints import Endpoints
-from tests.test_server import _free_port, _start, _wait_healthy, stop
+from tests.test_server import _free_port, _wait_healthy, stop
 
 pytestmark = pytest.mark.slow
 
@@ -45,15 +45,12 @@ def _start_frontend(root, model_dir, request_endpoint: str, label: str) -> tuple
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory, tiny_model_dir):
-    """(model directory, log folder, the request endpoint, the first frontend's URL)."""
-    model_dir = tiny_model_dir
-    root = tmp_path_factory.mktemp("serve-frontends")
-    proc, url = _start(root, "--model", str(model_dir), "--served-model-name", MODEL, "--dtype", "float32",
-                       "--kv-cache-memory", "16MiB")
+def deployment(tiny_model_dir, tiny_f32_server):
+    """(model directory, log folder, the request endpoint, the first frontend's URL): the session's
+    float32 server (conftest.py), served as ``MODEL``."""
+    url, root = tiny_f32_server
     [socket_dir] = [p for p in root.iterdir() if p.name.startswith("pagedserve-")]
-    yield model_dir, root, Endpoints.in_directory(str(socket_dir)).request, url
-    stop(proc)
+    return tiny_model_dir, root, Endpoints.in_directory(str(socket_dir)).request, url
 
 
 @pytest.fixture(scope="module")

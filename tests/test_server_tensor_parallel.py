@@ -281,35 +281,40 @@ def _executor_restarts(url: str) -> float:
 
 
 RESTART_PROMPTS = [list(range(300 + 40 * i, 312 + 40 * i)) for i in range(3)]
-RESTART_MAX_TOKENS = 200  # 3 x (12 + 200) tokens fit in 256 blocks of 4: no preemption needed
+# Tokens per stream, by all-reduce kind: the fault is sent as soon as each stream has its first
+# token, and the rest must outlast that. A torch.distributed step takes about 10 ms here (100 steps:
+# about 1 s), a shared-memory step about 3 ms (so 200 there). 3 x (12 + 200) tokens fit in 256
+# blocks of 4: no preemption needed.
+RESTART_MAX_TOKENS = {"torch": 100, "shm": 200}
 
 
 # killed over torch.distributed, stopped (hung) over shared memory: each all-reduce kind restarts
 @pytest.mark.parametrize(("all_reduce", "how"), [("torch", signal.SIGKILL), ("shm", signal.SIGSTOP)],
                          ids=["torch-killed", "shm-stopped"])
 def test_a_lost_rank_restarts_the_group_and_streams_continue(all_reduce, how, tmp_path, tiny_gqa_dir):
-    """-tp 2, three greedy streams; rank 1 is killed (or stopped: rank 0 gives up on it after
-    --group-timeout) mid-run. serve stops both ranks and starts a new group; the streams end with
-    exactly the tokens of an uninterrupted run, one restart is counted, and no process or segment
-    of the first group is left."""
+    """-tp 2, three greedy streams; rank 1 is killed (or stopped: its heartbeats stop, and the
+    scheduler gives up on it after --heartbeat-timeout, before rank 0's --group-timeout) mid-run.
+    serve stops both ranks and starts a new group; the streams end with exactly the tokens of an
+    uninterrupted run, one restart is counted, and no process or segment of the first group is left."""
+    max_tokens = RESTART_MAX_TOKENS[all_reduce]
     proc, url = _start(tmp_path, "--model", str(tiny_gqa_dir), "-tp", "2", *TINY_FLAGS, "--num-kv-blocks", "256",
-                       "--all-reduce", all_reduce, "--group-timeout", "5", "--heartbeat-timeout", "5")
+                       "--all-reduce", all_reduce, "--group-timeout", "5", "--heartbeat-timeout", "3")
     log_path = tmp_path / "serve.log"
     try:
         client, model = _openai(url), tiny_gqa_dir.name
         with concurrent.futures.ThreadPoolExecutor(len(RESTART_PROMPTS)) as pool:  # batched as the streams are
             reference = list(pool.map(lambda p: _choices(client.completions.create(
-                model=model, prompt=p, max_tokens=RESTART_MAX_TOKENS, temperature=0, logprobs=1,
+                model=model, prompt=p, max_tokens=max_tokens, temperature=0, logprobs=1,
                 extra_body={"ignore_eos": True}))[0]["tokens"], RESTART_PROMPTS))
         [first_group], old_ranks = _group_ids(log_path), _rank_pids(proc.pid)
         assert sorted(old_ranks) == [0, 1] and _executor_restarts(url) == 0
-        streams = [_Stream(client, model, p, RESTART_MAX_TOKENS) for p in RESTART_PROMPTS]
+        streams = [_Stream(client, model, p, max_tokens) for p in RESTART_PROMPTS]
         for stream in streams:
             stream.start()
         for stream in streams:
             assert stream.first.wait(120) and stream.error is None, stream.error
         os.kill(old_ranks[1], how)
-        assert all(len(s.tokens) < RESTART_MAX_TOKENS for s in streams), "a stream ended before the fault"
+        assert all(len(s.tokens) < max_tokens for s in streams), "a stream ended before the fault"
         for stream in streams:
             stream.join(300)
             assert not stream.is_alive() and stream.error is None, stream.error
