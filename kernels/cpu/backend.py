@@ -46,8 +46,12 @@ def _pool_pair_ok(key_cache, value_cache) -> bool:
 
 
 def _io_ok(cache, *tensors) -> bool:
-    """Queries, outputs, new keys/values: CPU tensors in float32 or the cache's format."""
-    return all(t.is_cpu and t.dtype in (torch.float32, cache.dtype) for t in tensors)
+    """Queries, outputs, new keys/values: CPU tensors in float32 or the cache's format. (A loop, not
+    ``all`` over a generator: this runs two or three times per layer and step.)"""
+    for t in tensors:
+        if not t.is_cpu or (t.dtype is not torch.float32 and t.dtype is not cache.dtype):
+            return False
+    return True
 
 
 class NumbaCPUBackend:
@@ -131,6 +135,12 @@ class NumbaCPUBackend:
 
 
 def _fusable(*tensors) -> bool:
-    """CPU tensors of one dtype the fused elementwise kernels take (float32, bfloat16)."""
+    """CPU tensors of one dtype the fused elementwise kernels take (float32, bfloat16). (A loop, as
+    ``_io_ok``: three times per layer and step.)"""
     dtype = tensors[0].dtype
-    return dtype in (torch.float32, torch.bfloat16) and all(t.is_cpu and t.dtype == dtype for t in tensors)
+    if dtype is not torch.float32 and dtype is not torch.bfloat16:
+        return False
+    for t in tensors:
+        if not t.is_cpu or t.dtype is not dtype:
+            return False
+    return True

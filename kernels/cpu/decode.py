@@ -307,7 +307,8 @@ def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_
     seqs = np.ascontiguousarray(row_seqs, dtype=np.int32)
     threads = numba.get_num_threads() if num_threads is None else num_threads
     sized_for = threads if partition_threads is None else partition_threads
-    small = int(lens.sum()) * num_kv_heads <= MAX_SERIAL_WORK
+    total = int(lens[0]) if num_rows == 1 else int(lens.sum())  # (numpy's sum: 1.3 us)
+    small = total * num_kv_heads <= MAX_SERIAL_WORK
     serial = threads <= 1 or small
     if serial:
         rows = np.arange(num_rows, dtype=np.int32)
