@@ -5,9 +5,9 @@ wired by ``ipc://`` sockets in a private directory. With ``-tp N`` there are N e
 (``group_layout`` says which run on this host and with which flags).
 
 A process that dies is started again, its cause logged (how it ended and its last error line) and
-counted (``shared.restart_counts``). The executor ranks restart together, as a new
-group: tensor-parallel ranks cannot go on without one of theirs, so when any rank ends the others
-are stopped, the old group's shared-memory segments and handle store are removed, and every rank
+counted (``shared.restart_counts``). The executor ranks restart together, as a new group:
+tensor-parallel ranks cannot go on without one of theirs, so when any rank ends the others are
+stopped, the old group's shared-memory segments and handle store are removed, and every rank
 starts again under a fresh group id (and a fresh local rendezvous port when serve chose the first).
 A hung executor is found by the scheduler (missed heartbeats, an overdue step), which reports it on
 the supervisor socket (``ProcessLost``): the launcher kills it, then restarts it as if it had died.

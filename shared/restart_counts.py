@@ -7,8 +7,8 @@ launcher can count it. The launcher writes its counts (process name -> restarts;
 restart together and count as one) to ``restarts.json`` in its private socket directory, at start
 (all zero) and after each restart, and names the file to its children in
 ``PAGEDSERVE_RESTARTS_FILE``; the frontend reads it whenever /metrics or /health is asked, so the
-counts outlive a restarted frontend or scheduler. The file is replaced whole (written under another name, then
-renamed): a reader never sees half of it.
+counts outlive a restarted frontend or scheduler. The file is replaced whole (written under
+another name, then renamed): a reader never sees half of it.
 """
 
 from __future__ import annotations

@@ -39,10 +39,6 @@ def _pool_pair_ok(key_cache, value_cache) -> bool:
         return False
     _checked_pairs[(id(key_cache), id(value_cache))] = (weakref.ref(key_cache), weakref.ref(value_cache))
     return True
-    if not _pools_ok(key_cache, value_cache):
-        return False
-    _checked_pairs[key_cache] = value_cache
-    return True
 
 
 def _io_ok(cache, *tensors) -> bool:

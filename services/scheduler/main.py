@@ -9,9 +9,8 @@ is given. With ``--zmq-curve`` the three are CURVE servers behind a ZAP allow-li
 One loop, never blocked for long: it sends a step when the executors are ready and none is in
 flight, and by default (async scheduling; ``--no-async-scheduling`` is lock-step) also when one
 is, planning the next step while the executors compute that one (``Scheduler.can_schedule_ahead``),
-then waits on both sockets at once, so that
-while a step runs it still takes requests,
-aborts and heartbeats, and sends ``EngineStats`` every ``STATS_INTERVAL_S`` (the frontends' sign
+then waits on both sockets at once, so that while a step runs it still takes requests, aborts and
+heartbeats, and sends ``EngineStats`` every ``STATS_INTERVAL_S`` (the frontends' sign
 that the scheduler lives) and, while a playground watches, block-pool snapshots
 (``kv_publisher``). Every turn also touches the scheduler's heartbeat file
 (``shared.heartbeat``, for a container healthcheck), while a step is out too: the loop turning is
@@ -70,7 +69,7 @@ class SchedulerProcessConfig:
     heartbeat_timeout: float = 10.0  # seconds an executor rank or a frontend may be silent
     supervisor_endpoint: str | None = None  # where to report lost processes (pagedserve serve)
     zmq_curve: str | None = None  # --zmq-curve: the CURVE key directory; None: plain ZeroMQ
-    async_scheduling: bool = True  # plan step N + 1 while the executors run step N (--no-async-scheduling: lock-step)
+    async_scheduling: bool = True  # plan step N + 1 while the executors run step N (False: lock-step)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
