@@ -125,8 +125,7 @@ def _add_serve_http_arguments(g) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /health (or set "
                         "PAGEDSERVE_API_KEY or PAGEDSERVE_API_KEY_FILE, which keep the key off the command "
                         "lines; the frontend gets it in its environment)")
-    from services.frontend.http_limits import add_http_limit_arguments
-    from services.frontend.playground import add_playground_argument
+    from services.frontend.flags import add_http_limit_arguments, add_playground_argument
 
     add_http_limit_arguments(g)
     add_playground_argument(g)
@@ -181,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_arguments(sim)
 
     fe = sub.add_parser("frontend", help="the HTTP frontend alone")
-    from services.frontend.main import add_frontend_arguments
+    from services.frontend.flags import add_frontend_arguments
 
     add_frontend_arguments(fe)
 

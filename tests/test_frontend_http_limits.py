@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from services.frontend.http_limits import HttpLimits
+from services.frontend.flags import HttpLimits
 from shared.endpoints import Endpoints
 from tests.frontend_doubles import SLOW_MARKER, FakeScheduler, FrontendThread, cached_tokenizer
 from tests.test_frontend_api import http, sse_events

@@ -19,7 +19,8 @@ from aiohttp import web
 from services.frontend import routes_info, serving
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import APIError
-from services.frontend.http_limits import HTTP_LIMITS, HttpLimits, connection_middleware
+from services.frontend.flags import HttpLimits
+from services.frontend.http_limits import HTTP_LIMITS, connection_middleware
 from services.frontend.logprobs import TokenFormatter
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.playground import add_playground, is_page_path

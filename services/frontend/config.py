@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.frontend.http_limits import HttpLimits
+from services.frontend.flags import HttpLimits
 from shared.endpoints import Endpoints
 
 _ENDPOINT_SCHEMES = ("ipc://", "tcp://", "inproc://")

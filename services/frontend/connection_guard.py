@@ -32,7 +32,7 @@ import structlog
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from services.frontend.http_limits import HttpLimits
+from services.frontend.flags import HttpLimits
 
 log = structlog.get_logger()
 

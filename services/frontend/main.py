@@ -16,13 +16,12 @@ from services.frontend.app import create_app
 from services.frontend.config import FrontendConfig
 from services.frontend.connection_guard import ConnectionGuard, GuardedSite
 from services.frontend.engine_client import EngineClient
-from services.frontend.http_limits import add_http_limit_arguments, http_limits_from_args
-from services.frontend.playground import add_playground_argument
+from services.frontend.flags import add_frontend_arguments, http_limits_from_args
 from services.frontend.served_model import ServedModel, load_served_model
 from shared.endpoints import Endpoints
 from shared.logging import configure_logging
 from shared.restart_counts import ENV_VAR as RESTARTS_ENV_VAR
-from shared.zmq_auth import CurveKeys, add_curve_argument, curve_dir, load_keys, log_mode
+from shared.zmq_auth import CurveKeys, curve_dir, load_keys, log_mode
 
 log = structlog.get_logger()
 
@@ -99,35 +98,6 @@ def run_frontend(config: FrontendConfig) -> None:
     log.info("model ready", served_model_name=model.name, max_model_len=model.max_model_len,
              eos_token_ids=model.eos_token_ids, max_token_chars=model.max_token_chars)
     uvloop.run(serve_until_signal(config, model, curve))
-
-
-def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: bool = True) -> None:
-    """Add the frontend's flags. ``endpoint_flags=False`` leaves out --request-endpoint, for a
-    launcher that creates the endpoints itself."""
-    group = parser.add_argument_group("frontend")
-    group.add_argument("--model", default=None,
-                       help="model directory, .gguf file, or empty for the embedded SmolLM2-135M-Instruct")
-    group.add_argument("--served-model-name", default=None,
-                       help="the name clients put in 'model' (default: the model's name)")
-    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    group.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
-    group.add_argument("--max-model-len", type=int, default=None,
-                       help="most prompt + completion tokens per request (default: the model's context length)")
-    group.add_argument("--max-queue-len", type=int, default=None,
-                       help="most requests waiting for their first token; more get a 503 (default: no limit)")
-    group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on every route but /health (default: env "
-                            "PAGEDSERVE_API_KEY, else the file named by PAGEDSERVE_API_KEY_FILE, else no key)")
-    group.add_argument("--heartbeat-timeout", type=float, default=None,
-                       help="seconds without a word from the scheduler before it counts as lost: /health and "
-                            "new requests answer 503 until it is back (default 10)")
-    add_http_limit_arguments(group)
-    add_playground_argument(group)
-    if endpoint_flags:
-        group.add_argument("--request-endpoint", default=os.environ.get("PAGEDSERVE_REQUEST_ENDPOINT"),
-                           help="the scheduler's ZMQ endpoint for frontends: requests go there, their outputs "
-                                "come back from it (env PAGEDSERVE_REQUEST_ENDPOINT)")
-        add_curve_argument(group)
 
 
 def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | None = None) -> FrontendConfig:

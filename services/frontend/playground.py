@@ -10,7 +10,6 @@ all three routes out (404).
 
 from __future__ import annotations
 
-import argparse
 from importlib import resources
 
 from aiohttp import web
@@ -39,11 +38,6 @@ PAGE_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'",
 }
-
-
-def add_playground_argument(group: argparse._ActionsContainer) -> None:
-    group.add_argument("--no-playground", dest="playground", action="store_false", default=True,
-                       help="do not serve the chat playground at / nor the block-pool events at /v1/kv/events")
 
 
 def is_page_path(path: str) -> bool:
