@@ -20,7 +20,7 @@ from services.frontend.config import FrontendConfig
 from services.frontend.main import FrontendServer
 from services.frontend.served_model import ServedModel
 from shared.endpoints import Endpoints
-from shared.messages import AbortRequest, AddRequest, EngineStats, KvWatch, RequestOutput, decode, encode
+from shared.messages import AbortRequest, AddRequest, EngineStats, KvWatch, RequestOutput, RequestOutputs, decode, encode
 from shared.model_source import eos_token_ids, load_tokenizer, resolve_model
 
 # What the fake model "generates": multi-byte characters split across byte-level tokens on purpose.
@@ -29,7 +29,7 @@ REPLY_TEXT = (
 )
 ERROR_MARKER = "[[error]]"  # a prompt containing this gets finish_reason "error"
 SLOW_MARKER = "[[slow]]"  # a prompt containing this gets one token per 20 ms until max_tokens
-MALFORMED_MARKER = "[[malformed]]"  # a prompt containing this gets an undecodable RequestOutput frame
+MALFORMED_MARKER = "[[malformed]]"  # a prompt containing this gets an undecodable RequestOutputs frame
 HOLD_MARKER = "[[hold]]"  # a prompt containing this gets no output at all until it is aborted
 FEW_BEAMS_MARKER = "[[fewbeams]]"  # with use_beam_search: only one hypothesis comes back, whatever n
 
@@ -243,11 +243,10 @@ class FakeScheduler:
         active.next_time = now + active.interval_s
         if outputs and all(c.done for c in active.choices):
             outputs[-1].request_finished = True
-        for output in outputs:
-            if active.choices[0].finish_reason == "malformed":
-                self._send(msgpack.packb([RequestOutput.TAG, [rid, 0, "not a list"]]), rid)  # too few fields
-            else:
-                self._send(encode(output), rid)
+        if active.choices[0].finish_reason == "malformed":  # an output of too few fields in its frame
+            self._send(msgpack.packb([RequestOutputs.TAG, [[[rid, 0, "not a list"]]]]), rid)
+        elif outputs:  # in one frame, as the scheduler sends a pass's outputs
+            self._send(encode(RequestOutputs(outputs)), rid)
         if all(c.done for c in active.choices):
             del self._active[rid]
 

@@ -10,7 +10,7 @@ import pytest
 
 from shared.messages import (
     MESSAGE_TYPES, PLACEHOLDER_TOKEN_ID, AbortRequest, AddRequest, DecodeError, EngineStats, ExecutorHealth, ExecutorReady, FrontendHello,
-    Heartbeat, Hello, KvEventKind, KvSnapshot, KvWatch, NewSequence, ProcessLost, RequestOutput, SamplingParams,
+    Heartbeat, Hello, KvEventKind, KvSnapshot, KvWatch, NewSequence, ProcessLost, RequestOutput, RequestOutputs, SamplingParams,
     Shutdown, Step, StepResult, decode, encode,
 )
 
@@ -28,6 +28,7 @@ EXAMPLES = [
                   request_finished=True, prompt_logprobs=[-2.0, -0.25], prompt_ranks=[3, 1],
                   prompt_top_token_ids=[[4], [6]], prompt_top_logprobs=[[-0.5], [-0.25]]),
     RequestOutput("r2", 0, [], "error", error="the executor failed: boom", request_finished=True, error_kind="engine"),
+    RequestOutputs([RequestOutput("r1", 0, [8], logprobs=[-0.5]), RequestOutput("r2", 1, [], "stop", request_finished=True)]),
     FrontendHello(pid=4321),
     Step(
         step_id=7, num_decodes=1, seq_ids=np.array([3, 4], np.int64), input_token_ids=np.array([9, 5, 6], np.int64),
@@ -120,6 +121,7 @@ def test_request_output_defaults_to_not_finished():
     b"\x00not msgpack",
     msgpack.packb([999, []]),
     msgpack.packb([RequestOutput.TAG, ["r", 0]]),  # too few fields
+    msgpack.packb([RequestOutputs.TAG, [[["r", 0]]]]),  # one of the outputs has too few
 ])
 def test_bad_frames_raise_decode_error(frame):
     with pytest.raises(DecodeError):

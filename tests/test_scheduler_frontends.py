@@ -7,14 +7,17 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgpack
 import numpy as np
 import structlog
 import zmq
 
-from services.frontend.engine_client import EngineClient
+from services.frontend.engine_client import EngineClient, _readable_outputs
 from services.scheduler.frontends import FrontendLink
 from shared.endpoints import Endpoints
-from shared.messages import AddRequest, EngineStats, FrontendHello, RequestOutput, SamplingParams, decode, encode
+from shared.messages import (
+    AddRequest, EngineStats, FrontendHello, RequestOutput, RequestOutputs, SamplingParams, decode, encode,
+)
 
 STATS = EngineStats(0, 0, 10, 0, 0, 0, True)
 
@@ -56,12 +59,14 @@ def test_outputs_go_to_their_frontend_stats_to_all_and_orphans_come_back(tmp_pat
         a.send(encode(_add("ra")))
         assert len(_receive(link, 3)) == 3
         assert set(link.frontends) == {b"frontend-a", b"frontend-b"}
-        link.send_output(RequestOutput("rb", 0, [7]))
-        link.send_output(RequestOutput("ra", 0, [8], "stop", request_finished=True))
-        link.send_output(RequestOutput("ra", 0, [9]))  # after its end: nobody owns it, dropped
+        link.send_outputs([RequestOutput("rb", 0, [7]), RequestOutput("ra", 0, [8]), RequestOutput("rb", 0, [6])])
+        link.send_outputs([RequestOutput("ra", 0, [9], "stop", request_finished=True)])
+        link.send_outputs([RequestOutput("ra", 0, [10])])  # after its end: nobody owns it, dropped
         link.send_stats(STATS)
-        assert [_next(a).new_token_ids, type(_next(a))] == [[8], EngineStats]  # in order: nothing between
-        assert [_next(b).new_token_ids, type(_next(b))] == [[7], EngineStats]
+        # one frame per frontend and pass, each frontend's outputs in order; nothing between
+        assert [[o.new_token_ids for o in _next(a).outputs] for _ in range(2)] == [[[8]], [[9]]]
+        assert type(_next(a)) is EngineStats
+        assert [[o.new_token_ids for o in _next(b).outputs], type(_next(b))] == [[[7], [6]], EngineStats]
         b.close()  # gone without aborting rb
         orphans, deadline = [], time.monotonic() + 60
         while not orphans and time.monotonic() < deadline:
@@ -131,3 +136,12 @@ def test_a_silent_frontend_is_forgotten_its_requests_orphaned_and_it_is_told(tmp
         a.close()
         link.socket.close()
         ctx.term()
+
+
+def test_a_malformed_batch_still_delivers_its_good_outputs_and_fails_the_broken_ones():
+    good = msgpack.unpackb(encode(RequestOutput("ok", 0, [5])))[1]  # its fields as the wire has them
+    frame = msgpack.packb([RequestOutputs.TAG, [[good, ["broken", 0, "not a list"], [7]]]])
+    readable = _readable_outputs(frame)
+    assert readable == [RequestOutput("ok", 0, [5]), "broken"]  # the last has no readable id
+    assert _readable_outputs(msgpack.packb([RequestOutput.TAG, ["alone", 0]])) == ["alone"]
+    assert _readable_outputs(b"\x00not msgpack") == []

@@ -38,8 +38,8 @@ from shared.endpoints import Endpoints
 from shared.zmq_auth import CurveKeys, secure_client
 from services.frontend.request_routes import RequestRoutes
 from shared.messages import (
-    AbortRequest, AddRequest, DecodeError, EngineStats, FrontendHello, KvSnapshot, KvWatch, RequestOutput, decode,
-    encode,
+    AbortRequest, AddRequest, DecodeError, EngineStats, FrontendHello, KvSnapshot, KvWatch, RequestOutput,
+    RequestOutputs, decode, encode,
 )
 
 log = structlog.get_logger()
@@ -215,14 +215,20 @@ class EngineClient:
             message = decode(frame)
         except DecodeError as exc:
             self._num_dropped_frames += 1
-            request_id = _peek_request_id(frame)
+            readable = _readable_outputs(frame)
+            failed = [o for o in readable if isinstance(o, str)]
             log.error("dropped an undecodable frame from the scheduler", error=str(exc), size=len(frame),
-                      request_id=request_id)
-            if request_id is not None:  # fail that request rather than leave it waiting forever
-                self._route(RequestOutput(request_id, 0, [], "error", error=f"engine output was malformed: {exc}",
-                                          request_finished=True, error_kind="engine"))
+                      request_ids=failed)
+            for output in readable:  # the outputs that decode alone still go; the others fail their request
+                if isinstance(output, str):  # rather than leave it waiting forever
+                    output = RequestOutput(output, 0, [], "error", error=f"engine output was malformed: {exc}",
+                                           request_finished=True, error_kind="engine")
+                self._route(output)
             return
-        if isinstance(message, RequestOutput):
+        if isinstance(message, RequestOutputs):
+            for output in message.outputs:
+                self._route(output)
+        elif isinstance(message, RequestOutput):
             self._route(message)
         elif isinstance(message, EngineStats):
             self._on_stats(message)
@@ -261,15 +267,23 @@ class EngineClient:
                      num_messages=len(messages))
 
 
-def _peek_request_id(frame: bytes) -> str | None:
-    """The request id of a malformed ``RequestOutput`` frame, when it can still be read."""
+def _readable_outputs(frame: bytes) -> list[RequestOutput | str]:
+    """What can still be read of a malformed ``RequestOutput`` or ``RequestOutputs`` frame, in order:
+    each output that decodes on its own, else its request id where that can be read."""
     try:
         tag, fields = msgpack.unpackb(frame, raw=False)
-        if tag == RequestOutput.TAG and isinstance(fields[0], str):
-            return fields[0]
+        items = [fields] if tag == RequestOutput.TAG else fields[0] if tag == RequestOutputs.TAG else []
+        items = list(items)
     except Exception:  # anything at all may be wrong with this frame
-        pass
-    return None
+        return []
+    readable: list[RequestOutput | str] = []
+    for item in items:
+        try:
+            readable.append(decode(msgpack.packb([RequestOutput.TAG, item], use_bin_type=True)))
+        except Exception:  # noqa: BLE001 - this output is broken: its request id, if readable
+            if isinstance(item, list) and item and isinstance(item[0], str):
+                readable.append(item[0])
+    return readable
 
 
 def _ignore_failure(future: asyncio.Future) -> None:

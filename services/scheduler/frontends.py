@@ -2,8 +2,8 @@
 
 Frontends connect DEALER sockets, each under an identity of its own, to ``endpoints.request``.
 Every message a frontend sends (``FrontendHello``, ``AddRequest``, ``AbortRequest``) makes it
-known. A request's outputs go to the frontend that sent the request, until the output marked
-``request_finished``; ``EngineStats`` go to every known frontend; ``KvSnapshot`` to the frontends
+known. A request's outputs go to the frontend that sent the request (each pass's outputs in one
+``RequestOutputs`` frame per frontend), until the output marked ``request_finished``; ``EngineStats`` go to every known frontend; ``KvSnapshot`` to the frontends
 whose ``KvWatch`` is on (``kv_watchers``: renewal times, which ``kv_publisher`` lets lapse). A
 frontend is forgotten when it has gone away (the socket is ROUTER_MANDATORY, so sending to it
 fails) or has sent nothing for ``silence_timeout_s`` (frontends say hello every second: one that is
@@ -18,7 +18,9 @@ from typing import Any
 
 import zmq
 
-from shared.messages import AddRequest, DecodeError, EngineStats, KvWatch, RequestOutput, decode, encode
+from shared.messages import (
+    AddRequest, DecodeError, EngineStats, KvWatch, RequestOutput, RequestOutputs, decode, encode,
+)
 from shared.zmq_auth import CurveKeys, secure_server
 
 
@@ -64,15 +66,21 @@ class FrontendLink:
                 self.kv_watchers.pop(identity, None)
         return message
 
-    def send_output(self, output: RequestOutput) -> None:
-        """Send ``output`` to the frontend that sent its request."""
-        identity = self._owners.get(output.request_id)
-        if output.request_finished:
-            self._owners.pop(output.request_id, None)
-        if identity is None:
-            self.log.warning("output for a request no frontend owns; dropped", request_id=output.request_id)
-        elif not self._send(identity, encode(output)):
-            self.log.warning("frontend busy; output dropped", request_id=output.request_id)
+    def send_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Send each output to the frontend that sent its request: one ``RequestOutputs`` frame per
+        frontend, the outputs in their order."""
+        by_frontend: dict[bytes, list[RequestOutput]] = {}
+        for output in outputs:
+            identity = self._owners.get(output.request_id)
+            if output.request_finished:
+                self._owners.pop(output.request_id, None)
+            if identity is None:
+                self.log.warning("output for a request no frontend owns; dropped", request_id=output.request_id)
+            else:
+                by_frontend.setdefault(identity, []).append(output)
+        for identity, batch in by_frontend.items():
+            if not self._send(identity, encode(RequestOutputs(batch))):
+                self.log.warning("frontend busy; outputs dropped", request_ids=[o.request_id for o in batch])
 
     def send_stats(self, stats: EngineStats) -> None:
         frame = encode(stats)

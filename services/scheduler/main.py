@@ -263,11 +263,13 @@ class SchedulerProcess:
             self.scheduler.abort_request(msg.request_id)
 
     def _send_outputs(self) -> None:
-        for out in self.scheduler.take_outputs():
+        outputs = self.scheduler.take_outputs()
+        for out in outputs:
             if out.request_finished:
                 self.log.info("request finished", request_id=out.request_id,
                               finish_reason=out.finish_reason, error=out.error)
-            self.frontends.send_output(out)
+        if outputs:
+            self.frontends.send_outputs(outputs)
 
     def _send_stats(self, now: float, force: bool = False) -> None:
         if not force and now - self._last_stats < STATS_INTERVAL_S:

@@ -18,12 +18,14 @@ from shared.messages.control import (
     EngineStats, ExecutorHealth, ExecutorReady, Heartbeat, Hello, ProcessLost, Shutdown,
 )
 from shared.messages.kv import KvEventKind, KvSnapshot, KvWatch
-from shared.messages.requests import AbortRequest, AddRequest, FrontendHello, RequestOutput, SamplingParams
+from shared.messages.requests import (
+    AbortRequest, AddRequest, FrontendHello, RequestOutput, RequestOutputs, SamplingParams,
+)
 from shared.messages.steps import PLACEHOLDER_TOKEN_ID, NewSequence, Step, StepResult
 
 __all__ = [
     "MESSAGE_TYPES", "PLACEHOLDER_TOKEN_ID", "AbortRequest", "AddRequest", "DecodeError", "EngineStats",
     "ExecutorHealth", "ExecutorReady", "FrontendHello", "Heartbeat", "Hello", "KvEventKind", "KvSnapshot",
-    "KvWatch", "NewSequence", "ProcessLost", "RequestOutput", "SamplingParams", "Shutdown", "Step", "StepResult",
+    "KvWatch", "NewSequence", "ProcessLost", "RequestOutput", "RequestOutputs", "SamplingParams", "Shutdown", "Step", "StepResult",
     "decode", "encode",
 ]

@@ -15,7 +15,7 @@ import numpy as np
 
 from shared.messages.control import EngineStats, ExecutorReady, Heartbeat, Hello, ProcessLost, Shutdown
 from shared.messages.kv import KvSnapshot, KvWatch
-from shared.messages.requests import AbortRequest, AddRequest, FrontendHello, RequestOutput
+from shared.messages.requests import AbortRequest, AddRequest, FrontendHello, RequestOutput, RequestOutputs
 from shared.messages.steps import Step, StepResult
 
 
@@ -28,7 +28,7 @@ class DecodeError(ValueError):
 MESSAGE_TYPES: dict[int, type] = {
     cls.TAG: cls
     for cls in (
-        AddRequest, AbortRequest, RequestOutput, FrontendHello, Step, StepResult, ExecutorReady, Hello,
+        AddRequest, AbortRequest, RequestOutput, RequestOutputs, FrontendHello, Step, StepResult, ExecutorReady, Hello,
         Heartbeat, Shutdown, ProcessLost, EngineStats, KvWatch, KvSnapshot,
     )
 }
