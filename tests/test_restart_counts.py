@@ -36,3 +36,4 @@ def test_health_reports_the_counts_it_is_given_each_executor_rank_the_groups():
     status, body = health_report(client, {"executor": 3, "scheduler": 1, "frontend": 2})
     assert status == 200 and body["processes"]["scheduler"]["num_restarts"] == 1
     assert [e["num_restarts"] for e in body["processes"]["executors"]] == [3, 3]
+    assert body["processes"]["frontend"]["num_restarts"] == 2

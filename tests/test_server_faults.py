@@ -85,10 +85,10 @@ def _restarts(url: str) -> dict[str, float]:
 
 
 def _health_restarts(url: str) -> dict[str, int | list[int]]:
-    """/health's restart counts: the scheduler's, and each executor rank's."""
+    """/health's restart counts: each executor rank's, the scheduler's and the frontend's."""
     processes = _health(url)[1]["processes"]
     return {"executor": [e["num_restarts"] for e in processes["executors"]],
-            "scheduler": processes["scheduler"]["num_restarts"]}
+            "scheduler": processes["scheduler"]["num_restarts"], "frontend": processes["frontend"]["num_restarts"]}
 
 
 def _health(url: str) -> tuple[int, dict]:

@@ -2,8 +2,8 @@
 
 200 only when the scheduler has been heard from within its heartbeat timeout, its latest stats
 say ready, and every executor rank is ``ok`` (answering its heartbeats); else 503 with the reason.
-The body reports each process (this frontend; the scheduler: epoch, pid, seconds since its last
-stats, restarts; every executor rank: status, pid, seconds since its heartbeat, restarts) and the
+The body reports each process (this frontend: pid, uptime, restarts; the scheduler: epoch, pid,
+seconds since its last stats, restarts; every executor rank: status, pid, seconds since its heartbeat, restarts) and the
 executor group (tensor-parallel size, all-reduce kind, KV blocks and bytes per rank) beside the
 engine's counters. The restarts are the counts /metrics reports (``restarts``, the caller's
 ``process_restarts``: the launcher's under ``pagedserve serve``, else those the processes saw; see
@@ -25,7 +25,7 @@ def health_report(client: EngineClient, restarts: dict[str, int]) -> tuple[int, 
     stats = client.latest_stats
     if stats is None:
         return 503, {"status": "unavailable", "reason": "no stats from the scheduler yet",
-                     "processes": {"frontend": _frontend()}}
+                     "processes": {"frontend": _frontend(restarts)}}
     silence = client.scheduler_silence_s() or 0.0
     lost = [e for e in stats.executors if e.status != "ok"]
     reason = None
@@ -56,7 +56,7 @@ def health_report(client: EngineClient, restarts: dict[str, int]) -> tuple[int, 
         "kv_slot_utilization": stats.sum_slots_used / stats.sum_slots_allocated if stats.sum_slots_allocated else None,
         "group": _group(stats),
         "processes": {
-            "frontend": _frontend(),
+            "frontend": _frontend(restarts),
             "scheduler": {"status": "lost" if client.scheduler_lost else "ok", "pid": stats.pid,
                           "epoch": stats.epoch, "seconds_since_stats": round(silence, 3),
                           "num_restarts": restarts["scheduler"]},
@@ -79,5 +79,8 @@ def _group(stats) -> dict[str, Any]:
 _STARTED = time.monotonic()
 
 
-def _frontend() -> dict[str, Any]:
-    return {"status": "ok", "pid": os.getpid(), "uptime_s": round(time.monotonic() - _STARTED, 1)}
+def _frontend(restarts: dict[str, int]) -> dict[str, Any]:
+    """This frontend; ``num_restarts`` counts the frontends replaced before it (the launcher's
+    count), or those the scheduler lost where no launcher supervises them, as /metrics does."""
+    return {"status": "ok", "pid": os.getpid(), "uptime_s": round(time.monotonic() - _STARTED, 1),
+            "num_restarts": restarts.get("frontend", 0)}
