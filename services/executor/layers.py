@@ -57,7 +57,8 @@ class RotaryEmbedding(nn.Module):
         # replaces this table after): meta tensors run torch's Python reference ops, whose first
         # use imports torch._dynamo (about 1 s of every executor's start here).
         cpu = torch.device("cpu")
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim
+        inv_freq = 1.0 / (theta ** exponents)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=cpu), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)

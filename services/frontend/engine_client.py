@@ -221,8 +221,8 @@ class EngineClient:
                       request_ids=failed)
             for output in readable:  # the outputs that decode alone still go; the others fail their request
                 if isinstance(output, str):  # rather than leave it waiting forever
-                    output = RequestOutput(output, 0, [], "error", error=f"engine output was malformed: {exc}",
-                                           request_finished=True, error_kind="engine")
+                    output = RequestOutput(output, 0, [], "error", request_finished=True, error_kind="engine",
+                                           error=f"engine output was malformed: {exc}")
                 self._route(output)
             return
         if isinstance(message, RequestOutputs):

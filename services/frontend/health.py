@@ -3,11 +3,12 @@
 200 only when the scheduler has been heard from within its heartbeat timeout, its latest stats
 say ready, and every executor rank is ``ok`` (answering its heartbeats); else 503 with the reason.
 The body reports each process (this frontend: pid, uptime, restarts; the scheduler: epoch, pid,
-seconds since its last stats, restarts; every executor rank: status, pid, seconds since its heartbeat, restarts) and the
-executor group (tensor-parallel size, all-reduce kind, KV blocks and bytes per rank) beside the
-engine's counters. The restarts are the counts /metrics reports (``restarts``, the caller's
-``process_restarts``: the launcher's under ``pagedserve serve``, else those the processes saw; see
-``metrics``); the executor ranks restart together, so each rank reports the group's count.
+seconds since its last stats, restarts; every executor rank: status, pid, seconds since its
+heartbeat, restarts) and the executor group (tensor-parallel size, all-reduce kind, KV blocks and
+bytes per rank) beside the engine's counters. The restarts are the counts /metrics reports
+(``restarts``, the caller's ``process_restarts``: the launcher's under ``pagedserve serve``, else
+those the processes saw; see ``metrics``); the executor ranks restart together, so each rank reports
+the group's count.
 """
 
 from __future__ import annotations

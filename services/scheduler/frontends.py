@@ -1,14 +1,15 @@
 """The scheduler's link to its frontends: one ROUTER socket, and which frontend sent each request.
 
-Frontends connect DEALER sockets, each under an identity of its own, to ``endpoints.request``.
-Every message a frontend sends (``FrontendHello``, ``AddRequest``, ``AbortRequest``) makes it
-known. A request's outputs go to the frontend that sent the request (each pass's outputs in one
-``RequestOutputs`` frame per frontend), until the output marked ``request_finished``; ``EngineStats`` go to every known frontend; ``KvSnapshot`` to the frontends
-whose ``KvWatch`` is on (``kv_watchers``: renewal times, which ``kv_publisher`` lets lapse). A
-frontend is forgotten when it has gone away (the socket is ROUTER_MANDATORY, so sending to it
-fails) or has sent nothing for ``silence_timeout_s`` (frontends say hello every second: one that is
-silent is hung); the requests it still had wait in ``take_orphans`` for the scheduler to abort,
-``num_lost`` counts it, and its watch ends.
+Frontends connect DEALER sockets, each under an identity of its own, to ``endpoints.request``. Every
+message a frontend sends (``FrontendHello``, ``AddRequest``, ``AbortRequest``) makes it known. A
+request's outputs go to the frontend that sent the request (each pass's outputs in one
+``RequestOutputs`` frame per frontend), until the output marked ``request_finished``;
+``EngineStats`` go to every known frontend; ``KvSnapshot`` to the frontends whose ``KvWatch`` is on
+(``kv_watchers``: renewal times, which ``kv_publisher`` lets lapse). A frontend is forgotten when it
+has gone away (the socket is ROUTER_MANDATORY, so sending to it fails) or has sent nothing for
+``silence_timeout_s`` (frontends say hello every second: one that is silent is hung); the requests
+it still had wait in ``take_orphans`` for the scheduler to abort, ``num_lost`` counts it, and its
+watch ends.
 """
 
 from __future__ import annotations
