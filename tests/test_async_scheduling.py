@@ -139,48 +139,6 @@ def test_beam_search_and_crash_suspects_run_lock_step():
     assert not sched.can_schedule_ahead()
 
 
-def _scored_result(step: Step, tokens: dict[int, int]) -> StepResult:
-    """``_result`` with prompt scores: row r of the step's scored rows has logprob -r (k = 1)."""
-    result = _result(step, tokens)
-    rows = int(step.num_scored_tokens.sum()) if len(step.num_scored_tokens) else 0
-    result.prompt_logprobs = -np.arange(rows, dtype=np.float32)
-    result.prompt_ranks = np.ones(rows, np.int64)
-    result.prompt_top_token_ids = np.zeros((rows, 1), np.int64)
-    result.prompt_top_logprobs = np.zeros((rows, 1), np.float32)
-    return result
-
-
-def test_a_prompt_being_scored_sits_out_the_planned_ahead_step_and_the_others_go_on():
-    """A scored prompt prefilled in chunks no longer turns the whole loop lock-step: each step
-    planned ahead leaves it out while its chunk is in flight (its next chunk must start where its
-    scores end), and plans everyone else."""
-    sched = _scheduler(num_blocks=20, max_num_batched_tokens=5)
-    add_request(sched, "plain", [1, 2], max_tokens=8, ignore_eos=True)
-    add_request(sched, "scored", list(range(10, 22)), max_tokens=2, ignore_eos=True, prompt_logprobs=1)
-    plain, scored = sched.groups["plain"].seqs[0].seq_id, sched.groups["scored"].seqs[0].seq_id
-    step0 = sched.schedule()  # plain's prompt, scored's first 3 prompt tokens
-    assert step0.seq_ids.tolist() == [plain, scored] and step0.num_scored_tokens.tolist() == [0, 3]
-    assert sched.can_schedule_ahead()
-    step1 = sched.schedule()  # planned ahead: scored sits out
-    assert step1.seq_ids.tolist() == [plain]
-    sched.update(_scored_result(step0, {plain: 7}))
-    step2 = sched.schedule()  # planned while step 1 runs: scored's next chunk, from its scores' end
-    assert step2.seq_ids.tolist() == [plain, scored] and step2.num_scored_tokens.tolist() == [0, 4]
-    assert step2.positions.tolist()[1:] == [3, 4, 5, 6]
-    steps = [step1, step2]
-    while steps:
-        step = steps.pop(0)
-        sched.update(_scored_result(step, {plain: 7, scored: 9}))
-        if sched.has_work() and (nxt := sched.schedule()) is not None:
-            steps.append(nxt)
-    outputs = sched.take_outputs()
-    first = next(o for o in outputs if o.request_id == "scored" and o.prompt_logprobs)
-    assert len(first.prompt_logprobs) == 11  # every prompt position after the first, once
-    assert [t for o in outputs if o.request_id == "scored" for t in o.new_token_ids] == [9, 9]
-    assert [t for o in outputs if o.request_id == "plain" for t in o.new_token_ids] == [7] * 8
-    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
-
-
 # ---------------------------------------------------------------------- the executor's side
 
 

@@ -7,8 +7,7 @@ back, and ``Scheduler.update`` puts it in the placeholder's place). A step may b
 another is in flight (``can_plan_ahead``) unless that one holds beams (a beam search rewrites its
 beams from the result: those steps run lock-step) or crash suspects run alone (``recovery``
 counts each crash against the steps in flight; one step at a time keeps the count as exact as it
-was before). A sequence whose prompt is being scored in the step in flight sits out the step
-planned ahead (``scoring``): its scores must be in before its next chunk is cut.
+was before).
 
 A sequence that ends while a later step in flight still computes for it (it stopped in step N, and
 step N + 1 already feeds it the token it stopped on; or it was aborted) keeps its device blocks
@@ -69,13 +68,6 @@ class StepsInFlight:
             return False
         (scheduled,) = self._steps.values()
         return not any(s.seq.sampling.use_beam_search for s in scheduled)
-
-    def scoring(self) -> frozenset[int]:
-        """The sequences in a step in flight whose prompt is still being scored (``PromptScores``):
-        a step planned now must leave them out, since their next chunk, or their first decode, must
-        come after that step's scores."""
-        return frozenset(s.seq.seq_id for scheduled in self._steps.values() for s in scheduled
-                         if s.seq.prompt_scores is not None and not s.seq.prompt_scores.complete)
 
     def request_ids(self) -> list[str]:
         """The requests of every step in flight (with repeats)."""

@@ -34,7 +34,6 @@ class Plan:
     token_budget: int
     only: str | None = None  # the one request allowed to run (a crash suspect), or None: any but...
     suspects: frozenset[str] = frozenset()  # ... the crash suspects
-    held_back: frozenset[int] = frozenset()  # sequences this plan leaves out (``StepsInFlight.scoring``)
     scheduled: list[Scheduled] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -46,8 +45,6 @@ class Plan:
         return not (self.scheduled or self.swap_out or self.swap_in)
 
     def allows(self, seq: Sequence) -> bool:
-        if seq.seq_id in self.held_back:
-            return False
         return seq.request_id == self.only if self.only is not None else seq.request_id not in self.suspects
 
     def add(self, seq: Sequence, num_new: int) -> None:

@@ -123,15 +123,17 @@ class Scheduler:
 
     def can_schedule_ahead(self) -> bool:
         """Whether ``schedule`` may plan the next step before the one in flight is answered (async
-        scheduling): not while beams or crash suspects run (``in_flight``). A sequence whose prompt
-        is being scored in the step in flight sits that plan out (``StepsInFlight.scoring``)."""
-        return not self.crashes.suspects and self._in_flight.can_plan_ahead()
+        scheduling): not while beams or crash suspects run (``in_flight``), nor while a running
+        sequence's prompt is being scored (``PromptScores``: its next chunk, or its first decode,
+        must come after the scores of the chunk in flight)."""
+        return (not self.crashes.suspects and self._in_flight.can_plan_ahead()
+                and not any(seq.prompt_scores is not None and not seq.prompt_scores.complete
+                            for seq in self.running))
 
     def _plan(self, only: str | None) -> Plan:
         """Running, then swapped, then waiting sequences, those the plan allows (``only``: that
         request alone; None: any but the suspects)."""
-        plan = Plan(self.config.max_num_batched_tokens, only, frozenset(self.crashes.suspects),
-                    held_back=self._in_flight.scoring())
+        plan = Plan(self.config.max_num_batched_tokens, only, frozenset(self.crashes.suspects))
         if plan.suspects:  # the waiting sequences this plan allows go first
             self.waiting = deque(sorted(self.waiting, key=lambda s: not plan.allows(s)))
         self._schedule_running(plan)
