@@ -272,8 +272,12 @@ def _readable_outputs(frame: bytes) -> list[RequestOutput | str]:
     each output that decodes on its own, else its request id where that can be read."""
     try:
         tag, fields = msgpack.unpackb(frame, raw=False)
-        items = [fields] if tag == RequestOutput.TAG else fields[0] if tag == RequestOutputs.TAG else []
-        items = list(items)
+        if tag == RequestOutput.TAG:
+            items = [fields]
+        elif tag == RequestOutputs.TAG:
+            items = list(fields[0])
+        else:
+            return []
     except Exception:  # anything at all may be wrong with this frame
         return []
     readable: list[RequestOutput | str] = []

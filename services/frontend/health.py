@@ -21,8 +21,8 @@ from services.frontend.engine_client import EngineClient
 
 
 def health_report(client: EngineClient, restarts: dict[str, int]) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, body). ``restarts``: restarts by process ("executor", "scheduler"), as /metrics
-    reports them."""
+    """(HTTP status, body). ``restarts``: restarts by process ("executor", "scheduler", "frontend"),
+    as /metrics reports them."""
     stats = client.latest_stats
     if stats is None:
         return 503, {"status": "unavailable", "reason": "no stats from the scheduler yet",
