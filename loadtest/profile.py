@@ -298,7 +298,7 @@ def header(facts: dict, args, load_before: tuple) -> str:
         f"attention backend {facts['backend']}",
         f"CPU: {cpu.model_name}, {os.cpu_count()} cores; threads: torch {torch.get_num_threads()}, "
         f"numba {numba.get_num_threads()} ({facts.get('threads_reason', '')}), "
-        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; "
+        f"OpenMP: {facts.get('openmp', '')}; "
         f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after",
         f"{args.clock} clock; median of {args.steps} steps per column (after {args.warmup} warm-up), "
         f"context {args.context}; "
@@ -339,6 +339,7 @@ def main(argv=None) -> None:
     t0 = time.monotonic()
     facts, results = measure(args)
     facts["threads_reason"] = threads.reason
+    facts["openmp"] = threads.openmp
     say("  frontend: detokenization and SSE chunks")
     from shared.model_source import load_tokenizer
 

@@ -3,7 +3,8 @@
     python -m loadtest.threads [--dtype auto] [--steps 12] [--batch 32] [--context 256] [--rounds 2]
 
 Times SmolLM2 decode steps (the executor's own model code and Numba kernels) in a fresh process
-per setting (threads and ``OMP_WAIT_POLICY`` are read once, when torch starts): alone, next to a
+per setting (threads, one or separate OpenMP runtimes for torch and Numba, and how their idle
+threads wait are fixed once, when the runtime loads; ``shared/threads.py``): alone, next to a
 light neighbour (busy 1 ms in 10, like a frontend streaming a few dozen requests) and next to a
 heavy one (busy 2 ms in 3). Settings and neighbours are interleaved over ``--rounds``; it prints
 the median step time (wall) and the process's CPU time per step, and the ratio to the best
@@ -22,30 +23,33 @@ import sys
 import tempfile
 import time
 
-# (label, environment): PAGEDSERVE_NUM_THREADS and OMP_WAIT_POLICY as a user would set them.
+# (label, environment) as a user would set them; "" unsets. Every setting names every variable, so
+# that the caller's own environment does not leak into one.
+_UNSET = {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "", "PAGEDSERVE_SHARE_OPENMP": ""}
 SETTINGS = [
-    ("1 thread", {"PAGEDSERVE_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}),
-    ("all cores, OMP_WAIT_POLICY=PASSIVE", {"PAGEDSERVE_NUM_THREADS": "0", "OMP_WAIT_POLICY": "PASSIVE"}),
-    ("all cores, libgomp default (spin, then sleep)", {"PAGEDSERVE_NUM_THREADS": "0", "OMP_WAIT_POLICY": ""}),
-    ("all cores, OMP_WAIT_POLICY=ACTIVE", {"PAGEDSERVE_NUM_THREADS": "0", "OMP_WAIT_POLICY": "ACTIVE"}),
-    ("all cores, GOMP_SPINCOUNT=10000 (short spin, then sleep)",
-     {"PAGEDSERVE_NUM_THREADS": "0", "OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": "10000"}),
+    ("1 thread", {**_UNSET, "PAGEDSERVE_NUM_THREADS": "1"}),
+    ("separate runtimes, PASSIVE", {**_UNSET, "PAGEDSERVE_NUM_THREADS": "0", "PAGEDSERVE_SHARE_OPENMP": "0"}),
+    ("separate runtimes, GOMP_SPINCOUNT=200000",
+     {**_UNSET, "PAGEDSERVE_NUM_THREADS": "0", "PAGEDSERVE_SHARE_OPENMP": "0", "GOMP_SPINCOUNT": "200000"}),
+    ("one runtime, PASSIVE", {**_UNSET, "PAGEDSERVE_NUM_THREADS": "0", "OMP_WAIT_POLICY": "PASSIVE"}),
+    ("one runtime, GOMP_SPINCOUNT=200000 (the rule)", {**_UNSET, "PAGEDSERVE_NUM_THREADS": "0"}),
+    ("one runtime, ACTIVE", {**_UNSET, "PAGEDSERVE_NUM_THREADS": "0", "OMP_WAIT_POLICY": "ACTIVE"}),
 ]
 NEIGHBOURS = {"alone": None, "light neighbour": (0.001, 0.009), "heavy neighbour": (0.002, 0.001)}
 
 
 def _worker(args) -> None:
     """Runs in the child: SmolLM2 over a paged cache of noise, timed decode steps, JSON out."""
-    if os.environ.get("OMP_WAIT_POLICY") == "":
-        del os.environ["OMP_WAIT_POLICY"]  # libgomp's own default
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    for name in _UNSET:
+        if os.environ.get(name) == "":
+            del os.environ[name]
     threads = int(os.environ.get("PAGEDSERVE_NUM_THREADS", 0)) or os.cpu_count() or 1
-    import numba
+    from shared.openmp import loaded_runtimes
+    from shared.threads import configure_cpu_threads
+
+    choice = configure_cpu_threads(threads)  # as the executor does, in this setting's environment
     import numpy as np
     import torch
-
-    torch.set_num_threads(threads)  # as shared.threads does, with this setting's environment as is
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
     from services.executor.attention import select_backend
     from services.executor.model import ModelConfig
@@ -85,7 +89,8 @@ def _worker(args) -> None:
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     print(json.dumps({"threads": threads, "dtype": str(dtype), "wall_s": statistics.median(wall[2:]),
-                      "cpu_s": statistics.median(cpu[2:])}))
+                      "cpu_s": statistics.median(cpu[2:]), "openmp": choice.openmp,
+                      "runtimes": len(loaded_runtimes())}))
 
 
 def _neighbour(busy_s: float, idle_s: float) -> subprocess.Popen:
@@ -158,7 +163,8 @@ def _report(args, results: dict) -> None:
         for name, runs in rows.items():
             cpu = statistics.median(r["cpu_s"] for r in runs)
             print(f"    {name:48} {runs[0]['threads']} threads  {walls[name] * 1e3:8.1f} ms wall  "
-                  f"{cpu * 1e3:8.1f} ms CPU   x{walls[name] / best:.2f}")
+                  f"{cpu * 1e3:8.1f} ms CPU   x{walls[name] / best:.2f}   "
+                  f"{runs[0]['runtimes']} OpenMP runtime(s) loaded")
 
 
 if __name__ == "__main__":

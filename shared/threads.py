@@ -11,11 +11,16 @@ The rule (``choose_threads``), from what a process reads at start-up in well und
   processes never take a core an OpenMP thread is waiting for. Below that, every core computes:
   on two cores, giving one of two to processes that need a few percent of one halves the
   executor for nothing.
-- waiting: ``OMP_WAIT_POLICY=PASSIVE`` always. torch and Numba bring two GNU OpenMP runtimes
-  (torch's bundled libgomp; Numba's ``omp`` layer links the system's), so every layer alternates
-  between two thread pools on the same cores, and an idle thread of one pool that spins takes
-  the core a thread of the other pool needs. ``PAGEDSERVE_NUM_THREADS`` or ``--num-threads``
-  overrides the count, an ``OMP_WAIT_POLICY`` already set overrides the policy.
+- runtime: one GNU OpenMP runtime for torch and Numba (``shared/openmp.py``: Numba's libgomp is
+  loaded before torch, which then binds to it), so that both run their parallel regions on the
+  same worker threads.
+- waiting: with one runtime, an idle worker spins ``SPIN_COUNT`` times (``GOMP_SPINCOUNT``, about
+  2 ms here), then sleeps: the regions of a layer follow each other within microseconds, and a
+  worker that slept pays a wake-up at each. Where the runtimes could not be shared (another
+  threading layer, no system libgomp, ``PAGEDSERVE_SHARE_OPENMP=0``), ``OMP_WAIT_POLICY=PASSIVE``:
+  with two pools on the same cores, a spinning worker of one holds the core a worker of the other
+  needs (the tables below). ``PAGEDSERVE_NUM_THREADS`` or ``--num-threads`` overrides the count;
+  an ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` already set overrides the waiting.
 
 Measured with ``flock /tmp/bench.lock python -m loadtest.threads --steps 8`` (SmolLM2 decode in
 bf16, the ``--dtype auto`` of this CPU, batch 32, context 256; median of 8 steps, then of 2
@@ -36,33 +41,54 @@ best setting of the same neighbour):
     2 threads, ACTIVE                      418.3 (x4.34)  780.3 (x8.97)      321.7 (x3.52)
     2 threads, GOMP_SPINCOUNT=10000        230.3 (x2.39)  178.6 (x2.05)      229.3 (x2.51)
 
-Spinning (libgomp's default, ACTIVE, or a short spin count) was up to 1.5x faster in one run and
-2 to 16 times slower in the other, depending on what else ran on the two cores; PASSIVE was never
-worse than 1.53x the best and was the best with a heavy neighbour in both runs, and an idle
-ACTIVE pool would also keep a core busy between requests. So PASSIVE stays, on every machine. On
-two cores both threads compute: one thread alone lost to two by 1.31x to 1.62x next to a heavy
-neighbour and won by at most 1.10x without one. No machine with 8 or more cores was available: the reserved core
+Runs 1 and 2 had two runtimes (torch's and Numba's). Spinning there was up to 1.5x faster in
+one run and 2 to 16 times slower in the other: PASSIVE was the rule until the runtimes were shared.
+
+    run 3 (python -m loadtest.threads --steps 8, 2026-12-01, load average 1.2, same machine)
+                                            alone          light neighbour   heavy neighbour
+    1 thread                                56.7 (x1.53)   55.5 (x1.24)       59.5 (x1.00)
+    separate runtimes, PASSIVE              50.1 (x1.35)   54.5 (x1.22)       62.4 (x1.05)
+    separate runtimes, GOMP_SPINCOUNT=2e5   37.1 (x1.00)   52.6 (x1.17)       90.1 (x1.51)
+    one runtime, PASSIVE                    44.5 (x1.20)   62.6 (x1.40)       72.6 (x1.22)
+    one runtime, GOMP_SPINCOUNT=2e5 (rule)  40.3 (x1.09)   47.9 (x1.07)      102.9 (x1.73)
+    one runtime, ACTIVE                     40.0 (x1.08)   44.8 (x1.00)       98.5 (x1.66)
+
+In the server (``loadtest.throughput``, 64 requests, one server at a time, pairs back to back,
+output tok/s, separate runtimes with PASSIVE against one runtime spinning 200,000 times): bf16
+518 / 589, 533 / 559, 462 / 502 (and with the spin set by hand before this module did it, 612 /
+663, 545 / 655, 519 / 596); fp32 150 / 178, 167 / 191. So with one runtime the executor spins, on
+every machine: 1.05x to 1.2x faster per step alone or beside a light neighbour. Beside a heavy one
+(busy two thirds of one core), the spinning worker takes CPU time the other threads need and
+two threads spinning were 1.7x slower than one thread; there the thread tuner
+(``services/executor/thread_tuner.py``) moves a step to one thread, which does not spin, wherever
+it may (not in the float32 exactness mode, whose count is fixed). On two cores both threads
+compute otherwise. No machine with 8 or more cores was available: the reserved core
 (``RESERVE_FROM_CORES``) is a design choice that is not measured yet.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
 
+from shared.openmp import share_runtime
+
 RESERVE_FROM_CORES = 8  # from this many cores on, one is left to a colocated frontend and scheduler
+SPIN_COUNT = 200_000  # libgomp spins of an idle worker before it sleeps, with one runtime
 
 
 @dataclass(frozen=True)
 class ThreadChoice:
     num_threads: int
     reason: str
+    openmp: str = ""  # the OpenMP runtime(s) and how their idle threads wait, for the log
 
 
 def set_thread_env() -> None:
-    """Call before importing torch or numba (the OpenMP runtimes read these once)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    """Call before importing torch or numba (the OpenMP runtimes read these once). How idle OpenMP
+    threads wait is the executor's choice (``configure_cpu_threads``)."""
     os.environ.setdefault("KMP_BLOCKTIME", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -125,11 +151,26 @@ def choose_threads(num_threads: int | None, colocated: bool = True, cores: tuple
 
 
 def configure_cpu_threads(num_threads: int | None, colocated: bool = True) -> ThreadChoice:
-    """Give torch and Numba the same pool size (``choose_threads``); returns the choice."""
+    """Give torch and Numba one OpenMP runtime, the same pool size (``choose_threads``) and the
+    waiting of this module's rule; returns the choice. Call before torch or Numba is imported."""
     set_thread_env()
+    given = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
+    if not given:  # libgomp reads it once, as it loads: before share_runtime loads it
+        os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+    runtime = share_runtime()
+    if given:
+        waiting = "as the environment says: " + ", ".join(f"{k}={v}" for k, v in given.items())
+    elif runtime.shared:
+        waiting = f"GOMP_SPINCOUNT={SPIN_COUNT} (spin, then sleep)"
+    else:  # torch's runtime and Numba's apart: sleep at once
+        del os.environ["GOMP_SPINCOUNT"]
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        waiting = "OMP_WAIT_POLICY=PASSIVE (sleep at once)"
     import torch
 
     choice = choose_threads(num_threads, colocated)
+    choice = dataclasses.replace(choice, openmp=f"{'one runtime' if runtime.shared else 'separate runtimes'} "
+                                                f"({runtime.reason}); {waiting}")
     n = choice.num_threads
     torch.set_num_threads(n)
     try:

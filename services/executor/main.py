@@ -39,6 +39,7 @@ from shared.heartbeat import HeartbeatFile
 from shared.logging import configure_logging
 from shared.messages import DecodeError, ExecutorReady, Hello, Shutdown, Step, StepResult, decode, encode
 from shared.model_source import resolve_model
+from shared.openmp import loaded_runtimes
 from shared.threads import configure_cpu_threads
 from shared.zmq_auth import load_keys, log_mode, secure_client
 
@@ -159,7 +160,8 @@ class ExecutorProcess:
 
         t0 = time.monotonic()
         num_steps = warm_up(runner)
-        self.log.info("warmed up", steps=num_steps, seconds=round(time.monotonic() - t0, 2))
+        self.log.info("warmed up", steps=num_steps, seconds=round(time.monotonic() - t0, 2),
+                      openmp_runtimes=loaded_runtimes())
 
     def _ready(self, runner, comm) -> ExecutorReady:
         cfg = self.config
@@ -190,7 +192,7 @@ class ExecutorProcess:
         # ipc:// endpoints: the scheduler (and so the frontend) runs on this machine
         threads = configure_cpu_threads(cfg.num_threads, colocated=cfg.endpoints.step.startswith("ipc://"))
         self.log.info("cpu threads", num_threads=threads.num_threads, reason=threads.reason,
-                      omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
+                      openmp=threads.openmp)
         ctx = zmq.Context()
         steps = ctx.socket(zmq.SUB)
         steps.setsockopt(zmq.LINGER, 0)

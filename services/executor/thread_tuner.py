@@ -2,7 +2,7 @@
 size of step.
 
 A small step's matmuls are short and bound by memory; waking a second OpenMP thread for each of
-them (``OMP_WAIT_POLICY=PASSIVE``, ``shared/threads.py``) can cost more than it saves, and how much
+them (where it sleeps between regions, ``shared/threads.py``) can cost more than it saves, and how much
 depends on the machine and on what else runs on it. Measured with ``python -m loadtest.profile
 --batches 1,4,8,16,32 --prefill 0 --num-threads T`` (SmolLM2, bf16, 2-core AMD EPYC Zen 5), ms per
 decode step, 1 thread against 2: quiet, batch 1 14.2 / 15.8, batch 8 about 3 ms less on one
