@@ -42,8 +42,10 @@ make_base_image() {
   local rootfs
   rootfs=$(mktemp -d /var/tmp/pagedserve-rootfs.XXXXXX)
   ROOTFS=$rootfs
-  say "debootstrap bookworm (python3, python3-venv) from $DEBIAN_MIRROR into $rootfs"
-  debootstrap --variant=minbase --include=python3,python3-venv bookworm "$rootfs" "$DEBIAN_MIRROR" >&2
+  # libgomp1: Numba's OpenMP threading layer, which the executor shares with torch (shared/openmp.py);
+  # without it Numba falls back to its own thread pool and the executor's idle threads sleep at once
+  say "debootstrap bookworm (python3, python3-venv, libgomp1) from $DEBIAN_MIRROR into $rootfs"
+  debootstrap --variant=minbase --include=python3,python3-venv,libgomp1 bookworm "$rootfs" "$DEBIAN_MIRROR" >&2
   # What a container never reads: package lists and archives, documentation, translations.
   rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/*.bin "$rootfs"/var/cache/apt/archives/*.deb \
          "$rootfs"/usr/share/doc "$rootfs"/usr/share/man "$rootfs"/usr/share/info "$rootfs"/usr/share/locale

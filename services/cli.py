@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                                  "heartbeat_timeout", "async_scheduling"]),
             ))
         elif args.command == "executor":
+            from shared.threads import prepare_openmp
+
+            prepare_openmp()  # before the flags' checks import torch
             from services.executor.main import ExecutorConfig, run_executor
 
             step, result = _endpoint_pair(args)

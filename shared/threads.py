@@ -150,9 +150,17 @@ def choose_threads(num_threads: int | None, colocated: bool = True, cores: tuple
     return ThreadChoice(count, how)
 
 
-def configure_cpu_threads(num_threads: int | None, colocated: bool = True) -> ThreadChoice:
-    """Give torch and Numba one OpenMP runtime, the same pool size (``choose_threads``) and the
-    waiting of this module's rule; returns the choice. Call before torch or Numba is imported."""
+_openmp: str | None = None  # what prepare_openmp chose, once per process
+
+
+def prepare_openmp() -> str:
+    """Share one OpenMP runtime between torch and Numba (``shared/openmp.py``) and set how its idle
+    threads wait (this module's rule); returns what was done, for the log. Call before anything
+    imports torch or Numba (the executor's command does, first thing); later calls return the
+    first one's answer."""
+    global _openmp
+    if _openmp is not None:
+        return _openmp
     set_thread_env()
     given = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
     if not given:  # libgomp reads it once, as it loads: before share_runtime loads it
@@ -166,11 +174,18 @@ def configure_cpu_threads(num_threads: int | None, colocated: bool = True) -> Th
         del os.environ["GOMP_SPINCOUNT"]
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
         waiting = "OMP_WAIT_POLICY=PASSIVE (sleep at once)"
+    _openmp = f"{'one runtime' if runtime.shared else 'separate runtimes'} ({runtime.reason}); {waiting}"
+    return _openmp
+
+
+def configure_cpu_threads(num_threads: int | None, colocated: bool = True) -> ThreadChoice:
+    """Give torch and Numba one OpenMP runtime, the same pool size (``choose_threads``) and the
+    waiting of this module's rule; returns the choice. Call before torch or Numba is imported."""
+    openmp = prepare_openmp()
     import torch
 
     choice = choose_threads(num_threads, colocated)
-    choice = dataclasses.replace(choice, openmp=f"{'one runtime' if runtime.shared else 'separate runtimes'} "
-                                                f"({runtime.reason}); {waiting}")
+    choice = dataclasses.replace(choice, openmp=openmp)
     n = choice.num_threads
     torch.set_num_threads(n)
     try:

@@ -81,7 +81,31 @@ def test_one_runtime_spins_and_separate_ones_sleep():
     assert (apart["spin"], apart["policy"]) == (None, "PASSIVE")
 
 
+def test_the_executor_command_shares_the_runtime(tmp_path, tiny_model_dir):
+    """The real ``pagedserve executor`` (whose flag checks import torch early) ends its warm-up with
+    one runtime, without a scheduler to talk to."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "executor", "--model", str(tiny_model_dir), "--dtype", "float32",
+         "--num-kv-blocks", "16", "--step-endpoint", f"ipc://{tmp_path}/step", "--result-endpoint",
+         f"ipc://{tmp_path}/result"], cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    events = {}
+    try:
+        for line in proc.stdout:
+            if line.startswith("{"):
+                record = json.loads(line)
+                events[record["event"]] = record
+                if record["event"] == "warmed up":
+                    break
+    finally:
+        proc.kill()
+        proc.wait()
+    assert events["cpu threads"]["openmp"].startswith("one runtime"), events.get("cpu threads")
+    assert len(events["warmed up"]["openmp_runtimes"]) == 1, events["warmed up"]
+
+
 def test_waiting_given_by_the_environment_is_kept(monkeypatch):
+    monkeypatch.setattr(threads, "_openmp", None)
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     before = torch.get_num_threads()
