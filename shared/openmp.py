@@ -25,6 +25,7 @@ import glob
 import importlib.util
 import os
 import struct
+import sys
 from dataclasses import dataclass
 
 _SHT_DYNAMIC = 6
@@ -84,7 +85,6 @@ def numba_runtime_name() -> str | None:
 @dataclass(frozen=True)
 class SharedRuntime:
     shared: bool  # one runtime for torch and Numba (loaded here, before either)
-    library: str | None  # the name it was loaded by
     reason: str
 
 
@@ -93,24 +93,22 @@ def share_runtime() -> SharedRuntime:
     is imported (after, it changes nothing and says so). Also pins Numba's threading layer to
     ``omp`` (which would otherwise prefer TBB where the ``tbb`` package is installed), unless the
     environment chose one."""
-    import sys
-
     if os.environ.get("PAGEDSERVE_SHARE_OPENMP", "1") == "0":
-        return SharedRuntime(False, None, "PAGEDSERVE_SHARE_OPENMP=0")
+        return SharedRuntime(False, "PAGEDSERVE_SHARE_OPENMP=0")
     if "torch" in sys.modules or "numba" in sys.modules:
-        return SharedRuntime(False, None, "torch or numba was imported first")
+        return SharedRuntime(False, "torch or numba was imported first")
     layer = os.environ.get("NUMBA_THREADING_LAYER", "default")
     if layer not in ("default", "omp"):
-        return SharedRuntime(False, None, f"NUMBA_THREADING_LAYER={layer}")
+        return SharedRuntime(False, f"NUMBA_THREADING_LAYER={layer}")
     name = numba_runtime_name()
     if name is None:
-        return SharedRuntime(False, None, "numba has no OpenMP threading layer here")
+        return SharedRuntime(False, "numba has no OpenMP threading layer here")
     try:
         ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
     except OSError as e:
-        return SharedRuntime(False, None, f"{name} did not load: {e}")
+        return SharedRuntime(False, f"{name} did not load: {e}")
     os.environ["NUMBA_THREADING_LAYER"] = "omp"
-    return SharedRuntime(True, name, f"numba's {name}, loaded before torch")
+    return SharedRuntime(True, f"numba's {name}, loaded before torch")
 
 
 def loaded_runtimes(maps: str = "/proc/self/maps") -> list[str]:

@@ -53,13 +53,15 @@ one run and 2 to 16 times slower in the other: PASSIVE was the rule until the ru
     one runtime, GOMP_SPINCOUNT=2e5 (rule)  40.3 (x1.09)   47.9 (x1.07)      102.9 (x1.73)
     one runtime, ACTIVE                     40.0 (x1.08)   44.8 (x1.00)       98.5 (x1.66)
 
-In the server (``loadtest.throughput``, 64 requests, one server at a time, pairs back to back,
-output tok/s, separate runtimes with PASSIVE against one runtime spinning 200,000 times): bf16
-518 / 589, 533 / 559, 462 / 502 (and with the spin set by hand before this module did it, 612 /
-663, 545 / 655, 519 / 596); fp32 150 / 178, 167 / 191. So with one runtime the executor spins, on
-every machine: 1.05x to 1.2x faster per step alone or beside a light neighbour. Beside a heavy one
-(busy two thirds of one core), the spinning worker takes CPU time the other threads need and
-two threads spinning were 1.7x slower than one thread; there the thread tuner
+In the server (``loadtest.throughput``, 64 requests, bf16, one server at a time, output tok/s,
+the old rule / one runtime spinning 200,000 times): 402 / 582 and 431 / 528 in two interleaved
+rounds; with the runtime shared by hand before this module did it, 612 / 663, 545 / 655 and 519 /
+596. (A first version shared it in-process but not in the server, whose executor imported torch
+first, so torch's runtime spun by libgomp's default and Numba's slept: 454 and 548 beside the two
+rounds above.) So with one runtime the executor spins, on every machine: 1.05x to 1.2x faster per
+step alone or beside a light neighbour. Beside a heavy one (busy two thirds of one core), the
+spinning worker takes CPU time the other threads need and two threads spinning were 1.7x slower
+than one thread; there the thread tuner
 (``services/executor/thread_tuner.py``) moves a step to one thread, which does not spin, wherever
 it may (not in the float32 exactness mode, whose count is fixed). On two cores both threads
 compute otherwise. No machine with 8 or more cores was available: the reserved core
