@@ -5,7 +5,8 @@
 Runs SmolLM2 (or ``--model``) in one process through the product's own pieces, as the server's
 lock-step loop does: ``Scheduler.schedule``, the ``Step`` encoded, sent over a ZeroMQ ipc socket
 and decoded, ``ModelRunner.execute``, the ``StepResult`` back the same way, ``Scheduler.update``,
-and the ``RequestOutput`` frames for the frontend encoded. Scenarios: decode batches of 1, 16 and
+and the pass's outputs for the frontend encoded (one ``RequestOutputs`` frame, as the scheduler
+sends them). Scenarios: decode batches of 1, 16 and
 64 at ``--context`` tokens, and a mixed step (a fresh ``--prefill``-token prompt plus
 ``--prefill-decodes`` decodes). The cache is filled with noise instead of being prefilled (the
 runner's bookkeeping runs, the model does not), so that setting up costs seconds.
@@ -119,7 +120,7 @@ class StepBench:
 
     def timed_step(self) -> dict[str, int]:
         """One step through the whole loop; ns per part (``step_timer.breakdown`` and ours)."""
-        from shared.messages import decode, encode
+        from shared.messages import RequestOutputs, decode, encode
 
         from .step_timer import breakdown
 
@@ -138,11 +139,12 @@ class StepBench:
             self.scheduler.update(result)
             outputs = self.scheduler.take_outputs()
             t5 = clock()
-            frames = [encode(out) for out in outputs]
+            frame = encode(RequestOutputs(outputs))  # one frontend: one frame per pass
             t6 = clock()
         finally:
             uninstall()
-        assert frames and all(decode(f).error is None for f in frames)
+        sent = decode(frame).outputs
+        assert sent and all(o.error is None for o in sent)
         parts = breakdown(self.timer.take())
         parts.update(scheduler=(t1 - t0) + (t5 - t4), messages=(t2 - t1) + (t4 - t3) + (t6 - t5))
         return parts
@@ -264,7 +266,7 @@ def format_table(facts: dict, results: list, args) -> str:
 def format_frontend(costs: dict[str, float], results: list) -> str:
     per_k = {k: v * 1000 / 1e6 for k, v in costs.items()}  # ns per token -> ms per 1000 tokens
     total = sum(per_k.values())
-    text = (f"frontend, CPU-ms per 1000 output tokens: RequestOutput decode {per_k['outputs']:.1f}, "
+    text = (f"frontend, CPU-ms per 1000 output tokens: RequestOutputs decode {per_k['outputs']:.1f}, "
             f"detokenize {per_k['detokenize']:.1f}, SSE chunks {per_k['sse']:.1f}; total {total:.1f}")
     decodes = [(label, int(label.split()[-1])) for label, _, _ in results if label.startswith("decode")]
     if decodes:

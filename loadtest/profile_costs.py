@@ -6,8 +6,9 @@ per output token.
   in the model's dtype, each layer with weights of its own (as in the model, they do not stay in
   cache from one layer to the next); best of ``repeats`` runs of the whole chain.
 - ``frontend_costs``: what the frontend spends per output token on realistic streams: decoding the
-  scheduler's ``RequestOutput`` frames, the incremental detokenizer (with stop strings) and the
-  SSE chunks (chat shape, JSON, bytes); CPU nanoseconds per token. Socket writes are not included.
+  scheduler's ``RequestOutputs`` frames (one per step), the incremental detokenizer (with stop
+  strings) and the SSE chunks (chat shape, JSON, bytes); CPU nanoseconds per token. Socket writes
+  are not included.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.messages import RequestOutput, decode, encode
+from shared.messages import RequestOutput, RequestOutputs, decode, encode
 
 # English prose, tokenized and cut into streams (the model's own greedy text would do as well; this
 # one does not depend on the weights).
@@ -98,21 +99,23 @@ def stream_token_ids(tokenizer, num_streams: int, num_tokens: int) -> list[list[
 
 def frontend_costs(tokenizer, num_streams: int = 16, num_tokens: int = 256) -> dict[str, float]:
     """CPU ns per output token of the frontend's per-token work, as the server does it at batch
-    decode: one token per stream per step, round robin. Keys: ``outputs``, ``detokenize``, ``sse``."""
+    decode: one frame per step holding one token per stream. Keys: ``outputs``, ``detokenize``, ``sse``."""
     from services.frontend.detokenizer import IncrementalDetokenizer
     from services.frontend.responses import ChatShapes, sse_event
 
     streams = stream_token_ids(tokenizer, num_streams, num_tokens)
     detoks = [IncrementalDetokenizer(tokenizer, stop=["<|im_end|>", "\nUser:"]) for _ in streams]
     shapes = ChatShapes("chatcmpl-0123456789abcdef", int(time.time()), "SmolLM2-135M-Instruct")
-    frames = [[encode(RequestOutput(f"req-{s}", 0, [t], num_prompt_tokens=100)) for t in ids]
-              for s, ids in enumerate(streams)]
+    # one frame per step, one output per stream in it, as the scheduler sends a frontend its pass
+    frames = [encode(RequestOutputs([RequestOutput(f"req-{s}", 0, [ids[pos]], num_prompt_tokens=100)
+                                     for s, ids in enumerate(streams)])) for pos in range(num_tokens)]
     ns = {"outputs": 0, "detokenize": 0, "sse": 0}
     clock = time.perf_counter_ns
     for pos in range(num_tokens):
-        for s, detok in enumerate(detoks):
-            t0 = clock()
-            output = decode(frames[s][pos])
+        t0 = clock()
+        outputs = decode(frames[pos]).outputs
+        ns["outputs"] += clock() - t0
+        for detok, output in zip(detoks, outputs):
             t1 = clock()
             text = detok.add(output.new_token_ids)
             if pos == num_tokens - 1:
@@ -121,7 +124,6 @@ def frontend_costs(tokenizer, num_streams: int = 16, num_tokens: int = 256) -> d
             if text:
                 sse_event(shapes.chunk(0, text, None))
             t3 = clock()
-            ns["outputs"] += t1 - t0
             ns["detokenize"] += t2 - t1
             ns["sse"] += t3 - t2
     num = num_streams * num_tokens
