@@ -1,9 +1,11 @@
 """The executor's warm-up (``services/executor/warmup.py``): it runs, leaves the runner with no
-sequence, and changes no later output although it wrote into the pool's first blocks."""
+sequence, changes no later output although it wrote into the pool's first blocks, and reaches the
+kernels that only long prompts, long contexts, copy-on-write and swaps would otherwise reach first."""
 
 import pytest
 import torch
 
+from kernels.cpu import activation, cache_ops, decode, norm, rotary
 from services.executor.warmup import WARMUP_SEQ_IDS, warm_up, warmup_steps
 from tests.harness import InProcessEngine, tiny_llama
 
@@ -45,3 +47,26 @@ def test_steps_fit_the_pool_and_the_model_length():
     short = warmup_steps(block_size=16, num_blocks=100, max_model_len=20, vocab_size=1000)
     assert max(short[1].context_lens) <= 20
     assert warmup_steps(block_size=16, num_blocks=3, max_model_len=2048, vocab_size=1000) == []
+
+
+# (module, kernel) that a step reaches only at a long prefill chunk (the per-layer ops' parallel
+# variants), a long context at a small batch (partitioned decode), copy-on-write or a swap
+RARE_KERNELS = [(norm, "_add_rms_norm_parallel"), (rotary, "_rope_split_parallel"),
+                (activation, "_silu_mul_parallel"), (decode, "_rows_partitioned_kernel"),
+                (cache_ops, "_copy_rows_kernel")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_warm_up_reaches_the_rare_kernels(dtype, monkeypatch):
+    engine = InProcessEngine(tiny_llama(seed=5), num_blocks=64, block_size=4, backend="numba", dtype=dtype)
+    called = []
+    for module, name in RARE_KERNELS:
+        def record(*args, _name=name, _kernel=getattr(module, name)):
+            called.append(_name)
+            return _kernel(*args)
+        monkeypatch.setattr(module, name, record)
+    warm_up(engine.runner)
+    expected = {name for _, name in RARE_KERNELS}
+    if engine.runner.model.model.layers[0].mlp.as_transformers(dtype):  # float32 exactness mode:
+        expected.discard("_silu_mul_parallel")  # transformers' silu and mul, no fused activation
+    assert set(called) == expected

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import torch
 
 from kernels import reference
@@ -106,6 +107,24 @@ class NumbaCPUBackend:
             return reference.swap_blocks(dst, src, block_mapping)
         sync_threads()
         swap_blocks(kernel_array(dst), kernel_array(src), kernel_array(block_mapping))
+
+    def warm_up(self, key_cache, value_cache, num_heads: int) -> None:
+        """Load (or, on a cold Numba cache, compile) the kernels a step reaches only in rare shapes:
+        the partitioned decode (a context over ``decode.MIN_PARTITION_SIZE`` tokens at a small
+        batch: 3.3 s to compile in bf16 on a 2-core AMD EPYC) and the block copy of copy-on-write
+        and swaps, in this pool's format. Reads blocks 0 and 1 and copies block 1 onto block 0:
+        for a warm-up, before any block holds a sequence's data."""
+        if key_cache.shape[0] < 2 or not _pool_pair_ok(key_cache, value_cache):
+            return
+        block_size, head_dim = key_cache.shape[2], key_cache.shape[3]
+        query = torch.zeros(1, num_heads, head_dim, dtype=key_cache.dtype)
+        out = torch.empty_like(query)
+        threads = sync_threads()
+        paged_decode_attention(
+            kernel_array(out), kernel_array(query), live_array(key_cache), live_array(value_cache),
+            np.array([[0, 1]], np.int32), np.array([2 * block_size], np.int32), 1.0,
+            partition_size=block_size, num_threads=threads, partition_threads=self.partition_threads)
+        self.copy_blocks([key_cache], [value_cache], torch.tensor([[1, 0]]))
 
     # The model's elementwise chains (``services/executor/layers.py``), fused; None where these
     # tensors are not the kernels' (the model then runs the torch form).

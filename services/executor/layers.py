@@ -114,12 +114,17 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.num_columns, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, backend=None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        if x.dtype == torch.float32 and isinstance(self.gate_up_proj, nn.Linear):
+        if self.as_transformers(x.dtype):
             gate, up = self.separate_gate_up(x)
             y = nn.functional.silu(gate) * up
         else:
             y = self.activation(self.gate_up_proj(x), backend)
         return self.comm.all_reduce_(self.down_proj(y))
+
+    def as_transformers(self, dtype: torch.dtype) -> bool:
+        """Whether inputs of ``dtype`` take transformers' ops (the float32 exactness mode) rather
+        than the fused matmul and ``activation``."""
+        return dtype == torch.float32 and isinstance(self.gate_up_proj, nn.Linear)
 
     def separate_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [T, I]
         """gate_proj(x) and up_proj(x) as transformers computes them: one ``F.linear`` each."""
