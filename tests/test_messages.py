@@ -104,6 +104,37 @@ def test_round_trip(message):
     _assert_same(decode(encode(message)), message)
 
 
+def _by_runtime_type(value):
+    """The wire form as the codec first wrote it, from each value's runtime type (arrays as
+    [dtype, shape, little-endian bytes], messages as their fields in order, lists item by item):
+    the reference the per-class encoders, built from the field hints, must match byte for byte."""
+    if isinstance(value, np.ndarray):
+        arr = np.ascontiguousarray(value)
+        little = arr.dtype.newbyteorder("<")
+        return [little.str, list(arr.shape), arr.astype(little).tobytes()]
+    if dataclasses.is_dataclass(value):
+        return [_by_runtime_type(getattr(value, f.name)) for f in dataclasses.fields(value)]
+    if isinstance(value, list):
+        return [_by_runtime_type(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_frames_are_the_runtime_type_encoding(message):
+    assert encode(message) == msgpack.packb([message.TAG, _by_runtime_type(message)], use_bin_type=True)
+
+
+@pytest.mark.parametrize("frame", [
+    msgpack.packb([RequestOutput.TAG, ["r", 0, 5] + [None] * 14]),  # new_token_ids not a list
+    msgpack.packb([RequestOutput.TAG, ["r", 0, [1], None, 0, 0, None, 0, [], [5], [], False, None, [], [], [],
+                                       []]]),  # top_token_ids: a list of lists, got [5]
+    msgpack.packb([Step.TAG, [0] * 18]),  # arrays not [dtype, shape, bytes]
+])
+def test_malformed_fields_raise_decode_error(frame):
+    with pytest.raises(DecodeError):
+        decode(frame)
+
+
 def test_group_fields_default_to_one_rank():
     ready = decode(encode(ExecutorReady(0, 1, 10, 16, 64)))
     stats = decode(encode(EngineStats(0, 0, 10, 0, 0, 0, True)))

@@ -7,6 +7,7 @@ annotations name (nested messages such as ``SamplingParams`` included)."""
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from typing import Any
 
@@ -34,12 +35,18 @@ MESSAGE_TYPES: dict[int, type] = {
 }
 
 
+def _encode_array(value: np.ndarray) -> list:
+    arr = np.ascontiguousarray(value)
+    little = arr.dtype.newbyteorder("<")
+    return [little.str, list(arr.shape), arr.astype(little, copy=False).tobytes()]
+
+
 def _encode_value(value: Any) -> Any:
+    """Any value by its runtime type: the encoding of fields whose hint says nothing sharper."""
     if isinstance(value, np.ndarray):
-        arr = np.ascontiguousarray(value)
-        return [arr.dtype.newbyteorder("<").str, list(arr.shape), arr.astype(arr.dtype.newbyteorder("<")).tobytes()]
+        return _encode_array(value)
     if dataclasses.is_dataclass(value):
-        return [_encode_value(getattr(value, f.name)) for f in dataclasses.fields(value)]
+        return _encoder(type(value))(value)
     if isinstance(value, list):
         return [_encode_value(v) for v in value]
     return value
@@ -54,37 +61,127 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
+_SCALARS = (int, float, str, bool, bytes, type(None))
 
 
-def _decode_value(hint: Any, raw: Any) -> Any:
-    if hint is np.ndarray:
-        if not (isinstance(raw, list) and len(raw) == 3):
-            raise DecodeError(f"expected [dtype, shape, bytes] for an array, got {type(raw).__name__}")
-        dtype, shape, data = raw
-        try:
-            dt = np.dtype(dtype)
-            if dt.kind not in "biuf":
-                raise DecodeError(f"array dtype {dtype!r} is not allowed")
-            return np.frombuffer(data, dtype=dt).reshape(shape).astype(dt.newbyteorder("="))
-        except (TypeError, ValueError) as exc:
-            raise DecodeError(f"bad array: {exc}") from exc
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return _decode_dataclass(hint, raw)
-    origin = typing.get_origin(hint)
-    if origin is list:
+def _plain(hint: Any) -> bool:
+    """Whether values of ``hint`` are msgpack's own (scalars, their unions): sent and received as
+    they are."""
+    if hint in _SCALARS:
+        return True
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and all(
+        _plain(a) for a in typing.get_args(hint))
+
+
+def _list_item(hint: Any) -> Any:
+    """The item hint of ``list[X]``, else ``None``."""
+    if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint)
-        if not isinstance(raw, list):
-            raise DecodeError(f"expected a list, got {type(raw).__name__}")
-        return [_decode_value(item, v) for v in raw]
+        return item
+    return None
+
+
+# Per message class, its encoder and decoder, built once from its field hints: each field gets the
+# function its hint calls for (arrays, nested messages, lists of them), and plain values (scalars,
+# lists of scalars) pass as they are, where walking every element of every list had made a
+# RequestOutputs frame of 64 outputs cost 0.6 ms to encode and 1.4 ms to decode.
+_ENCODERS: dict[type, Any] = {}
+_DECODERS: dict[type, Any] = {}
+
+
+def _field_encoder(hint: Any):
+    if hint is np.ndarray:
+        return _encode_array
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _encoder(hint)
+    item = _list_item(hint)
+    if item is not None:
+        if _plain(item) or _list_item(item) is not None and _plain(_list_item(item)):
+            return None  # a list of scalars, or of lists of scalars: as it is
+        encode_item = _field_encoder(item)
+        if encode_item is not None:
+            return lambda value: [encode_item(v) for v in value]
+    if _plain(hint):
+        return None
+    return _encode_value
+
+
+def _encoder(cls: type):
+    encoder = _ENCODERS.get(cls)
+    if encoder is None:
+        hints = _hints(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        _ENCODERS[cls] = encoder = lambda value: [getattr(value, n) for n in names]  # while recursing
+        parts = [(n, _field_encoder(hints[n])) for n in names]
+        if all(enc is None for _, enc in parts):
+            return encoder
+        parts_enc = [(n, enc or _identity) for n, enc in parts]
+        _ENCODERS[cls] = encoder = lambda value: [enc(getattr(value, n)) for n, enc in parts_enc]
+    return encoder
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _decode_array(raw: Any) -> np.ndarray:
+    if not (isinstance(raw, list) and len(raw) == 3):
+        raise DecodeError(f"expected [dtype, shape, bytes] for an array, got {type(raw).__name__}")
+    dtype, shape, data = raw
+    try:
+        dt = np.dtype(dtype)
+        if dt.kind not in "biuf":
+            raise DecodeError(f"array dtype {dtype!r} is not allowed")
+        return np.frombuffer(data, dtype=dt).reshape(shape).astype(dt.newbyteorder("="))
+    except (TypeError, ValueError) as exc:
+        raise DecodeError(f"bad array: {exc}") from exc
+
+
+def _expect_list(raw: Any) -> list:
+    if not isinstance(raw, list):
+        raise DecodeError(f"expected a list, got {type(raw).__name__}")
     return raw
 
 
-def _decode_dataclass(cls: type, raw: Any) -> Any:
-    fields = dataclasses.fields(cls)
-    if not isinstance(raw, list) or len(raw) != len(fields):
-        raise DecodeError(f"{cls.__name__}: expected {len(fields)} fields")
-    hints = _hints(cls)
-    return cls(**{f.name: _decode_value(hints[f.name], v) for f, v in zip(fields, raw)})
+def _expect_lists(raw: Any) -> list:
+    for v in _expect_list(raw):
+        _expect_list(v)
+    return raw
+
+
+def _field_decoder(hint: Any):
+    if hint is np.ndarray:
+        return _decode_array
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _decoder(hint)
+    item = _list_item(hint)
+    if item is None:
+        return _identity
+    if _plain(item):
+        return _expect_list
+    if _list_item(item) is not None and _plain(_list_item(item)):
+        return _expect_lists
+    decode_item = _field_decoder(item)
+    return lambda raw: [decode_item(v) for v in _expect_list(raw)]
+
+
+def _decoder(cls: type):
+    decoder = _DECODERS.get(cls)
+    if decoder is None:
+        hints = _hints(cls)
+        fields = [f.name for f in dataclasses.fields(cls)]
+        parts: list = []
+        name = cls.__name__
+        count = len(fields)
+
+        def decoder(raw: Any) -> Any:
+            if not isinstance(raw, list) or len(raw) != count:
+                raise DecodeError(f"{name}: expected {count} fields")
+            return cls(*[dec(v) for dec, v in zip(parts, raw)])
+
+        _DECODERS[cls] = decoder  # before the fields' decoders: a message may nest its own type
+        parts.extend(_field_decoder(hints[f]) for f in fields)
+    return decoder
 
 
 def encode(msg: Any) -> bytes:
@@ -92,7 +189,7 @@ def encode(msg: Any) -> bytes:
     tag = getattr(type(msg), "TAG", None)
     if MESSAGE_TYPES.get(tag) is not type(msg):
         raise TypeError(f"{type(msg).__name__} is not a registered message type")
-    return msgpack.packb([tag, _encode_value(msg)], use_bin_type=True)
+    return msgpack.packb([tag, _encoder(type(msg))(msg)], use_bin_type=True)
 
 
 def decode(frame: bytes) -> Any:
@@ -105,6 +202,6 @@ def decode(frame: bytes) -> Any:
     if cls is None:
         raise DecodeError(f"unknown message tag {tag!r}")
     try:
-        return _decode_dataclass(cls, fields)
+        return _decoder(cls)(fields)
     except TypeError as exc:
         raise DecodeError(f"{cls.__name__}: {exc}") from exc
