@@ -46,10 +46,20 @@ def test_learns_each_group_then_runs_the_faster_and_keeps_checking_the_other():
 
 def test_a_group_has_no_best_while_it_learns():
     tuner = ThreadTuner((1, 2), min_samples=3)
-    drive(tuner, 5, {1: 10.0, 2: 12.0}, 5)  # one thread ran 3 times, two threads twice
+    drive(tuner, 5, {1: 10.0, 2: 12.0}, 5)  # two threads ran 3 times, one thread twice
     assert tuner.best_for(5) is None and tuner.best() == {}
     drive(tuner, 5, {1: 10.0, 2: 12.0}, 1)
     assert tuner.best_for(5) == 1 and tuner.best() == {4: 1}
+
+
+def test_a_group_starts_on_every_thread():
+    """A group's first step runs on the default count: a fresh request's prefill is often the only
+    step of its size for a while, and its time is the request's time to first token (measured on
+    a fresh server, a 64-token prompt: 74-80 ms to its first token when that step ran on one
+    thread of two, 55-65 ms on both)."""
+    tuner = ThreadTuner((1, 2, 4))
+    assert [drive(tuner, n, {1: 5.0, 2: 5.0, 4: 5.0}, 1)[0] for n in (1, 9, 70)] == [4, 4, 4]
+    assert drive(tuner, 70, {1: 5.0, 2: 5.0, 4: 5.0}, 8) == [2, 1, 4, 2, 1, 4, 2, 1]  # then in turn
 
 
 def test_a_change_of_load_changes_the_choice():

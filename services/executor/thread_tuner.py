@@ -13,7 +13,7 @@ right everywhere, so the executor measures instead.
 ``ThreadTuner`` is the policy (no I/O, no clock: it is told each step's time). Steps are grouped by
 their token count into powers of two (1, 2-3, 4-7, ...) up to ``max_tokens``; larger steps always
 run on every thread (trying one thread on a long prefill chunk would cost too much). In each group
-it first runs every candidate ``min_samples`` times in turn, then the one with the lowest moving
+it first runs every candidate ``min_samples`` times in turn, the default (all threads) first, then the one with the lowest moving
 average of its step times, and the other candidate every ``explore_every``-th step of the group
 (every 4 x ``explore_every``-th while it is more than ``far_behind`` times slower), so that a
 change of load (a neighbour starting or stopping) changes the choice.
@@ -77,8 +77,10 @@ class ThreadTuner:
                                         _Group({c: _Arm() for c in self.candidates}))
         group.steps += 1
         untried = [c for c, arm in group.arms.items() if arm.samples < self.min_samples]
-        if untried:  # the least-sampled first, so the candidates alternate while they learn
-            return min(untried, key=lambda c: group.arms[c].samples)
+        if untried:  # the least-sampled first, so the candidates alternate while they learn;
+            # among equals the largest: a group's first step (often a fresh request's prefill,
+            # whose time is its time to first token) runs on the default count
+            return min(reversed(untried), key=lambda c: group.arms[c].samples)
         ranked = sorted(group.arms, key=lambda c: group.arms[c].mean_ms)
         every = self.explore_every
         if group.arms[ranked[1]].mean_ms > self.far_behind * group.arms[ranked[0]].mean_ms:
