@@ -110,9 +110,18 @@ class _Supervisor:
         self.args, self.layout, self.sock_dir, self.reports, self.log = args, layout, sock_dir, reports, log
         self.budget = RestartBudget(_given(args, "max_restarts", 5), _given(args, "restart_window_s", 600.0))
         self.groups = _build_groups(args, layout, env)
+        self._followers_seen: dict[str, float] = {}  # group -> when a follower was first seen ended
 
     def children(self):
         return (child for children in self.groups.values() for child in children)
+
+    def _follower_grace_over(self, name: str, children: list[Child]) -> bool:
+        """Whether the group ``name`` has waited ``FOLLOWER_GRACE_S`` since one of its processes
+        was first seen stopped for another's failure (``first_ended``)."""
+        if not any(c.followed for c in children if c.proc is not None and not c.running):
+            return True
+        since = self._followers_seen.setdefault(name, time.monotonic())
+        return time.monotonic() - since >= FOLLOWER_GRACE_S
 
     def start_all(self) -> None:
         self._write_restart_counts()
@@ -131,9 +140,11 @@ class _Supervisor:
         while not stop.is_set():
             self._kill_reported()
             for name, children in self.groups.items():
-                ended = first_ended(children)
-                if ended is not None and (verdict := self._restart(name, children, ended)) is not None:
-                    return verdict
+                ended = first_ended(children, grace_over=self._follower_grace_over(name, children))
+                if ended is not None:
+                    self._followers_seen.pop(name, None)
+                    if (verdict := self._restart(name, children, ended)) is not None:
+                        return verdict
             if not announced and _healthy(url):
                 announced = True
                 self.log.info("pagedserve ready", url=url, model=self.args.model or "SmolLM2-135M-Instruct")
@@ -227,10 +238,23 @@ def _build_groups(args, layout: GroupLayout, env: dict[str, str]) -> dict[str, l
             "frontend": [Child("frontend", frontend_argv(args), frontend_env(args, env))]}
 
 
-def first_ended(children: list[Child]) -> Child | None:
-    """A process that has ended, preferring one that did not stop because another failed first."""
+# seconds a group whose only ended ranks stopped for another's failure waits for that one to be
+# seen ended too (a killed rank takes a moment to be reaped; its peers may notice sooner)
+FOLLOWER_GRACE_S = 2.0
+
+
+def first_ended(children: list[Child], grace_over: bool = True) -> Child | None:
+    """A process that has ended, preferring one that did not stop because another failed first.
+    Unless ``grace_over``: None while every one that ended is such a follower and others still
+    run, so that the one that failed first is named once it is reaped (seen: a rank killed by
+    SIGKILL not yet reaped when a peer rank had already stopped for it)."""
     ended = [c for c in children if not c.running]
-    return next((c for c in ended if not c.followed), ended[0] if ended else None)
+    cause = next((c for c in ended if not c.followed), None)
+    if cause is not None or not ended:
+        return cause
+    if not grace_over and len(ended) < len(children):
+        return None
+    return ended[0]
 
 
 def _log_group(layout: GroupLayout, log) -> None:

@@ -119,3 +119,23 @@ def test_serve_passes_each_switch_on_as_given(flag, threads_flag):
     assert executor[executor.index("--num-threads") + 1] == "2"
     parsed = build_parser().parse_args(["executor", *executor])  # the executor takes what it is given
     assert parsed.adaptive_threads == (None if threads_flag is None else threads_flag == "--adaptive-threads")
+
+
+def _rank(running: bool, followed: bool = False):
+    from types import SimpleNamespace
+    return SimpleNamespace(running=running, followed=followed)
+
+
+def test_the_rank_that_failed_first_is_named_not_one_that_stopped_for_it():
+    """A rank that stopped because another failed (``followed``) is named only when no other
+    ended; while the others still run and the grace is not over, the launcher waits to see the
+    rank that failed first (a killed rank may be reaped after its peers noticed it)."""
+    from services.launcher import first_ended
+
+    follower, killed, alive = _rank(False, followed=True), _rank(False), _rank(True)
+    assert first_ended([alive, follower, killed]) is killed
+    assert first_ended([alive, follower, killed], grace_over=False) is killed
+    assert first_ended([alive, follower, _rank(True)], grace_over=False) is None  # not reaped yet
+    assert first_ended([alive, follower, _rank(True)]) is follower  # the grace is over
+    assert first_ended([follower, _rank(False, followed=True)], grace_over=False) is follower  # all ended
+    assert first_ended([alive, _rank(True)], grace_over=False) is None

@@ -56,9 +56,13 @@ RARE_KERNELS = [(norm, "_add_rms_norm_parallel"), (rotary, "_rope_split_parallel
                 (cache_ops, "_copy_rows_kernel")]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_warm_up_reaches_the_rare_kernels(dtype, monkeypatch):
-    engine = InProcessEngine(tiny_llama(seed=5), num_blocks=64, block_size=4, backend="numba", dtype=dtype)
+@pytest.mark.parametrize("dtype,max_model_len", [(torch.float32, 8192), (torch.bfloat16, 8192),
+                                                 (torch.bfloat16, 4096)])
+def test_warm_up_reaches_the_rare_kernels(dtype, max_model_len, monkeypatch):
+    """Each kernel a step may reach but the warm-up steps do not, once; the partitioned decode
+    only where a context can be longer than a partition (``decode.MIN_PARTITION_SIZE``)."""
+    engine = InProcessEngine(tiny_llama(seed=5, max_position_embeddings=max_model_len), num_blocks=64,
+                             block_size=4, backend="numba", dtype=dtype, max_model_len=max_model_len)
     called = []
     for module, name in RARE_KERNELS:
         def record(*args, _name=name, _kernel=getattr(module, name)):
@@ -69,4 +73,7 @@ def test_warm_up_reaches_the_rare_kernels(dtype, monkeypatch):
     expected = {name for _, name in RARE_KERNELS}
     if engine.runner.model.model.layers[0].mlp.as_transformers(dtype):  # float32 exactness mode:
         expected.discard("_silu_mul_parallel")  # transformers' silu and mul, no fused activation
+    if max_model_len <= decode.MIN_PARTITION_SIZE:
+        expected.discard("_rows_partitioned_kernel")
+    assert engine.runner.max_model_len == max_model_len
     assert set(called) == expected

@@ -11,7 +11,7 @@ from kernels import reference
 from kernels.cpu.activation import silu_mul_
 from kernels.cpu.cache_ops import copy_blocks, swap_blocks, write_kv_cache
 from kernels.cpu.common import BITS_DTYPES, kernel_array, sync_threads
-from kernels.cpu.decode import paged_decode_attention
+from kernels.cpu.decode import MIN_PARTITION_SIZE, paged_decode_attention
 from kernels.cpu.live_arrays import live_array
 from kernels.cpu.norm import add_rms_norm_
 from kernels.cpu.prefill import paged_prefill_attention
@@ -108,13 +108,17 @@ class NumbaCPUBackend:
         sync_threads()
         swap_blocks(kernel_array(dst), kernel_array(src), kernel_array(block_mapping))
 
-    def warm_up(self, key_cache, value_cache, num_heads: int) -> None:
-        """Load (or, on a cold Numba cache, compile) the kernels a step reaches only in rare shapes:
-        the partitioned decode (a context over ``decode.MIN_PARTITION_SIZE`` tokens at a small
-        batch: 3.3 s to compile in bf16 on a 2-core AMD EPYC) and the block copy of copy-on-write
-        and swaps, in this pool's format. Reads blocks 0 and 1 and copies block 1 onto block 0:
-        for a warm-up, before any block holds a sequence's data."""
+    def warm_up(self, key_cache, value_cache, num_heads: int, max_model_len: int) -> None:
+        """Load (or, on a cold Numba cache, compile) the kernels a step reaches only in rare shapes,
+        in this pool's format: the block copy of copy-on-write and swaps, and where a context can
+        outgrow ``decode.MIN_PARTITION_SIZE`` tokens (``max_model_len``), the partitioned decode
+        (such a context at a small batch: 3.3 s to compile in bf16 on a 2-core AMD EPYC). Reads
+        blocks 0 and 1 and copies block 1 onto block 0: for a warm-up, before any block holds a
+        sequence's data."""
         if key_cache.shape[0] < 2 or not _pool_pair_ok(key_cache, value_cache):
+            return
+        self.copy_blocks([key_cache], [value_cache], torch.tensor([[1, 0]]))
+        if max_model_len <= MIN_PARTITION_SIZE:
             return
         block_size, head_dim = key_cache.shape[2], key_cache.shape[3]
         query = torch.zeros(1, num_heads, head_dim, dtype=key_cache.dtype)
@@ -124,7 +128,6 @@ class NumbaCPUBackend:
             kernel_array(out), kernel_array(query), live_array(key_cache), live_array(value_cache),
             np.array([[0, 1]], np.int32), np.array([2 * block_size], np.int32), 1.0,
             partition_size=block_size, num_threads=threads, partition_threads=self.partition_threads)
-        self.copy_blocks([key_cache], [value_cache], torch.tensor([[1, 0]]))
 
     # The model's elementwise chains (``services/executor/layers.py``), fused; None where these
     # tensors are not the kernels' (the model then runs the torch form).

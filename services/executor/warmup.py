@@ -105,5 +105,5 @@ def warm_up(runner) -> int:
     warm_layer_ops(runner.model, runner.backend)
     backend_warm_up = getattr(runner.backend, "warm_up", None)
     if backend_warm_up is not None and runner.kv_caches:
-        backend_warm_up(*runner.kv_caches[0], runner.model.plan.num_local_heads)
+        backend_warm_up(*runner.kv_caches[0], runner.model.plan.num_local_heads, runner.max_model_len)
     return len(steps)
