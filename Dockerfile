@@ -30,7 +30,8 @@ ARG TORCH_VARIANT=cpu
 LABEL org.opencontainers.image.title="pagedserve" \
       org.opencontainers.image.description="PagedAttention LLM serving engine (torch ${TORCH_VARIANT})"
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/pagedserve pagedserve \
- && install -d -o 10001 -g 10001 /home/pagedserve/.cache /home/pagedserve/.cache/pagedserve
+ && install -d -o 10001 -g 10001 /home/pagedserve/.cache /home/pagedserve/.cache/pagedserve \
+      /home/pagedserve/.cache/numba
 COPY --from=build /opt/pagedserve /opt/pagedserve
 # Logs as JSON lines; heartbeats for `pagedserve health` in the container's own /tmp; numba's
 # compiled kernels and the embedded model's converted copy (shared/gguf_cache.py) in the user's

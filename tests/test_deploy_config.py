@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 import pytest
 import yaml
@@ -33,6 +34,17 @@ def test_every_service_has_a_healthcheck_a_restart_policy_and_rotated_json_logs(
         assert service["logging"]["driver"] == "json-file" and service["logging"]["options"]["max-size"], name
         assert service["image"].startswith("${PAGEDSERVE_IMAGE:-"), name
         assert service["tmpfs"] == ["/tmp/pagedserve-health:uid=10001,gid=10001,mode=0700"], name  # fresh per start
+
+
+def test_the_numba_cache_outlives_the_containers(compose):
+    """NUMBA_CACHE_DIR (the image's) is a named volume: an executor made anew (compose down / up,
+    a new image) loads its kernels instead of compiling them again (several seconds each)."""
+    with open(os.path.join(ROOT, "Dockerfile")) as f:
+        dockerfile = f.read()
+    [cache_dir] = re.findall(r"NUMBA_CACHE_DIR=(\S+)", dockerfile)
+    assert cache_dir in dockerfile.split("install -d", 1)[1].split("\nCOPY", 1)[0]  # made, owned by the user
+    mounts = dict(v.split(":", 1)[::-1] for v in compose["services"]["executor"]["volumes"])
+    assert mounts[cache_dir] in compose["volumes"]
 
 
 def test_only_the_frontend_is_published_and_on_loopback_by_default(compose):
