@@ -124,6 +124,24 @@ def test_frames_are_the_runtime_type_encoding(message):
     assert encode(message) == msgpack.packb([message.TAG, _by_runtime_type(message)], use_bin_type=True)
 
 
+@dataclasses.dataclass
+class _Tree:  # a class that nests its own type (no message does yet; the codec must not care)
+    value: int
+    children: list[_Tree] = dataclasses.field(default_factory=list)
+    data: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(2, np.int32))
+
+
+def test_a_class_nesting_its_own_type_round_trips():
+    from shared.messages.codec import _decoder, _encoder
+
+    tree = _Tree(1, [_Tree(2, [_Tree(3, data=np.arange(3, dtype=np.int64))]), _Tree(4)])
+    raw = _encoder(_Tree)(tree)
+    assert raw == _by_runtime_type(tree)
+    back = _decoder(_Tree)(msgpack.unpackb(msgpack.packb(raw, use_bin_type=True)))
+    assert back.children[0].children[0].value == 3 and back.children[1].value == 4
+    np.testing.assert_array_equal(back.children[0].children[0].data, np.arange(3))
+
+
 @pytest.mark.parametrize("frame", [
     msgpack.packb([RequestOutput.TAG, ["r", 0, 5] + [None] * 14]),  # new_token_ids not a list
     msgpack.packb([RequestOutput.TAG, ["r", 0, [1], None, 0, 0, None, 0, [], [5], [], False, None, [], [], [],

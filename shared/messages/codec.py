@@ -84,7 +84,8 @@ def _list_item(hint: Any) -> Any:
 # Per message class, its encoder and decoder, built once from its field hints: each field gets the
 # function its hint calls for (arrays, nested messages, lists of them), and plain values (scalars,
 # lists of scalars) pass as they are, where walking every element of every list had made a
-# RequestOutputs frame of 64 outputs cost 0.6 ms to encode and 1.4 ms to decode.
+# RequestOutputs frame of 64 outputs cost 0.6-0.8 ms to encode and 1.25-1.4 ms to decode (0.11 and
+# 0.15 ms now; 2-core AMD EPYC).
 _ENCODERS: dict[type, Any] = {}
 _DECODERS: dict[type, Any] = {}
 
@@ -111,12 +112,16 @@ def _encoder(cls: type):
     if encoder is None:
         hints = _hints(cls)
         names = [f.name for f in dataclasses.fields(cls)]
-        _ENCODERS[cls] = encoder = lambda value: [getattr(value, n) for n in names]  # while recursing
-        parts = [(n, _field_encoder(hints[n])) for n in names]
-        if all(enc is None for _, enc in parts):
-            return encoder
-        parts_enc = [(n, enc or _identity) for n, enc in parts]
-        _ENCODERS[cls] = encoder = lambda value: [enc(getattr(value, n)) for n, enc in parts_enc]
+        parts: list = []
+
+        def encoder(value: Any) -> list:
+            return [enc(getattr(value, n)) for n, enc in parts]
+
+        _ENCODERS[cls] = encoder  # before the fields' encoders: a message may nest its own type
+        found = [(n, _field_encoder(hints[n])) for n in names]
+        parts.extend((n, enc or _identity) for n, enc in found)
+        if all(enc is None for _, enc in found):  # every field as it is: no call per field
+            _ENCODERS[cls] = encoder = lambda value: [getattr(value, n) for n in names]
     return encoder
 
 
