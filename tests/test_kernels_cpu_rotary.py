@@ -12,7 +12,7 @@ from services.executor.layers import RotaryEmbedding, _rotate_half
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens", [1, 5, 70, max(PARALLEL_FROM_ROWS) + 3])  # the last: the parallel kernel
+@pytest.mark.parametrize("num_tokens", [1, 5, 70, PARALLEL_FROM_ROWS + 3])  # the last: the parallel kernel
 def test_fused_rope_split_is_bit_identical(dtype, num_tokens):
     num_heads, num_kv_heads, head_dim = 9, 3, 64
     g = torch.Generator().manual_seed(num_tokens)

@@ -21,10 +21,7 @@ C-contiguous. Rows run serially below ``PARALLEL_FROM_ROWS`` (a parallel region 
 the work at decode batches) and in parallel from there. Measured on a 2-core AMD EPYC (Zen 5) at
 SmolLM2's I = 1536, loaded machine, median of 100: 64 rows float32 27 us serial, 55 us parallel,
 113 us torch; bfloat16 44, 64, 106 us; 544 rows bfloat16 332 us serial, 214 us parallel, 288 us
-torch. Those regions woke sleeping threads (``OMP_WAIT_POLICY=PASSIVE``); where torch and Numba
-share one runtime whose idle threads spin (``shared/threads.py``), right after a torch matmul as
-in a step, median of 1,500: bf16 8 rows 6.1 / 5.2 us, 16 rows 12.3 / 7.3, 64 rows 45.7 / 23.8;
-fp32 16 rows 5.7 / 4.6, 64 rows 21.7 / 15.4.
+torch.
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ from numba import njit, prange
 
 from kernels.cpu.common import _FASTMATH, by_rows, exp_nonpositive, kernel_array, narrow_like, widen
 
-# rows from which the kernel runs in parallel, where idle threads sleep / spin (see the docstring)
-PARALLEL_FROM_ROWS = (256, 16)
+PARALLEL_FROM_ROWS = 256
 
 # error_model="numpy": a float division raises no ZeroDivisionError check, which kept the row loop
 # from vectorizing (measured 12x slower)

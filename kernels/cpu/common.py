@@ -46,8 +46,6 @@ from numba.core import cgutils
 from numba import njit
 from numba.extending import intrinsic, overload
 
-from shared.threads import idle_threads_spin
-
 # torch dtype -> the numpy dtype the kernels see it as (16-bit formats as raw bits)
 BITS_DTYPES = {torch.float32: np.float32, torch.bfloat16: np.uint16, torch.float16: np.int16}
 _VIEW_AS = {torch.bfloat16: torch.uint16, torch.float16: torch.int16}
@@ -76,14 +74,11 @@ def sync_threads() -> int:
     return state["numba"]
 
 
-def by_rows(num_rows: int, parallel_from_rows: tuple[int, int], serial, parallel, *args) -> None:
+def by_rows(num_rows: int, parallel_from_rows: int, serial, parallel, *args) -> None:
     """Run a kernel whose rows are independent: ``serial(*args)`` below ``parallel_from_rows``
     rows (waking the other threads would cost more than the work), ``parallel(*args)`` from there,
-    on numba threads matched to torch's (``sync_threads``); nothing for no rows.
-    ``parallel_from_rows``: (where idle threads sleep, where they spin): the second where this
-    process's torch and Numba share one runtime whose idle threads spin
-    (``shared.threads.idle_threads_spin``), so that a region finds them awake."""
-    if num_rows >= parallel_from_rows[idle_threads_spin()]:
+    on numba threads matched to torch's (``sync_threads``); nothing for no rows."""
+    if num_rows >= parallel_from_rows:
         sync_threads()
         parallel(*args)
     elif num_rows:

@@ -15,10 +15,7 @@ Rows run serially below ``PARALLEL_FROM_ROWS`` (a parallel region costs more tha
 decode batches and short prefills) and in parallel from there. Measured on the 2-core AMD EPYC
 (Zen 5), bfloat16, hidden 576, right after a torch matmul (``OMP_WAIT_POLICY=PASSIVE``, as in a
 step), median of 41, quiet machine: 512 rows 77 us serial, 92 parallel; 1,024 rows 142 and 130;
-2,048 rows 288 and 196. Where torch and Numba share one runtime whose idle threads spin
-(``shared/threads.py``), the region finds them awake and pays from far fewer rows: the same
-measure, median of 1,500, bf16 32 rows 5.8 / 4.4 us, 64 rows 11.6 / 7.3, 128 rows 25.7 / 16.0;
-fp32 32 rows 3.4 / 3.6, 64 rows 5.7 / 4.6 (asleep: 60-80 us for any region).
+2,048 rows 288 and 196.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ from numba import njit, prange
 from kernels.cpu.common import _FASTMATH, by_rows, kernel_array, narrow_like, widen
 from kernels.cpu.live_arrays import live_array
 
-# rows from which the kernel runs in parallel, where idle threads sleep / spin (see the docstring)
-PARALLEL_FROM_ROWS = (1024, 64)
+PARALLEL_FROM_ROWS = 1024  # rows; below, a parallel region costs more than it saves (see the docstring)
 
 
 @njit(fastmath=_FASTMATH, cache=True, nogil=True)  # not inlined by numba: it keeps its fastmath

@@ -12,10 +12,7 @@ Tokens run serially below ``PARALLEL_FROM_ROWS`` (a decode batch: a parallel reg
 the work) and in parallel from there (a prefill chunk). Measured on the 2-core AMD EPYC (Zen 5),
 bfloat16, SmolLM2's 9 + 3 + 3 heads, right after a torch matmul (``OMP_WAIT_POLICY=PASSIVE``, as
 in a step), median of 41, quiet machine: 128 tokens 39 us serial, 71 parallel; 256 tokens 78 and
-82; 512 tokens 154 and 109; 2,048 tokens 617 and 270. Where torch and Numba share one runtime whose
-idle threads spin (``shared/threads.py``) the region finds them awake: median of 1,500, bf16 8
-tokens 4.4 / 4.3 us, 16 tokens 6.4 / 5.4, 64 tokens 24.2 / 14.8; fp32 16 tokens 5.8 / 3.7, 64
-tokens 20.8 / 8.2.
+82; 512 tokens 154 and 109; 2,048 tokens 617 and 270.
 
 Arrays: float32, or bfloat16 as raw bits (``uint16``), all of one format, C-contiguous.
 """
@@ -28,8 +25,7 @@ from numba import njit, prange
 from kernels.cpu.common import by_rows, kernel_array, narrow_like, widen
 from kernels.cpu.live_arrays import live_array
 
-# tokens from which the kernel runs in parallel, where idle threads sleep / spin (see the docstring)
-PARALLEL_FROM_ROWS = (512, 16)
+PARALLEL_FROM_ROWS = 512  # tokens; below, a parallel region costs more than it saves (see the docstring)
 
 
 @njit(cache=True, nogil=True, inline="always")

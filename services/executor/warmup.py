@@ -31,8 +31,7 @@ from shared.messages import NewSequence, SamplingParams, Step
 WARMUP_SEQ_IDS = (-1, -2)  # never a scheduler's (its ids count up from 0)
 WARMUP_PROMPT_LENS = (96, 16)  # tokens: a prefill long enough for the attention kernel's parallel path
 # rows of warm_layer_ops: from this many the numba backend runs every per-layer op in parallel
-# however its threads wait (PARALLEL_FROM_ROWS of kernels/cpu/norm.py, rotary.py and
-# activation.py: 1,024, 512, 256 where idle threads sleep; 64, 16, 16 where they spin)
+# (PARALLEL_FROM_ROWS of kernels/cpu/norm.py, rotary.py and activation.py: 1,024, 512, 256)
 WARMUP_ROWS = 1024
 
 
