@@ -63,3 +63,61 @@ def test_smollm2_bf16_greedy_agrees_with_transformers_bf16(smollm2_bf16):
           f"{MAX_NEW * len(PROMPTS)} ({report})")
     assert sum(map(sum, agree)) >= MIN_AGREEMENT * MAX_NEW * len(PROMPTS), report
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+# Prompts of 64 tokens and more: bfloat16 prefills of that length take torch's fused attention on
+# gathered K/V (``kernels/cpu/matmul_prefill.py``) where the CPU has AMX; this test turns that path
+# on whatever the CPU, and checks it is taken.
+LONG_PROMPTS = [
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden press adapted from those used for "
+    "wine and olive oil. Books became cheaper, literacy spread across Europe, and scholars could "
+    "share identical copies of a text for the first time. Within fifty years, printing shops",
+    "To make a good cup of coffee at home, start with fresh beans and grind them just before "
+    "brewing. Use about two tablespoons of ground coffee for every six ounces of water, and heat "
+    "the water to just below boiling. Pour it slowly over the grounds, let the coffee bloom for "
+    "thirty seconds, and then continue pouring in small circles until",
+    "def merge_sort(items):\n    \"\"\"Sort a list with merge sort and return a new list.\"\"\"\n"
+    "    if len(items) <= 1:\n        return list(items)\n    middle = len(items) // 2\n"
+    "    left = merge_sort(items[:middle])\n    right = merge_sort(items[middle:])\n"
+    "    merged = []\n    i = j = 0\n    while i < len(left) and j < len(right):\n",
+    "Mount Everest, known in Nepali as Sagarmatha and in Tibetan as Chomolungma, is Earth's highest "
+    "mountain above sea level, located in the Mahalangur Himal sub-range of the Himalayas. The "
+    "China-Nepal border runs across its summit point. Its elevation of 8,848.86 metres was most "
+    "recently established in 2020 by the Chinese and Nepali authorities. Climbers",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16_long():
+    return smollm2_greedy_reference(LONG_PROMPTS, MAX_NEW, torch.bfloat16)
+
+
+def test_smollm2_bf16_long_prompts_through_the_matmul_prefill(smollm2_bf16_long, monkeypatch):
+    from kernels.cpu import matmul_prefill
+
+    _, model, prompts, refs = smollm2_bf16_long
+    assert min(map(len, prompts)) >= matmul_prefill.MIN_ROWS
+    rows = []
+    original = matmul_prefill.prefill_sequence
+
+    def record(out, query, *args):
+        rows.append(query.shape[0])
+        return original(out, query, *args)
+
+    monkeypatch.setattr(matmul_prefill, "prefill_sequence", record)
+    engine = InProcessEngine(model, num_blocks=512, block_size=16, backend="numba",
+                             dtype=torch.bfloat16, max_model_len=512, max_num_batched_tokens=2048)
+    engine.runner.backend.matmul_prefill_path = True
+    for i, (ids, ref) in enumerate(zip(prompts, refs)):
+        for j in range(MAX_NEW):
+            engine.add(f"r{i}.{j}", ids + ref[:j], temperature=0.0, max_tokens=1, ignore_eos=True)
+    got = engine.run()
+    assert rows and min(rows) >= matmul_prefill.MIN_ROWS
+    agree = [[got[f"r{i}.{j}"] == [ref[j]] for j in range(MAX_NEW)] for i, ref in enumerate(refs)]
+    report = "; ".join(
+        f"prompt {i}: {sum(row)}/{MAX_NEW}, differs at {[j for j, ok in enumerate(row) if not ok]}"
+        for i, row in enumerate(agree))
+    print(f"long prompts, bf16 positions agreeing with transformers bf16: {sum(map(sum, agree))}/"
+          f"{MAX_NEW * len(LONG_PROMPTS)} ({report}); matmul prefills of {sorted(set(rows))} rows")
+    assert sum(map(sum, agree)) >= MIN_AGREEMENT * MAX_NEW * len(LONG_PROMPTS), report

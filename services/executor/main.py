@@ -148,6 +148,7 @@ class ExecutorProcess:
 
         self.log.info("model loaded", seconds=round(time.monotonic() - t0, 1), num_blocks=runner.num_blocks,
                       kv_cache_mib=round(runner.kv_cache_bytes / 2**20, 1), attention_backend=runner.backend.name,
+                      prefill_attention=getattr(runner.backend, "prefill_kind", lambda: runner.backend.name)(),
                       linear_kernel=linear_kernel_name(runner.model), max_model_len=runner.max_model_len, num_cpu_blocks=runner.num_cpu_blocks,
                       world_size=comm.world_size, all_reduce=comm.kind,
                       num_kv_heads=runner.model.plan.num_local_kv_heads, num_heads=runner.model.plan.num_local_heads)
