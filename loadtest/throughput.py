@@ -8,7 +8,11 @@ Starts ``pagedserve serve`` on SmolLM2 (or uses ``--url``), sends every request 
 prompts of varied length, varied ``max_tokens``, ``ignore_eos`` so lengths are exact), and measures
 output tokens per second, time to first token and KV slot utilization. With ``--peer-url`` the same
 requests then go to another OpenAI-compatible server (vLLM-CPU from ``../shared/peers/``, say; its
-model name is read from its ``/v1/models``), one server at a time. Unless ``--skip-hf``, Hugging Face
+model name is read from its ``/v1/models``), one server at a time. Each server is first sent
+``--warmup`` requests (the workload's prompt lengths, another seed, a few output tokens): a fresh
+pagedserve is started for every run while a peer is usually left running between runs, so without
+it the comparison would set one server's first requests (new shapes to compile and tune) against
+the other's warm ones. Unless ``--skip-hf``, Hugging Face
 ``generate`` then runs with static batches (left-padded, each batch decoding until its longest
 request is done) on the same requests, in the same thread settings. Prints all with the ratios to
 the first, and the CPU's model and the instruction-set flags that decide the fast paths.
@@ -33,6 +37,10 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
+
+
+# output tokens of each warm-up request (``--warmup``): enough to reach the decode steps
+WARMUP_OUTPUT_TOKENS = 8
 
 
 @dataclass
@@ -264,6 +272,10 @@ def main() -> None:
     ap.add_argument("--peer-url", default=None,
                     help="also send the same requests to this OpenAI-compatible server (e.g. vLLM-CPU)")
     ap.add_argument("--peer-name", default="peer", help="the peer's column title")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="requests sent to each server before it is measured (prompts like the workload's, "
+                         f"another seed, {WARMUP_OUTPUT_TOKENS} output tokens each; default: as many as "
+                         "--num-requests; 0: none)")
     args = ap.parse_args()
 
     reqs = make_workload(args.num_requests, args.seed, 49152, args.prompt_len, args.output_len)
@@ -272,9 +284,15 @@ def main() -> None:
         f"(sum {sum(len(r.prompt_ids) for r in reqs)}), outputs {args.output_len[0]}-{args.output_len[1]} "
         f"(sum {sum(r.max_tokens for r in reqs)}), seed {args.seed}, {args.threads} threads")
 
-    rows = [("pagedserve", measure_pagedserve(args, reqs))]
+    n = args.num_requests if args.warmup is None else args.warmup
+    warmup = [Request(r.prompt_ids, WARMUP_OUTPUT_TOKENS)
+              for r in make_workload(n, args.seed + 1, 49152, args.prompt_len, args.output_len)]
+    rows = [("pagedserve", measure_pagedserve(args, reqs, warmup))]
     if args.peer_url:
         name = peer_model_name(args.peer_url)
+        if warmup:
+            say(f"warming {args.peer_name} up with {len(warmup)} requests ...")
+            asyncio.run(run_server(args.peer_url, name, warmup, f"{args.peer_name} warm-up"))
         say(f"sending the same requests to {args.peer_name} at {args.peer_url} (model {name}) ...")
         peer, peer_elapsed = asyncio.run(run_server(args.peer_url, name, reqs, args.peer_name))
         rows.append((args.peer_name, summarize(peer, peer_elapsed)))
@@ -302,8 +320,9 @@ def _model_flags(world_size: int, directory: str) -> list[str]:
     return ["--model", path, "--served-model-name", "SmolLM2-135M-Instruct"]
 
 
-def measure_pagedserve(args, reqs: list[Request]) -> dict[str, float]:
-    """Run the workload on pagedserve (started here unless ``--url``) and summarize it."""
+def measure_pagedserve(args, reqs: list[Request], warmup: list[Request]) -> dict[str, float]:
+    """Run the workload on pagedserve (started here unless ``--url``), after the ``warmup``
+    requests, and summarize it."""
     proc = None
     url = args.url
     model_dir = tempfile.TemporaryDirectory(prefix="pagedserve-throughput-")
@@ -315,6 +334,9 @@ def measure_pagedserve(args, reqs: list[Request]) -> dict[str, float]:
                      "-tp", str(args.tensor_parallel_size), *_model_flags(args.tensor_parallel_size, model_dir.name),
                      *args.server_flags.split()]
             proc, url = start_server(flags)
+        if warmup:
+            say(f"warming pagedserve up with {len(warmup)} requests ...")
+            asyncio.run(run_server(url, "SmolLM2-135M-Instruct", warmup, "pagedserve warm-up"))
         ours, elapsed = asyncio.run(run_server(url, "SmolLM2-135M-Instruct", reqs))
         health = _get_json(f"{url}/health")
         group = health.get("group", {})
