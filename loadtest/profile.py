@@ -205,7 +205,10 @@ def scenarios(args) -> list[tuple[str, int, int]]:
 
 def measure(args) -> tuple[dict, list]:
     """Run every scenario; returns (header facts, [(label, parts, roofline)])."""
+    import torch
+
     from services.executor.linear import linear_kernel_name
+    from services.executor.thread_tuner import thread_tuner_for
 
     from .profile_costs import matmul_roofline, median_parts
 
@@ -216,6 +219,9 @@ def measure(args) -> tuple[dict, list]:
     runner, choice, source = build(args.model, args.dtype, num_blocks, args.context + args.prefill + 64,
                                    args.linear_kernel)
     clock = time.process_time_ns if args.clock == "cpu" else time.perf_counter_ns
+    # the backend set up as a server's executor sets it (attention partitions, row kernels), though
+    # every step here runs on all the threads: no tuner chooses them
+    _, tuning = thread_tuner_for(runner, torch.get_num_threads(), 1)
     packed = linear_kernel_name(runner.model) == "onednn"  # the roofline times the engine's kernel
     bench = StepBench(runner, max_seqs, max(2048, args.prefill + args.prefill_decodes), clock)
     results = []
@@ -230,7 +236,8 @@ def measure(args) -> tuple[dict, list]:
     finally:
         bench.close()
     facts = {"model": source.name, "dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason,
-             "source": source, "backend": runner.backend.name, "linear": "onednn" if packed else "torch"}
+             "source": source, "backend": runner.backend.name, "linear": "onednn" if packed else "torch",
+             "executor_setup": tuning, "prefill_kind": getattr(runner.backend, "prefill_kind", lambda: "")()}
     return facts, results
 
 
@@ -297,7 +304,8 @@ def header(facts: dict, args, load_before: tuple) -> str:
     load_after = os.getloadavg()
     return "\n".join([
         f"pagedserve step profile: {facts['model']} in {facts['dtype']} ({args.dtype}: {facts['reason']}), "
-        f"attention backend {facts['backend']}",
+        f"attention backend {facts['backend']} (prefill: {facts.get('prefill_kind') or facts['backend']})",
+        f"as a server's executor: {facts.get('executor_setup', '')} (here every step runs on all threads)",
         f"CPU: {cpu.model_name}, {os.cpu_count()} cores; threads: torch {torch.get_num_threads()}, "
         f"numba {numba.get_num_threads()} ({facts.get('threads_reason', '')}), "
         f"OpenMP: {facts.get('openmp', '')}; "

@@ -153,6 +153,25 @@ def choose_threads(num_threads: int | None, colocated: bool = True, cores: tuple
 
 
 _openmp: str | None = None  # what prepare_openmp chose, once per process
+_spinning = False  # whether it left one runtime whose idle threads spin
+
+
+def idle_threads_spin() -> bool:
+    """Whether ``prepare_openmp`` gave torch and Numba one OpenMP runtime whose idle threads spin
+    before they sleep: then a parallel region right after another (a Numba kernel after a torch
+    matmul) finds its threads awake, and small row kernels can pay to run in parallel
+    (``NumbaCPUBackend.parallel_small_rows``). False before ``prepare_openmp``, with two runtimes,
+    and where ``OMP_WAIT_POLICY=PASSIVE`` or ``GOMP_SPINCOUNT=0`` puts them to sleep at once."""
+    return _spinning
+
+
+def _spins(env) -> bool:
+    if env.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
+        return False
+    try:
+        return int(env.get("GOMP_SPINCOUNT", "1").strip() or "1") != 0
+    except ValueError:  # a count with a suffix (libgomp takes "10k", "1M", "infinite"): it spins
+        return True
 
 
 def prepare_openmp() -> str:
@@ -160,7 +179,7 @@ def prepare_openmp() -> str:
     threads wait (this module's rule); returns what was done, for the log. Call before anything
     imports torch or Numba (the executor's command does, first thing); later calls return the
     first one's answer."""
-    global _openmp
+    global _openmp, _spinning
     if _openmp is not None:
         return _openmp
     set_thread_env()
@@ -176,6 +195,7 @@ def prepare_openmp() -> str:
         del os.environ["GOMP_SPINCOUNT"]
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
         waiting = "OMP_WAIT_POLICY=PASSIVE (sleep at once)"
+    _spinning = runtime.shared and _spins(os.environ)
     _openmp = f"{'one runtime' if runtime.shared else 'separate runtimes'} ({runtime.reason}); {waiting}"
     return _openmp
 

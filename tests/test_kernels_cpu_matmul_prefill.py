@@ -106,3 +106,4 @@ def test_default_follows_the_cpu(found, expected, monkeypatch):
     backend = backend_module.NumbaCPUBackend()
     assert backend.matmul_prefill_path is expected
     assert ("torch fused attention" in backend.prefill_kind()) is expected
+

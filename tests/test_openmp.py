@@ -27,8 +27,12 @@ def bump(a):
 bump(np.zeros(64))
 torch.randn(128, 128) @ torch.randn(128, 128)
 from shared.openmp import loaded_runtimes
+from shared.threads import idle_threads_spin
+from kernels.cpu import NumbaCPUBackend
+small_rows = NumbaCPUBackend(matmul_prefill_path=False).parallel_small_rows(True)
 print(json.dumps({"openmp": choice.openmp, "runtimes": loaded_runtimes(), "layer": numba.threading_layer(),
-                  "spin": os.environ.get("GOMP_SPINCOUNT"), "policy": os.environ.get("OMP_WAIT_POLICY")}))
+                  "spin": os.environ.get("GOMP_SPINCOUNT"), "policy": os.environ.get("OMP_WAIT_POLICY"),
+                  "spins": idle_threads_spin(), "small_rows": small_rows}))
 """
 
 
@@ -74,11 +78,23 @@ def test_one_runtime_spins_and_separate_ones_sleep():
     assert shared["layer"] == "omp"
     assert shared["openmp"].startswith("one runtime"), shared
     assert (shared["spin"], shared["policy"]) == (str(threads.SPIN_COUNT), None)
+    assert shared["spins"] and shared["small_rows"]  # small row kernels may go parallel
 
     apart = _probe(PAGEDSERVE_SHARE_OPENMP="0")
     assert len(apart["runtimes"]) == 2, apart  # torch's bundled libgomp beside Numba's
     assert apart["openmp"].startswith("separate runtimes"), apart
     assert (apart["spin"], apart["policy"]) == (None, "PASSIVE")
+    assert not apart["spins"] and not apart["small_rows"]
+
+    sleeping = _probe(OMP_WAIT_POLICY="passive")  # one runtime, asleep at once: as if apart
+    assert sleeping["openmp"].startswith("one runtime") and not sleeping["spins"], sleeping
+    assert not sleeping["small_rows"]
+
+
+def test_spinning_is_read_from_the_waiting_settings():
+    assert threads._spins({}) and threads._spins({"GOMP_SPINCOUNT": "200000"})
+    assert threads._spins({"OMP_WAIT_POLICY": "ACTIVE"}) and threads._spins({"GOMP_SPINCOUNT": "10k"})
+    assert not threads._spins({"OMP_WAIT_POLICY": " Passive "}) and not threads._spins({"GOMP_SPINCOUNT": "0"})
 
 
 def test_the_executor_command_shares_the_runtime(tmp_path, tiny_model_dir):

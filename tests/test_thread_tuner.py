@@ -211,3 +211,31 @@ def test_step_runner_logs_why_and_each_new_choice():
     assert set(chosen[-1]) == {2, 8}  # then steps of 8-15: every group's choice is logged, not the last one's
     assert all(a != b for a, b in zip(chosen, chosen[1:]))  # logged only when a choice changed
     assert step_runner(runner, 2, 1, False, Log()) is None
+
+
+class _RecordingBackend:
+    """A backend double that records ``parallel_small_rows`` calls (and says the runtime spins)."""
+
+    def __init__(self):
+        self.partition_threads, self.small_rows_calls = None, []
+
+    def parallel_small_rows(self, on):
+        self.small_rows_calls.append(on)
+        return on
+
+
+def test_small_row_kernels_go_parallel_only_under_a_tuner():
+    """With a tuner, each step's threads are chosen by its time, extra parallel regions included;
+    without one (float32 on F.linear, one thread, several ranks, --no-adaptive-threads) the row
+    kernels keep their thresholds."""
+    def runner(linear):
+        return SimpleNamespace(model=torch.nn.Sequential(linear), backend=_RecordingBackend())
+
+    tuned = runner(PackedLinear(torch.nn.Linear(4, 4)))
+    tuner, why = thread_tuner_for(tuned, 2, 1)
+    assert tuner is not None and tuned.backend.small_rows_calls == [True] and "row kernels" in why
+    for case, args in [(runner(torch.nn.Linear(4, 4)), (2, 1)), (runner(PackedLinear(torch.nn.Linear(4, 4))), (1, 1)),
+                       (runner(PackedLinear(torch.nn.Linear(4, 4))), (2, 2))]:
+        assert thread_tuner_for(case, *args)[0] is None and case.backend.small_rows_calls == []
+    off = runner(PackedLinear(torch.nn.Linear(4, 4)))
+    assert thread_tuner_for(off, 2, 1, enabled=False)[0] is None and off.backend.small_rows_calls == []

@@ -61,17 +61,17 @@ def _silu_mul_parallel(out, gate_up):
         _silu_mul_row(out[i], gate_up[i], out.shape[1])
 
 
-def silu_mul(out, gate_up) -> None:
+def silu_mul(out, gate_up, parallel_from_rows: int = PARALLEL_FROM_ROWS) -> None:
     """``out[T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]`` (numpy arrays, one format)."""
     if out.shape[0] != gate_up.shape[0] or gate_up.shape[1] != 2 * out.shape[1]:
         raise ValueError(f"silu_mul: out {out.shape} needs gate_up of [{out.shape[0]}, {2 * out.shape[1]}], "
                          f"got {gate_up.shape}")
-    by_rows(out.shape[0], PARALLEL_FROM_ROWS, _silu_mul_serial, _silu_mul_parallel, out, gate_up)
+    by_rows(out.shape[0], parallel_from_rows, _silu_mul_serial, _silu_mul_parallel, out, gate_up)
 
 
-def silu_mul_(gate_up):
+def silu_mul_(gate_up, parallel_from_rows: int = PARALLEL_FROM_ROWS):
     """The torch form: a new ``[T, I]`` tensor ``silu(gate) * up`` from ``gate_up`` ``[T, 2 I]``
     (CPU, C-contiguous, float32, bfloat16 or float16)."""
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
-    silu_mul(kernel_array(out), kernel_array(gate_up))
+    silu_mul(kernel_array(out), kernel_array(gate_up), parallel_from_rows)
     return out

@@ -13,10 +13,17 @@ from kernels.cpu.cache_ops import copy_blocks, swap_blocks, write_kv_cache
 from kernels.cpu.common import BITS_DTYPES, kernel_array, sync_threads
 from kernels.cpu.decode import MIN_PARTITION_SIZE, paged_decode_attention
 from kernels.cpu.live_arrays import live_array
-from kernels.cpu import matmul_prefill
+from kernels.cpu import activation, matmul_prefill, norm, rotary
 from kernels.cpu.norm import add_rms_norm_
 from kernels.cpu.prefill import paged_prefill_attention
 from kernels.cpu.rotary import rope_split_
+
+
+# (norm, rotary, activation): rows from which these kernels run in parallel after
+# ``parallel_small_rows(True)``. Measured serial / parallel, each call right after a torch matmul
+# (so the idle threads spin), median of 1,500, bf16: 2-core AMD EPYC Zen 5, 64 rows: norm 11.6 /
+# 7.3 us, rotary 24.2 / 14.8, activation 45.7 / 23.8; 16 rows: 3.2 / 3.2, 6.4 / 5.4, 12.3 / 7.3.
+SMALL_ROWS_PARALLEL_FROM = (64, 16, 16)
 
 
 def _pools_ok(*caches) -> bool:
@@ -70,6 +77,27 @@ class NumbaCPUBackend:
         if matmul_prefill_path is None:
             matmul_prefill_path = _has_amx()
         self.matmul_prefill_path = matmul_prefill_path
+        # rows from which the norm, rotary and activation kernels run in parallel: their modules'
+        # defaults unless ``parallel_small_rows`` lowered them
+        self._norm_from, self._rotary_from, self._activation_from = (
+            norm.PARALLEL_FROM_ROWS, rotary.PARALLEL_FROM_ROWS, activation.PARALLEL_FROM_ROWS)
+
+    def parallel_small_rows(self, on: bool) -> bool:
+        """Let the norm, rotary and activation kernels run in parallel from a few rows (a decode
+        batch; ``SMALL_ROWS_PARALLEL_FROM``) where ``on`` and the idle OpenMP threads spin
+        (``shared.threads.idle_threads_spin``), else from their modules' thresholds; returns
+        whether they now do. The executor turns it on where its thread tuner chooses each step's
+        threads by timing (``services/executor/thread_tuner.py``): a step whose extra parallel
+        regions are held up by a busy neighbour is then timed slower, and the tuner moves that
+        step size to one thread, where these kernels run serially. Outputs are the same bits either
+        way (rows are independent)."""
+        from shared.threads import idle_threads_spin
+
+        small = on and idle_threads_spin()
+        defaults = (norm.PARALLEL_FROM_ROWS, rotary.PARALLEL_FROM_ROWS, activation.PARALLEL_FROM_ROWS)
+        self._norm_from, self._rotary_from, self._activation_from = (
+            SMALL_ROWS_PARALLEL_FROM if small else defaults)
+        return small
 
     def prefill_kind(self) -> str:
         """What the start-up log says of the prefill attention."""
@@ -180,20 +208,20 @@ class NumbaCPUBackend:
         """``residual += delta`` in place, returns ``RMSNorm(residual)`` (``kernels/cpu/norm.py``)."""
         if not (_fusable(residual, delta, weight) and residual.is_contiguous() and delta.is_contiguous()):
             return None
-        return add_rms_norm_(residual, delta, weight, eps)
+        return add_rms_norm_(residual, delta, weight, eps, self._norm_from)
 
     def rope_split(self, qkv, cos, sin, num_heads, num_kv_heads):
         """Rotated q and k and v from a fused projection's output (``kernels/cpu/rotary.py``)."""
         if not (_fusable(qkv, cos, sin) and qkv.is_contiguous()):
             return None
-        return rope_split_(qkv, cos, sin, num_heads, num_kv_heads)
+        return rope_split_(qkv, cos, sin, num_heads, num_kv_heads, self._rotary_from)
 
     def silu_mul(self, gate_up):
         """``silu(gate) * up`` from a fused gate/up projection's output ``[T, 2 I]``
         (``kernels/cpu/activation.py``; float32, bfloat16 or float16)."""
         if not (gate_up.is_cpu and gate_up.dtype in BITS_DTYPES and gate_up.is_contiguous()):
             return None
-        return silu_mul_(gate_up)
+        return silu_mul_(gate_up, self._activation_from)
 
 
 def _has_amx() -> bool:

@@ -66,16 +66,18 @@ def _add_rms_norm_parallel(out, residual, delta, weight, eps):
         _add_rms_norm_row(out, residual, delta, i, weight, eps)
 
 
-def add_rms_norm(out, residual, delta, weight, eps: float) -> None:
+def add_rms_norm(out, residual, delta, weight, eps: float,
+                 parallel_from_rows: int = PARALLEL_FROM_ROWS) -> None:
     """``residual += delta`` (skipped when ``delta`` has no rows), ``out = RMSNorm(residual)``."""
-    by_rows(residual.shape[0], PARALLEL_FROM_ROWS, _add_rms_norm_serial, _add_rms_norm_parallel,
+    by_rows(residual.shape[0], parallel_from_rows, _add_rms_norm_serial, _add_rms_norm_parallel,
             out, residual, delta, weight, np.float32(eps))
 
 
-def add_rms_norm_(residual, delta, weight, eps: float):
+def add_rms_norm_(residual, delta, weight, eps: float, parallel_from_rows: int = PARALLEL_FROM_ROWS):
     """The torch form: ``residual += delta`` in place, returns a new ``RMSNorm(residual)`` tensor
     (CPU, float32 or bfloat16, C-contiguous, one dtype; ``delta`` may have no rows)."""
     out = torch.empty_like(residual)
     # the stream and the weight are the same tensors in every layer: their views are made once
-    add_rms_norm(kernel_array(out), live_array(residual), kernel_array(delta), live_array(weight), eps)
+    add_rms_norm(kernel_array(out), live_array(residual), kernel_array(delta), live_array(weight), eps,
+                 parallel_from_rows)
     return out

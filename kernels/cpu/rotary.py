@@ -67,12 +67,13 @@ def _rope_split_parallel(q, k, v, qkv, cos, sin):
         _rope_split_row(q, k, v, qkv, cos, sin, i)
 
 
-def rope_split(q, k, v, qkv, cos, sin) -> None:
-    """Serial below ``PARALLEL_FROM_ROWS`` tokens (a decode batch), parallel from there."""
-    by_rows(q.shape[0], PARALLEL_FROM_ROWS, _rope_split_serial, _rope_split_parallel, q, k, v, qkv, cos, sin)
+def rope_split(q, k, v, qkv, cos, sin, parallel_from_rows: int = PARALLEL_FROM_ROWS) -> None:
+    """Serial below ``parallel_from_rows`` tokens (a decode batch), parallel from there."""
+    by_rows(q.shape[0], parallel_from_rows, _rope_split_serial, _rope_split_parallel, q, k, v, qkv, cos, sin)
 
 
-def rope_split_(qkv, cos, sin, num_heads: int, num_kv_heads: int):
+def rope_split_(qkv, cos, sin, num_heads: int, num_kv_heads: int,
+                parallel_from_rows: int = PARALLEL_FROM_ROWS):
     """The torch form: (q, k, v) new contiguous tensors from ``qkv`` ``[T, (H + 2 Hkv) * D]`` and
     ``cos``/``sin`` ``[T, 1, D]`` (``RotaryEmbedding.at``); CPU, float32 or bfloat16, one dtype."""
     num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
@@ -82,5 +83,6 @@ def rope_split_(qkv, cos, sin, num_heads: int, num_kv_heads: int):
     if num_tokens:
         # cos and sin are the step's tables, the same tensors in every layer: viewed once
         rope_split(kernel_array(q), kernel_array(k), kernel_array(v), kernel_array(qkv),
-                   live_array(cos).reshape(num_tokens, head_dim), live_array(sin).reshape(num_tokens, head_dim))
+                   live_array(cos).reshape(num_tokens, head_dim), live_array(sin).reshape(num_tokens, head_dim),
+                   parallel_from_rows)
     return q, k, v

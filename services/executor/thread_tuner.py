@@ -149,7 +149,9 @@ def thread_tuner_for(runner, num_threads: int, world_size: int, enabled: bool = 
     if linear_kernel_name(runner.model) != "onednn":
         return None, "matmuls on F.linear, whose results depend on the thread count"
     candidates = thread_ladder(num_threads)
-    return ThreadTuner(candidates), f"one of {', '.join(map(str, candidates))} threads per step, by time"
+    small_rows = hasattr(backend, "parallel_small_rows") and backend.parallel_small_rows(True)
+    return ThreadTuner(candidates), (f"one of {', '.join(map(str, candidates))} threads per step, by time"
+                                     + ("; row kernels parallel from a few rows" if small_rows else ""))
 
 
 def thread_ladder(num_threads: int) -> tuple[int, ...]:
