@@ -12,7 +12,11 @@ model name is read from its ``/v1/models``), one server at a time. Each server i
 ``--warmup`` requests (the workload's prompt lengths, another seed, a few output tokens): a fresh
 pagedserve is started for every run while a peer is usually left running between runs, so without
 it the comparison would set one server's first requests (new shapes to compile and tune) against
-the other's warm ones. Unless ``--skip-hf``, Hugging Face
+the other's warm ones. A peer left running also keeps its prefix cache (vLLM caches prefixes by
+default): requests it has seen before, from an earlier run with the same ``--seed`` (``--num-requests
+1`` and ``8`` send the first prompts of the 64), are then mostly cache hits there, while the
+pagedserve started here begins empty. Give every run against the same peer start its own
+``--seed``. Unless ``--skip-hf``, Hugging Face
 ``generate`` then runs with static batches (left-padded, each batch decoding until its longest
 request is done) on the same requests, in the same thread settings. Prints all with the ratios to
 the first, and the CPU's model and the instruction-set flags that decide the fast paths.
@@ -41,6 +45,8 @@ from dataclasses import dataclass
 
 # output tokens of each warm-up request (``--warmup``): enough to reach the decode steps
 WARMUP_OUTPUT_TOKENS = 8
+# the warm-up's prompts come from --seed plus this: far from the seeds of the runs measured
+WARMUP_SEED_OFFSET = 10007
 
 
 @dataclass
@@ -274,7 +280,7 @@ def main() -> None:
     ap.add_argument("--peer-name", default="peer", help="the peer's column title")
     ap.add_argument("--warmup", type=int, default=None,
                     help="requests sent to each server before it is measured (prompts like the workload's, "
-                         f"another seed, {WARMUP_OUTPUT_TOKENS} output tokens each; default: as many as "
+                         f"--seed + {WARMUP_SEED_OFFSET}, {WARMUP_OUTPUT_TOKENS} output tokens each; default: as many as "
                          "--num-requests; 0: none)")
     args = ap.parse_args()
 
@@ -286,7 +292,7 @@ def main() -> None:
 
     n = args.num_requests if args.warmup is None else args.warmup
     warmup = [Request(r.prompt_ids, WARMUP_OUTPUT_TOKENS)
-              for r in make_workload(n, args.seed + 1, 49152, args.prompt_len, args.output_len)]
+              for r in make_workload(n, args.seed + WARMUP_SEED_OFFSET, 49152, args.prompt_len, args.output_len)]
     rows = [("pagedserve", measure_pagedserve(args, reqs, warmup))]
     if args.peer_url:
         name = peer_model_name(args.peer_url)

@@ -39,7 +39,7 @@ def test_both_servers_get_the_same_warm_up_before_the_workload(sent, monkeypatch
     assert (u1, u2, u3, u4) == ("http://ours", "http://ours", "http://peer", "http://peer")
     assert warm1 == warm2 and work1 == work2 and len(warm1) == len(work1) == 12
     assert all(r.max_tokens == throughput.WARMUP_OUTPUT_TOKENS for r in warm1)
-    # other prompts than the workload's (another seed), within the same length range
+    # other prompts than the workload's (a seed far from it), within the same length range
     assert [r.prompt_ids for r in warm1] != [r.prompt_ids for r in work1]
     assert all(16 <= len(r.prompt_ids) <= 256 for r in warm1)
     assert "throughput pagedserve / peer: 1.00x" in capsys.readouterr().out
