@@ -237,7 +237,7 @@ def measure(args) -> tuple[dict, list]:
         bench.close()
     facts = {"model": source.name, "dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason,
              "source": source, "backend": runner.backend.name, "linear": "onednn" if packed else "torch",
-             "executor_setup": tuning, "prefill_kind": getattr(runner.backend, "prefill_kind", lambda: "")()}
+             "executor_setup": tuning, "prefill_kind": getattr(runner.backend, "prefill_kind", lambda: runner.backend.name)()}
     return facts, results
 
 
@@ -304,7 +304,7 @@ def header(facts: dict, args, load_before: tuple) -> str:
     load_after = os.getloadavg()
     return "\n".join([
         f"pagedserve step profile: {facts['model']} in {facts['dtype']} ({args.dtype}: {facts['reason']}), "
-        f"attention backend {facts['backend']} (prefill: {facts.get('prefill_kind') or facts['backend']})",
+        f"attention backend {facts['backend']} (prefill: {facts.get('prefill_kind', facts['backend'])})",
         f"as a server's executor: {facts.get('executor_setup', '')} (here every step runs on all threads)",
         f"CPU: {cpu.model_name}, {os.cpu_count()} cores; threads: torch {torch.get_num_threads()}, "
         f"numba {numba.get_num_threads()} ({facts.get('threads_reason', '')}), "

@@ -46,22 +46,32 @@ def smollm2_bf16():
     return smollm2_greedy_reference(PROMPTS, MAX_NEW, torch.bfloat16)
 
 
-def test_smollm2_bf16_greedy_agrees_with_transformers_bf16(smollm2_bf16):
-    _, model, prompts, refs = smollm2_bf16
-    engine = InProcessEngine(model, num_blocks=512, block_size=16, backend="numba",
-                             dtype=torch.bfloat16, max_model_len=512, max_num_batched_tokens=2048)
-    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+def _bf16_engine(model) -> InProcessEngine:
+    return InProcessEngine(model, num_blocks=512, block_size=16, backend="numba", dtype=torch.bfloat16,
+                           max_model_len=512, max_num_batched_tokens=2048)
+
+
+def _agreement(engine, prompts, refs) -> tuple[int, str]:
+    """Positions (of ``MAX_NEW`` per prompt) where the engine, given the prompt and transformers'
+    first j tokens, picks transformers' token j; and a report of where they differ."""
     for i, (ids, ref) in enumerate(zip(prompts, refs)):
-        for j in range(MAX_NEW):  # the prompt and transformers' first j tokens
+        for j in range(MAX_NEW):
             engine.add(f"r{i}.{j}", ids + ref[:j], temperature=0.0, max_tokens=1, ignore_eos=True)
     got = engine.run()
     agree = [[got[f"r{i}.{j}"] == [ref[j]] for j in range(MAX_NEW)] for i, ref in enumerate(refs)]
     report = "; ".join(
         f"prompt {i}: {sum(row)}/{MAX_NEW}, differs at {[j for j, ok in enumerate(row) if not ok]}"
         for i, row in enumerate(agree))
-    print(f"bf16 positions agreeing with transformers bf16: {sum(map(sum, agree))}/"
-          f"{MAX_NEW * len(PROMPTS)} ({report})")
-    assert sum(map(sum, agree)) >= MIN_AGREEMENT * MAX_NEW * len(PROMPTS), report
+    return sum(map(sum, agree)), report
+
+
+def test_smollm2_bf16_greedy_agrees_with_transformers_bf16(smollm2_bf16):
+    _, model, prompts, refs = smollm2_bf16
+    engine = _bf16_engine(model)
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    agreed, report = _agreement(engine, prompts, refs)
+    print(f"bf16 positions agreeing with transformers bf16: {agreed}/{MAX_NEW * len(PROMPTS)} ({report})")
+    assert agreed >= MIN_AGREEMENT * MAX_NEW * len(PROMPTS), report
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
@@ -95,29 +105,15 @@ def smollm2_bf16_long():
 
 def test_smollm2_bf16_long_prompts_through_the_matmul_prefill(smollm2_bf16_long, monkeypatch):
     from kernels.cpu import matmul_prefill
+    from tests.test_kernels_cpu_matmul_prefill import _recording
 
     _, model, prompts, refs = smollm2_bf16_long
     assert min(map(len, prompts)) >= matmul_prefill.MIN_ROWS
-    rows = []
-    original = matmul_prefill.prefill_sequence
-
-    def record(out, query, *args):
-        rows.append(query.shape[0])
-        return original(out, query, *args)
-
-    monkeypatch.setattr(matmul_prefill, "prefill_sequence", record)
-    engine = InProcessEngine(model, num_blocks=512, block_size=16, backend="numba",
-                             dtype=torch.bfloat16, max_model_len=512, max_num_batched_tokens=2048)
+    rows = _recording(monkeypatch)
+    engine = _bf16_engine(model)
     engine.runner.backend.matmul_prefill_path = True
-    for i, (ids, ref) in enumerate(zip(prompts, refs)):
-        for j in range(MAX_NEW):
-            engine.add(f"r{i}.{j}", ids + ref[:j], temperature=0.0, max_tokens=1, ignore_eos=True)
-    got = engine.run()
+    agreed, report = _agreement(engine, prompts, refs)
     assert rows and min(rows) >= matmul_prefill.MIN_ROWS
-    agree = [[got[f"r{i}.{j}"] == [ref[j]] for j in range(MAX_NEW)] for i, ref in enumerate(refs)]
-    report = "; ".join(
-        f"prompt {i}: {sum(row)}/{MAX_NEW}, differs at {[j for j, ok in enumerate(row) if not ok]}"
-        for i, row in enumerate(agree))
-    print(f"long prompts, bf16 positions agreeing with transformers bf16: {sum(map(sum, agree))}/"
+    print(f"long prompts, bf16 positions agreeing with transformers bf16: {agreed}/"
           f"{MAX_NEW * len(LONG_PROMPTS)} ({report}); matmul prefills of {sorted(set(rows))} rows")
-    assert sum(map(sum, agree)) >= MIN_AGREEMENT * MAX_NEW * len(LONG_PROMPTS), report
+    assert agreed >= MIN_AGREEMENT * MAX_NEW * len(LONG_PROMPTS), report

@@ -77,10 +77,9 @@ class NumbaCPUBackend:
         if matmul_prefill_path is None:
             matmul_prefill_path = _has_amx()
         self.matmul_prefill_path = matmul_prefill_path
-        # rows from which the norm, rotary and activation kernels run in parallel: their modules'
-        # defaults unless ``parallel_small_rows`` lowered them
-        self._norm_from, self._rotary_from, self._activation_from = (
-            norm.PARALLEL_FROM_ROWS, rotary.PARALLEL_FROM_ROWS, activation.PARALLEL_FROM_ROWS)
+        # rows from which the norm, rotary and activation kernels run in parallel (their modules'
+        # thresholds until ``parallel_small_rows(True)`` lowers them)
+        self.parallel_small_rows(False)
 
     def parallel_small_rows(self, on: bool) -> bool:
         """Let the norm, rotary and activation kernels run in parallel from a few rows (a decode
