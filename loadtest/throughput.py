@@ -2,6 +2,7 @@
 
     python -m loadtest.throughput [--num-requests 64] [--static-batch 16] [--seed 0]
     python -m loadtest.throughput --peer-url http://127.0.0.1:8100 --skip-hf [--server-flags "--dtype float32"]
+    python -m loadtest.throughput --peer-url http://127.0.0.1:8100 --skip-hf --rounds 4 --seed 100
     python -m loadtest.throughput --tensor-parallel-size 2 --skip-hf
 
 Starts ``pagedserve serve`` on SmolLM2 (or uses ``--url``), sends every request at once (token-id
@@ -16,9 +17,14 @@ the other's warm ones. A peer left running also keeps its prefix cache (vLLM cac
 default): requests it has seen before, from an earlier run with the same ``--seed`` (``--num-requests
 1`` and ``8`` send the first prompts of the 64), are then mostly cache hits there, while the
 pagedserve started here begins empty. Give every run against the same peer start its own
-``--seed``. Unless ``--skip-hf``, Hugging Face
+``--seed``. ``--rounds N`` measures N workloads (seeds ``--seed`` to ``--seed + N - 1``) on every
+server, which stay up between them, the servers' order alternating (ours first, then the peer
+first: a drift of the machine's speed, which on this project's shared VMs moves step times by up to
+2x within minutes, then weighs on both alike); it prints each round, the medians over rounds, and
+the per-round ratios with their median. Every run also reports the CPU steal time (the share of
+the VM's CPU time its host took meanwhile, from ``/proc/stat``). Unless ``--skip-hf``, Hugging Face
 ``generate`` then runs with static batches (left-padded, each batch decoding until its longest
-request is done) on the same requests, in the same thread settings. Prints all with the ratios to
+request is done) on the same requests (the first round's), in the same thread settings. Prints all with the ratios to
 the first, and the CPU's model and the instruction-set flags that decide the fast paths.
 ``--tensor-parallel-size N`` serves with ``-tp N``, the ``--threads`` shared among the N ranks; when
 SmolLM2's 9 heads do not split N ways (``-tp 2``), it serves a random model of SmolLM2's sizes
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -267,6 +274,9 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--static-batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="workloads measured on every server, round r with --seed + r, the servers' order "
+                         "alternating (ABBA); medians and per-round ratios are printed (default 1)")
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     ap.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -279,38 +289,136 @@ def main() -> None:
                     help="also send the same requests to this OpenAI-compatible server (e.g. vLLM-CPU)")
     ap.add_argument("--peer-name", default="peer", help="the peer's column title")
     ap.add_argument("--warmup", type=int, default=None,
-                    help="requests sent to each server before it is measured (prompts like the workload's, "
+                    help="requests sent to each server before it is first measured (prompts like the workload's, "
                          f"--seed + {WARMUP_SEED_OFFSET}, {WARMUP_OUTPUT_TOKENS} output tokens each; default: as many as "
                          "--num-requests; 0: none)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
 
-    reqs = make_workload(args.num_requests, args.seed, 49152, args.prompt_len, args.output_len)
+    workloads = [make_workload(args.num_requests, args.seed + r, 49152, args.prompt_len, args.output_len)
+                 for r in range(args.rounds)]
     say(f"machine: {cpu_description()}")
-    say(f"workload: {len(reqs)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens "
-        f"(sum {sum(len(r.prompt_ids) for r in reqs)}), outputs {args.output_len[0]}-{args.output_len[1]} "
-        f"(sum {sum(r.max_tokens for r in reqs)}), seed {args.seed}, {args.threads} threads")
+    for r, reqs in enumerate(workloads):
+        say(f"workload{f' of round {r + 1}' if args.rounds > 1 else ''}: {len(reqs)} requests, prompts "
+            f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens (sum {sum(len(r.prompt_ids) for r in reqs)}), "
+            f"outputs {args.output_len[0]}-{args.output_len[1]} (sum {sum(r.max_tokens for r in reqs)}), "
+            f"seed {args.seed + r}, {args.threads} threads")
 
     n = args.num_requests if args.warmup is None else args.warmup
     warmup = [Request(r.prompt_ids, WARMUP_OUTPUT_TOKENS)
               for r in make_workload(n, args.seed + WARMUP_SEED_OFFSET, 49152, args.prompt_len, args.output_len)]
-    rows = [("pagedserve", measure_pagedserve(args, reqs, warmup))]
-    if args.peer_url:
-        name = peer_model_name(args.peer_url)
-        if warmup:
-            say(f"warming {args.peer_name} up with {len(warmup)} requests ...")
-            asyncio.run(run_server(args.peer_url, name, warmup, f"{args.peer_name} warm-up"))
-        say(f"sending the same requests to {args.peer_name} at {args.peer_url} (model {name}) ...")
-        peer, peer_elapsed = asyncio.run(run_server(args.peer_url, name, reqs, args.peer_name))
-        rows.append((args.peer_name, summarize(peer, peer_elapsed)))
+    with pagedserve_server(args) as url:
+        servers = [Server("pagedserve", url, "SmolLM2-135M-Instruct", ours=True)]
+        if args.peer_url:
+            servers.append(Server(args.peer_name, args.peer_url, peer_model_name(args.peer_url)))
+        rounds = measure_rounds(servers, workloads, warmup)
+    rows = [(server.name, median_summary([r[server.name] for r in rounds])) for server in servers]
     if not args.skip_hf:
-        say(f"running Hugging Face generate, static batches of {args.static_batch} ...")
-        hf, hf_elapsed, hf_util = run_hf_static(reqs, args.static_batch, args.threads)
+        say(f"running Hugging Face generate, static batches of {args.static_batch}"
+            f"{' (the first round' + chr(39) + 's workload)' if args.rounds > 1 else ''} ...")
+        hf, hf_elapsed, hf_util = run_hf_static(workloads[0], args.static_batch, args.threads)
         hf_s = summarize(hf, hf_elapsed)
         hf_s["KV slot utilization"] = hf_util
         rows.append((f"HF static ({args.static_batch})", hf_s))
     for _, s in rows[1:]:
         s.setdefault("KV slot utilization", float("nan"))
+    if args.rounds > 1:
+        say(f"\nmedians of {args.rounds} rounds (CPU steal: the share of this machine's CPU time its host took "
+            "during the run)")
     print_table(rows)
+    if args.rounds > 1 and len(servers) > 1:
+        print_round_ratios(rounds, servers[0].name, servers[1].name)
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    model: str
+    ours: bool = False
+
+
+def measure_rounds(servers: list[Server], workloads: list[list[Request]], warmup: list[Request]
+                   ) -> list[dict[str, dict[str, float]]]:
+    """Each workload on every server, one at a time: round r in the servers' order, reversed in
+    odd rounds (ABBA, so that a drift of the machine's speed weighs on both alike). A server gets
+    the ``warmup`` requests right before its first measured run. Returns per round the summaries
+    by server name."""
+    warmed: set[str] = set()
+    rounds = []
+    for r, reqs in enumerate(workloads):
+        summaries = {}
+        for server in servers if r % 2 == 0 else servers[::-1]:
+            if warmup and server.name not in warmed:
+                say(f"warming {server.name} up with {len(warmup)} requests ...")
+                asyncio.run(run_server(server.url, server.model, warmup, f"{server.name} warm-up"))
+            warmed.add(server.name)
+            if not server.ours:
+                say(f"sending the same requests to {server.name} at {server.url} (model {server.model}) ...")
+            steal = CpuSteal()
+            results, elapsed = asyncio.run(run_server(server.url, server.model, reqs, server.name))
+            summary = summarize(results, elapsed)
+            summary["CPU steal (%)"] = steal.percent()
+            if server.ours:
+                summary["KV slot utilization"] = _health_of(server.url)
+            summaries[server.name] = summary
+        if len(workloads) > 1:
+            say(f"round {r + 1}/{len(workloads)}: " + ", ".join(
+                f"{name} {s['output tokens/s']:.1f} tok/s, TTFT p50 {s['median TTFT (s)']:.2f} s, "
+                f"steal {s['CPU steal (%)']:.1f}%" for name, s in summaries.items()))
+        rounds.append(summaries)
+    return rounds
+
+
+def _health_of(url: str) -> float:
+    """pagedserve's KV slot utilization (its /health), and its group, said once per run."""
+    health = _get_json(f"{url}/health")
+    group = health.get("group", {})
+    say(f"pagedserve group: {group.get('world_size', 1)} rank(s), all-reduce {group.get('all_reduce', 'single')}, "
+        f"KV blocks per rank {group.get('num_kv_blocks_per_rank')}")
+    util = health.get("kv_slot_utilization")
+    return float("nan") if util is None else util
+
+
+def median_summary(summaries: list[dict[str, float]]) -> dict[str, float]:
+    """Per metric, the median over rounds (a summary itself with one round)."""
+    return {key: statistics.median(s[key] for s in summaries) for key in summaries[0]}
+
+
+def print_round_ratios(rounds: list[dict[str, dict[str, float]]], ours: str, peer: str) -> None:
+    """Per round, ours over the peer's throughput and TTFT p50, and their medians."""
+    tput = [r[ours]["output tokens/s"] / r[peer]["output tokens/s"] for r in rounds]
+    ttft = [r[ours]["median TTFT (s)"] / r[peer]["median TTFT (s)"] for r in rounds]
+    say(f"per round, throughput {ours} / {peer}: " + " ".join(f"{x:.2f}x" for x in tput)
+        + f" (median {statistics.median(tput):.2f}x)")
+    say(f"per round, median TTFT {ours} / {peer}: " + " ".join(f"{x:.2f}x" for x in ttft)
+        + f" (median {statistics.median(ttft):.2f}x)")
+
+
+class CpuSteal:
+    """The share of the machine's CPU time that its hypervisor gave to others (``steal`` in
+    ``/proc/stat``) from construction to ``percent()``; nan where that is not readable."""
+
+    def __init__(self) -> None:
+        self._start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        if len(fields) < 8:
+            return None
+        return fields[7], sum(fields[:8])  # (steal, user..steal; guest time is inside user)
+
+    def percent(self) -> float:
+        end = self._read()
+        if self._start is None or end is None or end[1] <= self._start[1]:
+            return float("nan")
+        return 100.0 * (end[0] - self._start[0]) / (end[1] - self._start[1])
 
 
 def _model_flags(world_size: int, directory: str) -> list[str]:
@@ -326,36 +434,27 @@ def _model_flags(world_size: int, directory: str) -> list[str]:
     return ["--model", path, "--served-model-name", "SmolLM2-135M-Instruct"]
 
 
-def measure_pagedserve(args, reqs: list[Request], warmup: list[Request]) -> dict[str, float]:
-    """Run the workload on pagedserve (started here unless ``--url``), after the ``warmup``
-    requests, and summarize it."""
-    proc = None
-    url = args.url
+@contextlib.contextmanager
+def pagedserve_server(args):
+    """The URL of the pagedserve to measure: ``--url``, or one started here (stopped on exit)."""
+    if args.url is not None:
+        yield args.url
+        return
     model_dir = tempfile.TemporaryDirectory(prefix="pagedserve-throughput-")
+    proc = None
     try:
-        if url is None:
-            say("starting pagedserve ...")
-            threads_per_rank = max(1, args.threads // args.tensor_parallel_size)
-            flags = ["--max-num-seqs", str(max(64, args.num_requests)), "--num-threads", str(threads_per_rank),
-                     "-tp", str(args.tensor_parallel_size), *_model_flags(args.tensor_parallel_size, model_dir.name),
-                     *args.server_flags.split()]
-            proc, url = start_server(flags)
-        if warmup:
-            say(f"warming pagedserve up with {len(warmup)} requests ...")
-            asyncio.run(run_server(url, "SmolLM2-135M-Instruct", warmup, "pagedserve warm-up"))
-        ours, elapsed = asyncio.run(run_server(url, "SmolLM2-135M-Instruct", reqs))
-        health = _get_json(f"{url}/health")
-        group = health.get("group", {})
-        say(f"pagedserve group: {group.get('world_size', 1)} rank(s), all-reduce {group.get('all_reduce', 'single')}, "
-            f"KV blocks per rank {group.get('num_kv_blocks_per_rank')}")
+        say("starting pagedserve ...")
+        threads_per_rank = max(1, args.threads // args.tensor_parallel_size)
+        flags = ["--max-num-seqs", str(max(64, args.num_requests)), "--num-threads", str(threads_per_rank),
+                 "-tp", str(args.tensor_parallel_size), *_model_flags(args.tensor_parallel_size, model_dir.name),
+                 *args.server_flags.split()]
+        proc, url = start_server(flags)
+        yield url
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
         model_dir.cleanup()
-    summary = summarize(ours, elapsed)
-    summary["KV slot utilization"] = health.get("kv_slot_utilization", float("nan"))
-    return summary
 
 
 if __name__ == "__main__":

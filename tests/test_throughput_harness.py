@@ -48,3 +48,61 @@ def test_both_servers_get_the_same_warm_up_before_the_workload(sent, monkeypatch
 def test_no_warm_up_when_asked(sent, monkeypatch):
     _main(monkeypatch, "--warmup", "0")
     assert [label for label, _, _ in sent] == ["pagedserve", "peer"]
+
+
+def test_rounds_alternate_the_order_on_fresh_workloads(sent, monkeypatch, capsys):
+    _main(monkeypatch, "--rounds", "3")
+    labels = [label for label, _, _ in sent]
+    # each server warmed once, right before its first run; then ABBA: ours first in even rounds
+    assert labels == ["pagedserve warm-up", "pagedserve", "peer warm-up", "peer",
+                      "peer", "pagedserve", "pagedserve", "peer"]
+    runs = [(label, reqs) for label, _, reqs in sent if "warm-up" not in label]
+    round1, round2, round3 = runs[0:2], runs[2:4], runs[4:6]
+    for (_, a), (_, b) in (round1, round2, round3):
+        assert a == b  # both servers get the round's requests
+    prompts = [[r.prompt_ids for r in rnd[0][1]] for rnd in (round1, round2, round3)]
+    assert prompts[0] != prompts[1] != prompts[2] != prompts[0]  # every round its own seed
+    out = capsys.readouterr().out
+    assert out.count("round ") >= 3 and "medians of 3 rounds" in out
+    assert "per round, throughput pagedserve / peer: 1.00x 1.00x 1.00x (median 1.00x)" in out
+
+
+def test_round_one_is_the_single_run_workload(sent, monkeypatch):
+    _main(monkeypatch, "--seed", "7")
+    single = [reqs for label, _, reqs in sent if label == "pagedserve"]
+    sent.clear()
+    _main(monkeypatch, "--seed", "7", "--rounds", "2")
+    first = [reqs for label, _, reqs in sent if label == "pagedserve"][0]
+    assert single == [first]
+
+
+def test_medians_and_ratios_per_round(capsys):
+    rounds = [{"a": {"output tokens/s": 300.0, "median TTFT (s)": 2.0},
+               "b": {"output tokens/s": 200.0, "median TTFT (s)": 4.0}},
+              {"a": {"output tokens/s": 330.0, "median TTFT (s)": 3.0},
+               "b": {"output tokens/s": 300.0, "median TTFT (s)": 2.0}},
+              {"a": {"output tokens/s": 400.0, "median TTFT (s)": 1.0},
+               "b": {"output tokens/s": 250.0, "median TTFT (s)": 2.0}}]
+    assert throughput.median_summary([r["a"] for r in rounds]) == {"output tokens/s": 330.0, "median TTFT (s)": 2.0}
+    throughput.print_round_ratios(rounds, "a", "b")
+    out = capsys.readouterr().out
+    assert "throughput a / b: 1.50x 1.10x 1.60x (median 1.50x)" in out
+    assert "median TTFT a / b: 0.50x 1.50x 0.50x (median 0.50x)" in out
+
+
+def test_cpu_steal_share(monkeypatch):
+    # /proc/stat's cpu line: user nice system idle iowait irq softirq steal ...
+    stats = iter([(10, 1000), (40, 1200), None, (50, 1300)])
+    monkeypatch.setattr(throughput.CpuSteal, "_read", staticmethod(lambda: next(stats)))
+    steal = throughput.CpuSteal()
+    assert steal.percent() == pytest.approx(15.0)  # 30 of 200 ticks
+    unreadable = throughput.CpuSteal()  # its start read gives None
+    value = unreadable.percent()
+    assert value != value  # nan
+
+
+def test_cpu_steal_reads_this_machine():
+    steal = throughput.CpuSteal()
+    sum(range(200_000))
+    value = steal.percent()
+    assert value != value or 0.0 <= value <= 100.0  # nan where /proc/stat is unreadable
