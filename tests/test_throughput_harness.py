@@ -22,6 +22,7 @@ def sent(monkeypatch):
     monkeypatch.setattr(throughput, "run_server", run_server)
     monkeypatch.setattr(throughput, "_get_json", lambda url: {"status": "ok"})
     monkeypatch.setattr(throughput, "peer_model_name", lambda url: "peer-model")
+    monkeypatch.setattr(throughput, "wait_for_quiet", lambda: 0.0)  # tested on its own below
     return calls
 
 
@@ -106,3 +107,37 @@ def test_cpu_steal_reads_this_machine():
     sum(range(200_000))
     value = steal.percent()
     assert value != value or 0.0 <= value <= 100.0  # nan where /proc/stat is unreadable
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def test_wait_for_quiet_waits_out_a_busy_machine():
+    clock = _Clock()
+    # (busy, total) ticks: two windows 100% busy, then one 10% busy
+    reads = iter([(0, 0), (100, 100), (200, 200), (210, 300)])
+    waited = throughput.wait_for_quiet(0.15, 0.5, 15.0, clock, clock.sleep, lambda: next(reads))
+    assert waited == pytest.approx(1.5)
+
+
+def test_wait_for_quiet_gives_up_and_copes_without_proc_stat():
+    clock = _Clock()
+    busy = iter((i * 100, i * 100) for i in range(1000))
+    assert throughput.wait_for_quiet(0.15, 0.5, 3.0, clock, clock.sleep, lambda: next(busy)) == pytest.approx(3.0)
+    assert throughput.wait_for_quiet(0.15, 0.5, 3.0, clock, clock.sleep, lambda: None) is None
+
+
+def test_every_measured_run_waits_for_quiet(sent, monkeypatch):
+    waits = []
+    monkeypatch.setattr(throughput, "wait_for_quiet", lambda: waits.append(len(sent)) or 0.0)
+    _main(monkeypatch, "--rounds", "2")
+    # before each of the four measured runs: after 1 call (ours' warm-up), 3, 4 and 5
+    assert waits == [1, 3, 4, 5]
