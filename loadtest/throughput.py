@@ -300,11 +300,11 @@ def main() -> None:
     workloads = [make_workload(args.num_requests, args.seed + r, 49152, args.prompt_len, args.output_len)
                  for r in range(args.rounds)]
     say(f"machine: {cpu_description()}")
-    for r, reqs in enumerate(workloads):
-        say(f"workload{f' of round {r + 1}' if args.rounds > 1 else ''}: {len(reqs)} requests, prompts "
-            f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens (sum {sum(len(r.prompt_ids) for r in reqs)}), "
-            f"outputs {args.output_len[0]}-{args.output_len[1]} (sum {sum(r.max_tokens for r in reqs)}), "
-            f"seed {args.seed + r}, {args.threads} threads")
+    for i, reqs in enumerate(workloads):
+        which = f" of round {i + 1}" if args.rounds > 1 else ""
+        say(f"workload{which}: {len(reqs)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens "
+            f"(sum {sum(len(r.prompt_ids) for r in reqs)}), outputs {args.output_len[0]}-{args.output_len[1]} "
+            f"(sum {sum(r.max_tokens for r in reqs)}), seed {args.seed + i}, {args.threads} threads")
 
     n = args.num_requests if args.warmup is None else args.warmup
     warmup = [Request(r.prompt_ids, WARMUP_OUTPUT_TOKENS)
@@ -316,10 +316,12 @@ def main() -> None:
         rounds = measure_rounds(servers, workloads, warmup)
     rows = [(server.name, median_summary([r[server.name] for r in rounds])) for server in servers]
     if not args.skip_hf:
-        say(f"running Hugging Face generate, static batches of {args.static_batch}"
-            f"{' (the first round' + chr(39) + 's workload)' if args.rounds > 1 else ''} ...")
+        which = " (on the first round's workload)" if args.rounds > 1 else ""
+        say(f"running Hugging Face generate, static batches of {args.static_batch}{which} ...")
+        steal = CpuSteal()
         hf, hf_elapsed, hf_util = run_hf_static(workloads[0], args.static_batch, args.threads)
         hf_s = summarize(hf, hf_elapsed)
+        hf_s["CPU steal (%)"] = steal.percent()
         hf_s["KV slot utilization"] = hf_util
         rows.append((f"HF static ({args.static_batch})", hf_s))
     for _, s in rows[1:]:

@@ -141,3 +141,20 @@ def test_every_measured_run_waits_for_quiet(sent, monkeypatch):
     _main(monkeypatch, "--rounds", "2")
     # before each of the four measured runs: after 1 call (ours' warm-up), 3, 4 and 5
     assert waits == [1, 3, 4, 5]
+
+
+def test_hugging_face_row_runs_the_first_rounds_requests(sent, monkeypatch, capsys):
+    seen = []
+
+    def run_hf_static(reqs, batch_size, threads):
+        seen.append(reqs)
+        return [throughput.Result(0.2, 2.0, r.max_tokens) for r in reqs], 2.0, 0.5
+
+    monkeypatch.setattr(throughput, "run_hf_static", run_hf_static)
+    monkeypatch.setattr(sys, "argv", ["throughput", "--url", "http://ours", "--peer-url", "http://peer",
+                                      "--num-requests", "12", "--rounds", "2"])
+    throughput.main()
+    first_round = [reqs for label, _, reqs in sent if label == "pagedserve"][0]
+    assert seen == [first_round]
+    out = capsys.readouterr().out
+    assert "HF static (16)" in out and "CPU steal (%)" in out
