@@ -7,8 +7,9 @@ lock-step loop does: ``Scheduler.schedule``, the ``Step`` encoded, sent over a Z
 and decoded, ``ModelRunner.execute``, the ``StepResult`` back the same way, ``Scheduler.update``,
 and the pass's outputs for the frontend encoded (one ``RequestOutputs`` frame, as the scheduler
 sends them). Scenarios: decode batches of 1, 16 and
-64 at ``--context`` tokens, and a mixed step (a fresh ``--prefill``-token prompt plus
-``--prefill-decodes`` decodes). The cache is filled with noise instead of being prefilled (the
+64 at ``--context`` tokens, and a mixed step (a fresh ``--prefill``-token prompt, or
+``--prefill-prompts`` prompts of varied lengths summing to it as in a chunk of a burst of requests,
+plus ``--prefill-decodes`` decodes). The cache is filled with noise instead of being prefilled (the
 runner's bookkeeping runs, the model does not), so that setting up costs seconds.
 
 For each scenario it prints the median per step of: scheduling, messages, and in the executor the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import tempfile
 import time
@@ -156,17 +158,17 @@ class StepBench:
         return decode(self._pull.recv())
 
 
-def run_scenario(bench: StepBench, label: str, num_decodes: int, context: int, num_prefill: int,
+def run_scenario(bench: StepBench, label: str, num_decodes: int, context: int, prompt_lengths: tuple[int, ...],
                  warmup: int, steps: int) -> list[dict[str, int]]:
-    """``num_decodes`` sequences at ``context`` tokens, decoding; with ``num_prefill`` > 0 a fresh
-    prompt of that many tokens joins every step (and is aborted after it)."""
+    """``num_decodes`` sequences at ``context`` tokens, decoding; fresh prompts of
+    ``prompt_lengths`` tokens (none for a decode step) join every step (and are aborted after it)."""
     say(f"  {label}: filling the cache of {num_decodes} sequence(s) with {context} tokens")
     decoding = bench.add_requests(num_decodes, context)
     bench.prefill_without_maths()
     samples = []
     for i in range(warmup + steps):
         say(f"  {label}: step {i + 1}/{warmup + steps}{' (warm-up)' if i < warmup else ''}")
-        fresh = bench.add_requests(1, num_prefill) if num_prefill else []
+        fresh = [rid for length in prompt_lengths for rid in bench.add_requests(1, length)]
         parts = bench.timed_step()
         bench.abort(fresh)
         if i >= warmup:
@@ -195,12 +197,23 @@ def build(model: str | None, dtype_name: str, num_blocks: int, max_model_len: in
     return runner, choice, source
 
 
-def scenarios(args) -> list[tuple[str, int, int]]:
-    """(label, decodes, prefill tokens) per column."""
-    cols = [(f"decode {b}", b, 0) for b in args.batches]
+def scenarios(args) -> list[tuple[str, int, tuple[int, ...]]]:
+    """(label, decodes, lengths of the fresh prompts) per column."""
+    cols = [(f"decode {b}", b, ()) for b in args.batches]
     if args.prefill:
-        cols.append((f"prefill {args.prefill} + {args.prefill_decodes} dec", args.prefill_decodes, args.prefill))
+        prompts = "" if args.prefill_prompts == 1 else f" in {args.prefill_prompts}"
+        cols.append((f"prefill {args.prefill}{prompts} + {args.prefill_decodes} dec", args.prefill_decodes,
+                     split_prompt(args.prefill, args.prefill_prompts)))
     return cols
+
+
+def split_prompt(total: int, num_prompts: int, seed: int = 0) -> tuple[int, ...]:
+    """``total`` prompt tokens as ``num_prompts`` prompts of varied lengths (at least 1 each; cut at
+    random points, the same for a seed), as a burst of requests of different lengths arrives."""
+    if not 1 <= num_prompts <= total:
+        raise ValueError(f"cannot split {total} tokens into {num_prompts} prompts")
+    cuts = sorted(random.Random(seed).sample(range(1, total), num_prompts - 1))
+    return tuple(b - a for a, b in zip([0, *cuts], [*cuts, total]))
 
 
 def measure(args) -> tuple[dict, list]:
@@ -213,9 +226,9 @@ def measure(args) -> tuple[dict, list]:
     from .profile_costs import matmul_roofline, median_parts
 
     cols = scenarios(args)
-    max_seqs = max(n + (1 if p else 0) for _, n, p in cols)
+    max_seqs = max(n + len(lengths) for _, n, lengths in cols)
     per_seq = -(-(args.context + args.warmup + args.steps + 2) // 16)
-    num_blocks = max_seqs * per_seq + -(-args.prefill // 16) + 8
+    num_blocks = max_seqs * per_seq + sum(-(-length // 16) for _, _, lengths in cols for length in lengths) + 8
     runner, choice, source = build(args.model, args.dtype, num_blocks, args.context + args.prefill + 64,
                                    args.linear_kernel)
     clock = time.process_time_ns if args.clock == "cpu" else time.perf_counter_ns
@@ -226,11 +239,11 @@ def measure(args) -> tuple[dict, list]:
     bench = StepBench(runner, max_seqs, max(2048, args.prefill + args.prefill_decodes), clock)
     results = []
     try:
-        for label, num_decodes, num_prefill in cols:
-            samples = run_scenario(bench, label, num_decodes, args.context, num_prefill, args.warmup, args.steps)
+        for label, num_decodes, lengths in cols:
+            samples = run_scenario(bench, label, num_decodes, args.context, lengths, args.warmup, args.steps)
             say(f"  {label}: matmul roofline")
-            roof = matmul_roofline(runner.model.config, choice.dtype, num_decodes + num_prefill,
-                                   num_decodes + (1 if num_prefill else 0), args.roofline_repeats, clock,
+            roof = matmul_roofline(runner.model.config, choice.dtype, num_decodes + sum(lengths),
+                                   num_decodes + len(lengths), args.roofline_repeats, clock,
                                    packed=packed)
             results.append((label, median_parts(samples), roof))
     finally:
@@ -245,10 +258,11 @@ def format_table(facts: dict, results: list, args) -> str:
     from .step_timer import EXECUTOR_PARTS
 
     width = 62
-    lines = [f"{'ms per step (% of step)':{width}}" + "".join(f"{label:>22}" for label, _, _ in results)]
+    column = max(22, *(len(label) + 2 for label, _, _ in results))  # a long label keeps a space before it
+    lines = [f"{'ms per step (% of step)':{width}}" + "".join(f"{label:>{column}}" for label, _, _ in results)]
 
     def row(name: str, values: list[str]) -> None:
-        lines.append(f"{name:{width}}" + "".join(f"{v:>22}" for v in values))
+        lines.append(f"{name:{width}}" + "".join(f"{v:>{column}}" for v in values))
 
     totals = [sum(parts.values()) / 1e6 for _, parts, _ in results]
     for key, name in (*EXTERNAL_PARTS, *(("", "executor:"),), *EXECUTOR_PARTS):
@@ -327,6 +341,9 @@ def parse_args(argv=None):
     ap.add_argument("--context", type=int, default=256, help="tokens in each decoding sequence's cache")
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the mixed step (0: no mixed step)")
     ap.add_argument("--prefill-decodes", type=int, default=32, help="decodes beside the prefill in the mixed step")
+    ap.add_argument("--prefill-prompts", type=int, default=1,
+                    help="prompts the mixed step's --prefill tokens are split into, of varied lengths (default 1; "
+                         "e.g. --prefill 2032 --prefill-prompts 15, a chunk of a burst of chat requests)")
     ap.add_argument("--steps", type=int, default=10, help="steps measured per scenario")
     ap.add_argument("--warmup", type=int, default=2, help="steps run first and not measured")
     ap.add_argument("--roofline-repeats", type=int, default=5)
@@ -336,6 +353,8 @@ def parse_args(argv=None):
                     help="wall time, or the process's CPU time (steadier on a busy machine, with "
                          "--num-threads 1)")
     args = ap.parse_args(argv)
+    if args.prefill and not 1 <= args.prefill_prompts <= args.prefill:
+        ap.error(f"--prefill-prompts must be between 1 and --prefill ({args.prefill}), got {args.prefill_prompts}")
     if args.steps < 1 or args.context < 1 or min(args.batches) < 1:
         ap.error(f"--steps, --context and --batches must be positive, got {args.steps}, {args.context}, "
                  f"{args.batches}")

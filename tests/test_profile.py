@@ -25,17 +25,32 @@ def test_every_part_of_a_decode_and_a_mixed_step_is_timed():
     runner = tiny_runner()
     bench = profile.StepBench(runner, max_num_seqs=8, max_num_batched_tokens=256)
     try:
-        decode = profile.run_scenario(bench, "decode 4", 4, 20, 0, warmup=1, steps=2)
-        mixed = profile.run_scenario(bench, "mixed", 3, 20, 40, warmup=0, steps=2)
+        decode = profile.run_scenario(bench, "decode 4", 4, 20, (), warmup=1, steps=2)
+        mixed = profile.run_scenario(bench, "mixed", 3, 20, (40,), warmup=0, steps=2)
+        burst = profile.run_scenario(bench, "burst", 2, 20, (25, 3, 12), warmup=0, steps=1)
     finally:
         bench.close()
-    assert len(decode) == 2 and len(mixed) == 2
-    for parts in decode + mixed:
+    assert len(decode) == 2 and len(mixed) == 2 and len(burst) == 1
+    for parts in decode + mixed + burst:
         assert set(parts) == {key for key, _ in EXECUTOR_PARTS} | {"scheduler", "messages"}
         assert all(parts[key] > 0 for key in ("matmul", "attention", "norm", "rotary", "lm_head", "sampling",
                                               "scheduler", "messages"))
         assert parts["other_layer"] >= 0 and parts["runner"] >= 0
     assert not bench.scheduler.has_work()  # every request was aborted at the end of its scenario
+
+
+def test_a_mixed_step_of_several_prompts():
+    lengths = profile.split_prompt(2032, 15)
+    assert len(lengths) == 15 and sum(lengths) == 2032 and min(lengths) >= 1
+    assert len(set(lengths)) > 1 and lengths == profile.split_prompt(2032, 15)  # varied, and the same each run
+    assert profile.split_prompt(7, 1) == (7,) and profile.split_prompt(3, 3) == (1, 1, 1)
+    with pytest.raises(ValueError):
+        profile.split_prompt(3, 4)
+    args = profile.parse_args(["--prefill", "100", "--prefill-prompts", "4", "--prefill-decodes", "8", "--batches", "2"])
+    (_, _, ()), (label, decodes, prompts) = profile.scenarios(args)
+    assert label == "prefill 100 in 4 + 8 dec" and decodes == 8 and sum(prompts) == 100 and len(prompts) == 4
+    with pytest.raises(SystemExit):
+        profile.parse_args(["--prefill", "10", "--prefill-prompts", "11"])
 
 
 def test_the_wrappers_come_off():
@@ -64,6 +79,9 @@ def test_roofline_times_the_model_shapes(tmp_path):
     args = profile.parse_args(["--roofline-repeats", "2"])
     table = profile.format_table({}, results, args)
     assert "x1.33" in table  # step 4 ms / roofline 3 ms
+    long_label = "prefill 2032 in 15 + 16 dec"
+    header = profile.format_table({}, [*results, (long_label, parts, MatmulRoofline(0.002, 0.001))], args)
+    assert f"decode 8  {long_label}" in header.splitlines()[0]  # the columns stay apart
     out = tmp_path / "profile.json"
     profile.write_json(str(out), {"dtype": "float32"}, results, {"outputs": 1e4, "detokenize": 2e4, "sse": 3e4})
     body = json.loads(out.read_text())
