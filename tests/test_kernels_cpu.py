@@ -145,6 +145,31 @@ def test_prefill_matches_reference(block_size, num_heads, num_kv_heads, head_dim
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.usefixtures("rows_kernel")
+@pytest.mark.parametrize("out_format", ["float32", "float64 (a temporary target)"])
+def test_prefill_of_some_sequences_leaves_the_others(out_format):
+    """``sequences=``: only those sequences' rows are computed, bit for bit as in a call for all;
+    the other rows of ``out`` keep what they held, also where the kernel writes a temporary
+    (a float64 ``out`` beside a float32 cache) and copies it back."""
+    q_lens, lens = [16, 5, 0, 33, 7], [16, 20, 9, 40, 7]
+    key_cache, value_cache, tables, qsl, context_lens, query = _prefill_case(
+        q_lens, lens, 4, 2, 64, 16, seed=8)
+    dtype = torch.float32 if out_format == "float32" else torch.float64
+    full = torch.full(query.shape, float("nan"), dtype=dtype)
+    some = torch.full(query.shape, 7.0, dtype=dtype)
+    arrays = _np(query, key_cache, value_cache, tables, qsl, context_lens)
+    cpu.paged_prefill_attention(full.numpy(), *arrays, 0.125)
+    cpu.paged_prefill_attention(some.numpy(), *arrays, 0.125, sequences=[1, 4])
+    for s in range(len(q_lens)):
+        rows = slice(int(qsl[s]), int(qsl[s + 1]))
+        if s in (1, 4):
+            assert torch.equal(some[rows], full[rows])
+        else:
+            assert bool((some[rows] == 7.0).all())
+    cpu.paged_prefill_attention(some.numpy(), *arrays, 0.125, sequences=[])  # nothing to do
+    assert bool((some[: int(qsl[1])] == 7.0).all())
+
+
 def test_copy_blocks_exact():
     g = torch.Generator().manual_seed(5)
     layers = 3

@@ -66,20 +66,69 @@ def _recording(monkeypatch):
     return calls
 
 
-def test_backend_splits_a_mixed_prefill_by_length(monkeypatch):
-    """Sequences of MIN_ROWS rows or more go one by one through torch's attention, each run of
-    shorter ones (a zero-row one among them) through the Numba kernel; the whole prefill matches
-    the reference, and the same step with the path off too."""
+def _new_kv(key_cache, value_cache, tables, q_lens, prefixes):
+    """The rows' own keys and values ``[T, Hkv, D]`` as a step has them: read back from the pools
+    (position ``prefix + j`` of each sequence)."""
+    block_size = key_cache.shape[2]
+    keys, values = [], []
+    for s, (n, p) in enumerate(zip(q_lens, prefixes)):
+        for pos in range(p, p + n):
+            block, offset = int(tables[s, pos // block_size]), pos % block_size
+            keys.append(key_cache[block, :, offset])
+            values.append(value_cache[block, :, offset])
+    return torch.stack(keys), torch.stack(values)
+
+
+def test_fresh_prompt_reads_its_new_keys_where_they_are():
+    """A prompt without a cached prefix attends to the new keys and values it is given, bit for bit
+    as to the same values gathered from the pools; with a cached prefix, the given ones are not
+    enough and the pools are read (a wrong key there would show)."""
+    for q_len, prefix in ((100, 0), (90, 40)):
+        query, key_cache, value_cache, tables, _, lens, expected = _case([q_len], [prefix], seed=11)
+        key, value = _new_kv(key_cache, value_cache, tables, [q_len], [prefix])
+        gathered, given = torch.empty_like(query), torch.empty_like(query)
+        args = (key_cache, value_cache, tables[0], int(lens[0]), HEAD_DIM ** -0.5)
+        matmul_prefill.prefill_sequence(gathered, query, *args)
+        matmul_prefill.prefill_sequence(given, query, *args, key, value)
+        assert torch.equal(gathered, given)
+        _assert_close(given, expected, value_cache)
+        if prefix == 0:  # proof that the given keys are the ones read: change them, the output moves
+            matmul_prefill.prefill_sequence(given, query, *args, key * 2, value)
+            assert not torch.allclose(given, gathered)
+
+
+def _numba_calls(monkeypatch):
+    """Record the sequences each Numba prefill call computes (it still runs)."""
+    calls = []
+    original = backend_module.paged_prefill_attention
+
+    def record(*args, sequences=None, **kwargs):
+        calls.append(sequences)
+        return original(*args, sequences=sequences, **kwargs)
+
+    monkeypatch.setattr(backend_module, "paged_prefill_attention", record)
+    return calls
+
+
+@pytest.mark.parametrize("given_kv", [False, True])
+def test_backend_splits_a_mixed_prefill_by_length(given_kv, monkeypatch):
+    """Sequences of MIN_ROWS rows or more go one by one through torch's attention, all the shorter
+    ones (a zero-row one among them left out) through one Numba call; the whole prefill matches
+    the reference, with and without the step's new keys and values given, and the same step
+    with the path off too (one Numba call for all)."""
     q_lens = [5, 70, 64, 0, 30, 130, 63, 200, 1]
     prefixes = [0, 0, 40, 9, 10, 0, 17, 300, 50]
     query, key_cache, value_cache, tables, qsl, lens, expected = _case(q_lens, prefixes, seed=3)
-    calls = _recording(monkeypatch)
+    kv = _new_kv(key_cache, value_cache, tables, q_lens, prefixes) if given_kv else (None, None)
+    calls, numba_calls = _recording(monkeypatch), _numba_calls(monkeypatch)
     for path in (True, False):
         out = torch.full_like(query, float("nan"))
         cpu.NumbaCPUBackend(matmul_prefill_path=path).prefill(
-            out, query, key_cache, value_cache, tables.long(), qsl, lens.long(), HEAD_DIM ** -0.5)
+            out, query, key_cache, value_cache, tables.long(), qsl, lens.long(), HEAD_DIM ** -0.5,
+            *kv)
         _assert_close(out, expected, value_cache)
     assert calls == [70, 64, 130, 200]  # the path on; none with it off
+    assert numba_calls == [[0, 4, 6, 8], None]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

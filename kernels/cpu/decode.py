@@ -278,7 +278,7 @@ def balanced_order(lens: np.ndarray) -> np.ndarray:
 
 def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_lens, scale,
                 partition_size: int | None = None, num_threads: int | None = None,
-                partition_threads: int | None = None) -> None:
+                partition_threads: int | None = None, row_ids=None) -> None:
     """Query row ``r`` attends to positions ``[0, row_lens[r])`` of sequence ``row_seqs[r]``'s
     cache (``row_lens`` >= 1); writes ``out`` in place. What decode (one row per sequence) and
     prefill (one row per new token, causal) both are.
@@ -292,9 +292,11 @@ def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_
     (``MAX_SERIAL_WORK``) or one thread run on the calling thread. ``partition_threads``: the
     count ``auto_partitions`` sizes the partitions for (default ``num_threads``); a caller whose
     count changes from call to call fixes it, so that the partitions, and with them the sums'
-    order and every output bit, do not change with it.
+    order and every output bit, do not change with it. ``row_ids``: only these rows (indices
+    into ``query``, ``out``, ``row_seqs`` and ``row_lens``) are computed, the others' ``out`` left
+    as it was; default all.
     """
-    num_rows = query.shape[0]
+    num_rows = query.shape[0] if row_ids is None else len(row_ids)
     if num_rows == 0:
         return
     key_cache, value_cache = as_bits(key_cache), as_bits(value_cache)
@@ -305,16 +307,20 @@ def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_
     block_tables = np.ascontiguousarray(block_tables, dtype=np.int32)
     lens = np.ascontiguousarray(row_lens, dtype=np.int32)
     seqs = np.ascontiguousarray(row_seqs, dtype=np.int32)
+    ids = None if row_ids is None else np.ascontiguousarray(row_ids, dtype=np.int32)
+    if ids is not None:
+        seqs, lens = seqs[ids], lens[ids]
     threads = numba.get_num_threads() if num_threads is None else num_threads
     sized_for = threads if partition_threads is None else partition_threads
     total = int(lens[0]) if num_rows == 1 else int(lens.sum())  # (numpy's sum: 1.3 us)
     small = total * num_kv_heads <= MAX_SERIAL_WORK
     serial = threads <= 1 or small
     if serial:
-        rows = np.arange(num_rows, dtype=np.int32)
+        rows = np.arange(num_rows, dtype=np.int32) if ids is None else ids
     else:
-        rows = balanced_order(lens).astype(np.int32)
-        seqs, lens = seqs[rows], lens[rows]
+        order = balanced_order(lens).astype(np.int32)
+        seqs, lens = seqs[order], lens[order]
+        rows = order if ids is None else ids[order]
     target = output_target(out, key_cache)
     if partition_size is None:
         num_parts = 1 if small else auto_partitions(num_rows, num_kv_heads, sized_for)
@@ -329,7 +335,10 @@ def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_
         kernel(target, query, key_cache, value_cache, block_tables, rows, seqs, lens, float(scale),
                shape)
     if target is not out:
-        out[...] = target
+        if ids is None:
+            out[...] = target
+        else:
+            out[ids] = target[ids]
 
 
 def paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale,

@@ -41,19 +41,26 @@ MIN_ROWS = 64  # query rows of one sequence from which it takes this path (see t
 
 def prefill_sequence(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, block_table: torch.Tensor, context_len: int,
-                     scale: float) -> None:
+                     scale: float, key: torch.Tensor | None = None,
+                     value: torch.Tensor | None = None) -> None:
     """One sequence's new rows attend causally to themselves and its cached prefix.
 
     out, query: ``[n, H, D]``, the sequence's rows (row ``j`` at position ``context_len - n + j``);
     key_cache, value_cache: ``[num_blocks, Hkv, block_size, D]``, this layer's pools, holding the
     sequence's first ``context_len`` keys and values (the new ones written already); block_table:
-    ``[max_blocks]`` int32. Writes ``out`` in place."""
+    ``[max_blocks]`` int32. key, value: ``[n, Hkv, D]``, the rows' own new keys and values in the
+    query's dtype, where the caller has them: a sequence with no cached prefix (``n ==
+    context_len``) then attends to them where they are, without gathering its blocks from the
+    pools (the same values: the pools hold them in this dtype). Writes ``out`` in place."""
     n, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-    blocks = block_table[: (context_len + block_size - 1) // block_size]
-    # [blocks, Hkv, block_size, D] -> [Hkv, tokens, D]: one copy of the sequence's K and V
-    k = key_cache.index_select(0, blocks).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :context_len]
-    v = value_cache.index_select(0, blocks).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :context_len]
+    if n == context_len and key is not None and value is not None:
+        k, v = key.transpose(0, 1), value.transpose(0, 1)  # [Hkv, n, D] views
+    else:
+        blocks = block_table[: (context_len + block_size - 1) // block_size]
+        # [blocks, Hkv, block_size, D] -> [Hkv, tokens, D]: one copy of the sequence's K and V
+        k = key_cache.index_select(0, blocks).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :context_len]
+        v = value_cache.index_select(0, blocks).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)[:, :context_len]
     q = query.transpose(0, 1)  # [H, n, D]
     mask = None
     if n != context_len:  # a cached prefix: row j sees keys up to position context_len - n + j

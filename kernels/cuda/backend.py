@@ -96,7 +96,7 @@ class NumbaCUDABackend:
                             context_lens, scale)
 
     def prefill(self, out, query, key_cache, value_cache, block_tables, query_start_loc,
-                context_lens, scale) -> None:
+                context_lens, scale, new_key=None, new_value=None) -> None:
         from kernels import reference
 
         if not (self._fast(out, query, key_cache, value_cache)

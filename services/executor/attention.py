@@ -54,7 +54,8 @@ class TorchBackend:
         reference.paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale)
 
     def prefill(
-        self, out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale
+        self, out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
+        new_key=None, new_value=None,
     ) -> None:
         reference.paged_prefill_attention(
             out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale
@@ -103,8 +104,13 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    key: torch.Tensor | None = None,  # [T, num_kv_heads, head_dim]: the step's new keys (written)
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of a mixed batch: decodes in one kernel call, prefill chunks in another."""
+    """Attention of a mixed batch: decodes in one kernel call, prefill chunks in another. ``key``
+    and ``value``, the step's new keys and values (already in the pools), go to the prefill as
+    ``new_key`` and ``new_value``: a backend may read a prompt without a cached prefix from them
+    instead of from the pools (the numba backend's torch path does)."""
     out = torch.empty_like(query)
     nd, ndt = meta.num_decodes, meta.num_decode_tokens
     if nd:
@@ -116,5 +122,6 @@ def paged_attention(
         backend.prefill(
             out[ndt:], query[ndt:], key_cache, value_cache, meta.prefill_block_tables,
             meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
+            new_key=None if key is None else key[ndt:], new_value=None if value is None else value[ndt:],
         )
     return out

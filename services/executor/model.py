@@ -79,7 +79,7 @@ class Attention(nn.Module):
         q, k, v = rotary(self.qkv_proj(x), *rope, self.num_heads, self.num_kv_heads, backend)
         key_cache, value_cache = kv_cache
         backend.write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
-        out = paged_attention(backend, q, key_cache, value_cache, meta, self.scale)
+        out = paged_attention(backend, q, key_cache, value_cache, meta, self.scale, k, v)
         return self.comm.all_reduce_(self.o_proj(out.view(num_tokens, self.q_size)))
 
 
