@@ -8,7 +8,8 @@ is given. With ``--zmq-curve`` the three are CURVE servers behind a ZAP allow-li
 
 One loop, never blocked for long: it sends a step when the executors are ready and none is in
 flight, and by default (async scheduling; ``--no-async-scheduling`` is lock-step) also when one
-is, planning the next step while the executors compute that one (``Scheduler.can_schedule_ahead``),
+is, planning the next step while the executors compute that one (``Scheduler.can_schedule_ahead``)
+shortly before that one is expected to end (``step_timing``: requests that arrive meanwhile join it),
 then waits on both sockets at once, so that while a step runs it still takes requests, aborts and
 heartbeats, and sends ``EngineStats`` every ``STATS_INTERVAL_S`` (the frontends' sign
 that the scheduler lives) and, while a playground watches, block-pool snapshots
@@ -49,6 +50,7 @@ from .frontends import FrontendLink
 from .kv_publisher import KvPublisher
 from .liveness import ExecutorGroup, Loss
 from .scheduler import Scheduler, SchedulerConfig
+from .step_timing import PlanAheadTimer
 
 STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 100
@@ -105,6 +107,7 @@ class SchedulerProcess:
         self.stopping = False
         self.scheduler: Scheduler | None = None
         self.in_flight: list[int] = []  # ids of the steps sent and not answered, oldest first
+        self.step_timing = PlanAheadTimer()  # when to plan the next step while one runs
         self._held: list = []  # requests and aborts that came before the scheduler existed
         self._last_stats = float("-inf")
         self._last_turn = time.monotonic()
@@ -175,29 +178,40 @@ class SchedulerProcess:
         sched = self.scheduler
         if sched is None or not self.executors.group.ready:
             return False
-        if self.in_flight and not (self.config.async_scheduling and sched.can_schedule_ahead()):
+        if self.in_flight and not (self.config.async_scheduling and sched.can_schedule_ahead()
+                                   and time.monotonic() >= self.step_timing.plan_ahead_at()):
             return False
         self._drain_requests()  # what came since this turn's poll joins this step, as it would have then
         if not sched.has_work():
             return False
+        began = time.monotonic()
         step = sched.schedule()
         self._send_outputs()
         if step is None:
             return False
-        self.executors.send_step(step, time.monotonic())
+        now = time.monotonic()
+        self.executors.send_step(step, now)
         self.in_flight.append(step.step_id)
+        self.step_timing.sent(step.step_id, len(step.input_token_ids), now, time.monotonic() - began)
         return True
 
     def _poll_timeout_ms(self) -> int:
         if self.in_flight or not self.executors.group.ready:
-            return 20  # a result, or an executor's answer, may come any moment; stats keep going
+            # a result, or an executor's answer, may come any moment; stats keep going; and the
+            # next step may be due to be planned ahead sooner
+            until_plan_ms = (self.step_timing.plan_ahead_at() - time.monotonic()) * 1000
+            if self.config.async_scheduling and 0 < until_plan_ms < 20:
+                return max(1, int(until_plan_ms) + 1)
+            return 20
         return IDLE_POLL_MS
 
     def _apply_result(self, result: StepResult) -> None:
         if not self.in_flight or result.step_id != self.in_flight[0]:
             return  # a step lost with its executors, answered late (rank 0 answers in order)
         self.in_flight.pop(0)
-        self.executors.group.step_done(time.monotonic())
+        now = time.monotonic()
+        self.executors.group.step_done(now)
+        self.step_timing.answered(result.step_id, now)
         if result.error:
             self.log.error("step failed", step_id=result.step_id, error=result.error)
         self.scheduler.update(result)
@@ -212,6 +226,7 @@ class SchedulerProcess:
                        executor_pids=[pid for _, pid in replaced], num_restarts=group.ranks[loss.rank].num_restarts)
         self.executors.report_lost(replaced, loss.cause)
         self.in_flight = []
+        self.step_timing.forget()
         if self.scheduler is not None:
             self.scheduler.reset_executor_state(loss.cause)
             self._send_outputs()
