@@ -30,6 +30,10 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="plan each step while the executors compute the one before (as vLLM's "
                         "--async-scheduling); outputs stay the same (default: on; --no-async-scheduling "
                         "runs lock-step)")
+    g.add_argument("--plan-ahead-at", type=float, default=None, metavar="FRACTION",
+                   help="with async scheduling, plan the next step when the one in flight is this far "
+                        "through its expected time (judged from recent steps), so that requests arriving "
+                        "meanwhile join it; 0 plans it as soon as that one is sent (default 0.75)")
 
 
 def _add_liveness_arguments(p: argparse.ArgumentParser, supervisor: bool) -> None:
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                 zmq_curve=curve_dir(args),
                 **_kwargs(args, ["max_num_seqs", "max_num_batched_tokens", "max_model_len",
                                  "preemption_mode", "kv_policy", "enable_prefix_caching", "step_timeout",
-                                 "heartbeat_timeout", "async_scheduling"]),
+                                 "heartbeat_timeout", "async_scheduling", "plan_ahead_at"]),
             ))
         elif args.command == "executor":
             from shared.threads import prepare_openmp

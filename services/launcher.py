@@ -302,7 +302,8 @@ def _flags(args, names: list[str]) -> list[str]:
 
 def scheduler_argv(args) -> list[str]:
     argv = _flags(args, ["max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode",
-                         "kv_policy", "step_timeout", "heartbeat_timeout", "async_scheduling"])
+                         "kv_policy", "step_timeout", "heartbeat_timeout", "async_scheduling",
+                         "plan_ahead_at"])
     return argv + (["--no-prefix-caching"] if args.enable_prefix_caching is False else [])
 
 

@@ -121,6 +121,15 @@ def test_serve_passes_each_switch_on_as_given(flag, threads_flag):
     assert parsed.adaptive_threads == (None if threads_flag is None else threads_flag == "--adaptive-threads")
 
 
+def test_serve_passes_plan_ahead_at_to_the_scheduler():
+    from services.launcher import scheduler_argv
+
+    assert "--plan-ahead-at" not in scheduler_argv(build_parser().parse_args(["serve"]))
+    argv = scheduler_argv(build_parser().parse_args(["serve", "--plan-ahead-at", "0"]))
+    assert argv[argv.index("--plan-ahead-at") + 1] == "0.0"
+    assert build_parser().parse_args(["scheduler", *argv]).plan_ahead_at == 0.0
+
+
 def _rank(running: bool, followed: bool = False):
     from types import SimpleNamespace
     return SimpleNamespace(running=running, followed=followed)

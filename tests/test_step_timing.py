@@ -86,3 +86,24 @@ def test_forget_starts_over():
     assert timer.expected_seconds(16) is None
     timer.sent(0, 16, now + 1, 0.002)
     assert timer.plan_ahead_at() == -math.inf
+
+
+def test_fraction_zero_plans_at_once_as_before():
+    """``--plan-ahead-at 0``: the step after the one in flight is planned as soon as that one is sent."""
+    timer = PlanAheadTimer(0.0)
+    now = _run_steps(timer, [(64, 0.080)] * 10)
+    timer.sent(10, 64, now, 0.002)
+    assert timer.expected_seconds(64) == pytest.approx(0.080)
+    assert timer.plan_ahead_at() == -math.inf
+    timer.forget()
+    assert timer.fraction == 0.0
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5])
+def test_the_scheduler_refuses_a_fraction_outside_0_1(value):
+    from services.scheduler.main import SchedulerProcessConfig
+    from shared.endpoints import Endpoints
+
+    with pytest.raises(ValueError, match="--plan-ahead-at must be between 0 and 1"):
+        SchedulerProcessConfig(endpoints=Endpoints("ipc:///tmp/a", "ipc:///tmp/b", "ipc:///tmp/c"),
+                               plan_ahead_at=value)

@@ -50,7 +50,7 @@ from .frontends import FrontendLink
 from .kv_publisher import KvPublisher
 from .liveness import ExecutorGroup, Loss
 from .scheduler import Scheduler, SchedulerConfig
-from .step_timing import PlanAheadTimer
+from .step_timing import PLAN_AT_FRACTION, PlanAheadTimer
 
 STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 100
@@ -72,6 +72,7 @@ class SchedulerProcessConfig:
     supervisor_endpoint: str | None = None  # where to report lost processes (pagedserve serve)
     zmq_curve: str | None = None  # --zmq-curve: the CURVE key directory; None: plain ZeroMQ
     async_scheduling: bool = True  # plan step N + 1 while the executors run step N (False: lock-step)
+    plan_ahead_at: float = PLAN_AT_FRACTION  # ... when N is this far through its expected time (0: at once)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -79,6 +80,8 @@ class SchedulerProcessConfig:
         for flag, value in (("--step-timeout", self.step_timeout), ("--heartbeat-timeout", self.heartbeat_timeout)):
             if not value > 0:
                 raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
+        if not 0 <= self.plan_ahead_at <= 1:
+            raise ValueError(f"--plan-ahead-at must be between 0 and 1, got {self.plan_ahead_at}")
 
 
 class _Stop(Exception):
@@ -107,7 +110,7 @@ class SchedulerProcess:
         self.stopping = False
         self.scheduler: Scheduler | None = None
         self.in_flight: list[int] = []  # ids of the steps sent and not answered, oldest first
-        self.step_timing = PlanAheadTimer()  # when to plan the next step while one runs
+        self.step_timing = PlanAheadTimer(config.plan_ahead_at)  # when to plan the next step while one runs
         self._held: list = []  # requests and aborts that came before the scheduler existed
         self._last_stats = float("-inf")
         self._last_turn = time.monotonic()

@@ -13,7 +13,8 @@ The expected time of the step in flight comes from the recent steps' compute tim
 token counts: a line fitted by Theil-Sen (the median of pairwise slopes), which a few outliers (a
 first step that loads kernels, a neighbour's burst of work) do not move. A step's compute starts
 when it is sent, or, planned ahead, when the step before it is answered. The plan is made at
-``start + PLAN_AT_FRACTION * expected - lead``, the lead being twice the recent planning time: on
+``start + fraction * expected - lead`` (``--plan-ahead-at``, default ``PLAN_AT_FRACTION``; 0 plans at
+once), the lead being twice the recent planning time: on
 the early side, since a plan made after the step ended leaves the executors idle for its length.
 With too few steps seen (a fresh start, executors just replaced) the next step is planned at once,
 as before.
@@ -32,7 +33,8 @@ MIN_LEAD_S = 0.001
 
 
 class PlanAheadTimer:
-    def __init__(self) -> None:
+    def __init__(self, fraction: float = PLAN_AT_FRACTION) -> None:
+        self.fraction = fraction  # of the expected time, from the start; 0: plan at once
         self._samples: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (tokens, compute seconds)
         self._in_flight: dict[int, tuple[int, float]] = {}  # step id -> (tokens, send time), in order
         self._last_answer = float("-inf")  # when the last step was answered
@@ -57,7 +59,7 @@ class PlanAheadTimer:
 
     def forget(self) -> None:
         """The executors were replaced: their steps are gone and their speed is unknown."""
-        self.__init__()
+        self.__init__(self.fraction)
 
     def expected_seconds(self, num_tokens: int) -> float | None:
         """The compute time expected of a step of ``num_tokens`` tokens; None with too few steps seen."""
@@ -79,11 +81,11 @@ class PlanAheadTimer:
         return self._plan_at
 
     def _work_out_plan_at(self) -> float:
-        if len(self._in_flight) != 1:
+        if len(self._in_flight) != 1 or self.fraction <= 0:
             return float("-inf")
         ((num_tokens, sent),) = self._in_flight.values()
         expected = self.expected_seconds(num_tokens)
         if expected is None:
             return float("-inf")
         start = max(sent, self._last_answer)
-        return start + PLAN_AT_FRACTION * expected - max(2 * self._plan_s, MIN_LEAD_S)
+        return start + self.fraction * expected - max(2 * self._plan_s, MIN_LEAD_S)
