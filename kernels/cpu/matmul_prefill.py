@@ -1,6 +1,7 @@
 """Prefill attention of one long sequence through torch's fused attention (``scaled_dot_product_
 attention``), whose CPU kernel multiplies bfloat16 tiles in oneDNN's matmul micro-kernels (AMX
-tiles where the CPU has them), on K/V gathered from the paged cache.
+tiles where the CPU has them), on K/V gathered from the paged cache, or, for a prompt with no
+cached prefix, on the step's new K/V where they already are.
 
 The Numba kernels (``kernels/cpu/decode.py``) attend one query row at a time, at about 50 GFLOP/s
 of bfloat16 here: fine for decodes, which read far more bytes than they multiply, but a prompt's
