@@ -86,3 +86,29 @@ def test_off_or_unwritable_reads_the_gguf_file(tmp_path, monkeypatch, gguf_sourc
     blocker.write_text("")
     monkeypatch.setenv("PAGEDSERVE_GGUF_CACHE", str(blocker / "cache"))  # cannot be created
     assert resolve_model(None) == gguf_source
+
+
+def test_the_conversion_parses_the_file_once(tmp_path):
+    """While converting, gguf's reader is made once per file and its tensor-name map once per
+    architecture (``transformers`` asks for each several times); afterwards both are gguf's own."""
+    import gguf
+    import numpy as np
+
+    from shared.gguf_cache import _parsed_once
+
+    path = str(tmp_path / "tiny.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.arange(8, dtype=np.float32).reshape(2, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(tmp_path / "." / "tiny.gguf")) is first  # the same file, another spelling
+        assert [t.name for t in first.tensors] == ["token_embd.weight"]
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert gguf.GGUFReader is reader_class and gguf.get_tensor_name_map is name_map
+    assert gguf.GGUFReader(path) is not first
