@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import signal
 import statistics
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 
 from loadtest.machine_state import wait_for_quiet
 from loadtest.stream_timing import StreamTimes
+from loadtest.throughput import _get_json, completion_chunks, start_server
 
 BACKGROUND_PROMPT, ARRIVAL_PROMPT, BACKGROUND_TOKENS = 64, 32, 1500
 
@@ -72,17 +72,11 @@ def _prompt(rng: random.Random, length: int) -> list[int]:
 
 async def _stream(session, url: str, body: dict, times: StreamTimes) -> StreamTimes:
     """POST a streamed completion, noting each text chunk's arrival in ``times``."""
-    async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
-        resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"error event: {chunk['error']}")
-            if any(c.get("text") for c in chunk.get("choices") or ()):
-                times.token_times_s.append(time.perf_counter())
+    async for chunk in completion_chunks(session, url, body):
+        if "error" in chunk:
+            raise RuntimeError(f"error event: {chunk['error']}")
+        if any(c.get("text") for c in chunk.get("choices") or ()):
+            times.token_times_s.append(time.perf_counter())
     times.end_s = time.perf_counter()
     return times
 
@@ -143,8 +137,6 @@ def print_results(variants: list[str], runs: list[list[Run]]) -> None:
 
 
 def main() -> None:
-    from loadtest.throughput import _get_json, start_server
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--background", type=int, default=32, help="requests decoding meanwhile (default 32)")
     ap.add_argument("--arrivals", type=int, default=30, help="requests that arrive one at a time (default 30)")

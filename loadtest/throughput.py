@@ -120,21 +120,26 @@ def start_server(flags: list[str], log_path: str = "/tmp/pagedserve-throughput-s
     return proc, url
 
 
-async def stream_completion(session, url: str, body: dict, t_start: float) -> tuple[float, dict]:
-    """POST a streamed completion with usage; returns (seconds to the first choice chunk, usage)."""
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    ttft = None
-    usage = None
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
+async def completion_chunks(session, url: str, body: dict):
+    """POST ``body`` to ``/v1/completions`` with ``stream`` on; yields each server-sent event's
+    JSON chunk as it arrives (``data: [DONE]`` and other lines skipped) until the body ends."""
+    async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
         resp.raise_for_status()
         async for raw in resp.content:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and ttft is None:
-                ttft = time.monotonic() - t_start
-            usage = chunk.get("usage") or usage
+            yield json.loads(line[6:])
+
+
+async def stream_completion(session, url: str, body: dict, t_start: float) -> tuple[float, dict]:
+    """POST a streamed completion with usage; returns (seconds to the first choice chunk, usage)."""
+    ttft = None
+    usage = None
+    async for chunk in completion_chunks(session, url, {**body, "stream_options": {"include_usage": True}}):
+        if chunk.get("choices") and ttft is None:
+            ttft = time.monotonic() - t_start
+        usage = chunk.get("usage") or usage
     return ttft or 0.0, usage
 
 

@@ -202,9 +202,10 @@ class SchedulerProcess:
         if self.in_flight or not self.executors.group.ready:
             # a result, or an executor's answer, may come any moment; stats keep going; and the
             # next step may be due to be planned ahead sooner
-            until_plan_ms = (self.step_timing.plan_ahead_at() - time.monotonic()) * 1000
-            if self.config.async_scheduling and 0 < until_plan_ms < 20:
-                return max(1, int(until_plan_ms) + 1)
+            if self.config.async_scheduling:
+                until_plan_ms = (self.step_timing.plan_ahead_at() - time.monotonic()) * 1000
+                if 0 < until_plan_ms < 20:
+                    return max(1, int(until_plan_ms) + 1)
             return 20
         return IDLE_POLL_MS
 
