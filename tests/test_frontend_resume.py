@@ -15,8 +15,8 @@ from services.frontend.health import health_report
 from services.frontend.request_routes import RESUME_REFUSED, RequestRoutes
 from shared.endpoints import Endpoints
 from shared.messages import (
-    AbortRequest, AddRequest, EngineStats, ExecutorHealth, FrontendHello, RequestOutput, SamplingParams, decode,
-    encode,
+    AbortRequest, AddRequest, EngineStats, ExecutorHealth, FrontendHello, RequestOutput, RequestOutputs,
+    SamplingParams, decode, encode,
 )
 
 
@@ -136,7 +136,7 @@ def test_engine_client_hands_its_requests_to_a_restarted_scheduler(tmp_path):
             first.send_multipart([identity, encode(_stats(1, executor_restarts=2))])
             queue = client.add_request(_add("r", n=1, max_tokens=8))
             await receive(first, AddRequest)
-            first.send_multipart([identity, encode(RequestOutput("r", 0, [7, 8]))])
+            first.send_multipart([identity, encode(RequestOutputs([RequestOutput("r", 0, [7, 8])]))])
             assert (await queue.get()).new_token_ids == [7, 8]
             assert health_report(client, client.process_restarts())[0] == 200
             first.close()  # the scheduler dies
@@ -162,7 +162,8 @@ def test_engine_client_hands_its_requests_to_a_restarted_scheduler(tmp_path):
             assert not [m for m in (decode(second.recv_multipart()[1]) for _ in range(20) if second.poll(0))
                         if isinstance(m, AddRequest)]
             client.abort("s")
-            second.send_multipart([identity, encode(RequestOutput("r.r1.c0", 0, [9], "length", request_finished=True))])
+            second.send_multipart([identity, encode(RequestOutputs([
+                RequestOutput("r.r1.c0", 0, [9], "length", request_finished=True)]))])
             last = await asyncio.wait_for(queue.get(), 10)
             assert (last.request_id, last.new_token_ids, last.finish_reason) == ("r", [9], "length")
             assert client.process_restarts() == {"executor": 2, "scheduler": 1, "frontend": 0}

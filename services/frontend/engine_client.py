@@ -225,11 +225,9 @@ class EngineClient:
                                            error=f"engine output was malformed: {exc}")
                 self._route(output)
             return
-        if isinstance(message, RequestOutputs):
+        if isinstance(message, RequestOutputs):  # the one form outputs take (FrontendLink.send_outputs)
             for output in message.outputs:
                 self._route(output)
-        elif isinstance(message, RequestOutput):
-            self._route(message)
         elif isinstance(message, EngineStats):
             self._on_stats(message)
         elif isinstance(message, KvSnapshot):
@@ -268,16 +266,13 @@ class EngineClient:
 
 
 def _readable_outputs(frame: bytes) -> list[RequestOutput | str]:
-    """What can still be read of a malformed ``RequestOutput`` or ``RequestOutputs`` frame, in order:
-    each output that decodes on its own, else its request id where that can be read."""
+    """What can still be read of a malformed ``RequestOutputs`` frame, in order: each output that
+    decodes on its own, else its request id where that can be read."""
     try:
         tag, fields = msgpack.unpackb(frame, raw=False)
-        if tag == RequestOutput.TAG:
-            items = [fields]
-        elif tag == RequestOutputs.TAG:
-            items = list(fields[0])
-        else:
+        if tag != RequestOutputs.TAG:
             return []
+        items = list(fields[0])
     except Exception:  # anything at all may be wrong with this frame
         return []
     readable: list[RequestOutput | str] = []

@@ -98,8 +98,9 @@ class FrontendLink:
         for identity, last in list(self.frontends.items()):
             if now - last > self.silence_timeout_s:
                 aborted = self._forget(identity, f"silent for {now - last:.1f} s")
-                for request_id in aborted:  # if it still lives, its requests must not wait forever
-                    self._send(identity, encode(error_output_for_lost_frontend(request_id, now - last)))
+                if aborted:  # if it still lives, its requests must not wait forever: one frame, as outputs go
+                    self._send(identity, encode(RequestOutputs(
+                        [error_output_for_lost_frontend(request_id, now - last) for request_id in aborted])))
 
     def send_kv_snapshot(self, frame: bytes) -> None:
         """To every watching frontend; one that is busy misses this snapshot, not the next."""
