@@ -16,6 +16,15 @@ hidden or capped, e.g. by ``ATEN_CPU_CAPABILITY``), torch's own CPUID view
 float32. Without either feature (e.g. AVX2-only CPUs) bf16 matmuls are emulated and float32 is
 both faster and exact.
 
+AMX counts only where oneDNN can use it: ``ONEDNN_MAX_CPU_ISA`` must not stop it below the AMX
+kernels (``avx512_core_bf16`` leaves it the AVX-512 BF16 ones), and Linux must let the process use
+the tiles (``torch.cpu._init_amx()``, which asks for them with ``arch_prctl``; kernels before 5.16
+cannot grant it). Else the CPU counts as AVX-512 BF16. Besides the dtype, AMX decides the prefill
+attention path (``kernels/cpu/backend.py``), and there a wrong answer is costly: with oneDNN
+capped at ``avx512_core_bf16`` on the AMX Xeon, torch's fused attention took 754 ms for one
+64-row prompt's 30 layers, where the Numba prefill took 6.1 ms (and 2.9 ms against 4.2 uncapped;
+``/tmp/b/prefill_paths.py``, 2026-12-02).
+
 Measured (torch 2.13.0+cpu, oneDNN 3.12, ``F.linear``, min of a 1-2 s run per pair, both dtypes
 in one process, machine shared with other jobs; bf16 time / fp32 time):
 
@@ -45,6 +54,9 @@ _TORCH_NAMES = {"avx512f": "avx512_f", "avx512bw": "avx512_bw", "avx512vl": "avx
 # ONEDNN_MAX_CPU_ISA values that stop oneDNN short of its bf16 kernels
 _ONEDNN_ISAS_WITHOUT_BF16 = {"sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core",
                              "avx512_core_vnni"}
+# ... and those that stop it short of its AMX kernels (avx10_1_512 is avx512_core_fp16's new name)
+_ONEDNN_ISAS_WITHOUT_AMX = _ONEDNN_ISAS_WITHOUT_BF16 | {"avx512_core_bf16", "avx512_core_fp16",
+                                                        "avx10_1_512"}
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,7 @@ class CpuFeatures:
     torch_capability: str | None  # torch.backends.cpu.get_cpu_capability(): AVX2, AVX512, ...
     torch_flags: frozenset[str] | None  # flags torch.cpu.get_capabilities() reports true
     onednn_max_isa: str | None  # the ONEDNN_MAX_CPU_ISA environment variable
+    amx_permitted: bool | None = None  # whether Linux lets this process use AMX tiles (None: not asked)
 
     def has(self, names) -> bool:
         """Every flag in ``names`` per /proc/cpuinfo and, where torch reports flags, per torch."""
@@ -68,7 +81,8 @@ class CpuFeatures:
             return None
         if (self.onednn_max_isa or "").lower() in _ONEDNN_ISAS_WITHOUT_BF16:
             return None
-        if self.has(AMX_FLAGS):
+        if (self.has(AMX_FLAGS) and self.amx_permitted is not False
+                and (self.onednn_max_isa or "").lower() not in _ONEDNN_ISAS_WITHOUT_AMX):
             return "amx"
         if self.has(AVX512_BF16_FLAGS):
             return "avx512_bf16"
@@ -79,7 +93,8 @@ class CpuFeatures:
         return {"cpu": self.model_name,
                 "cpu_flags": sorted(f for f in self.flags if f in _REPORTED),
                 "torch_cpu_capability": self.torch_capability,
-                "onednn_max_isa": self.onednn_max_isa}
+                "onednn_max_isa": self.onednn_max_isa,
+                "amx_permitted": self.amx_permitted}
 
 
 def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
@@ -113,7 +128,18 @@ def read_cpu_features(cpuinfo_path: str = "/proc/cpuinfo") -> CpuFeatures:
     except OSError:
         model, flags = "unknown", frozenset()
     capability, torch_flags = _torch_view()
-    return CpuFeatures(model, flags, capability, torch_flags, os.environ.get("ONEDNN_MAX_CPU_ISA"))
+    permitted = _amx_permitted() if all(f in flags for f in AMX_FLAGS) else None
+    return CpuFeatures(model, flags, capability, torch_flags, os.environ.get("ONEDNN_MAX_CPU_ISA"),
+                       permitted)
+
+
+def _amx_permitted() -> bool | None:
+    """Whether Linux lets this process use AMX tiles (asking for them, as oneDNN does before its
+    first AMX kernel); None where this torch cannot say."""
+    import torch
+
+    init_amx = getattr(torch.cpu, "_init_amx", None)
+    return None if init_amx is None else bool(init_amx())
 
 
 def choose_cpu_dtype(features: CpuFeatures) -> tuple[str, str]:

@@ -26,13 +26,13 @@ def _cpuinfo_text(model: str, flags: str) -> str:
 
 
 def _features(kind: str, capability: str | None = None, torch_agrees: bool = True,
-              onednn_max_isa: str | None = None) -> CpuFeatures:
+              onednn_max_isa: str | None = None, amx_permitted: bool | None = None) -> CpuFeatures:
     model, flags = parse_cpuinfo(_cpuinfo_text(*CPUINFO[kind]))
     capability = capability or ("AVX512" if "avx512f" in flags else "AVX2")
     torch_flags = frozenset(_TORCH_NAMES.get(f, f) for f in flags)
     if not torch_agrees:
         torch_flags -= {"avx512_bf16", "amx_bf16"}
-    return CpuFeatures(model, flags, capability, torch_flags, onednn_max_isa)
+    return CpuFeatures(model, flags, capability, torch_flags, onednn_max_isa, amx_permitted)
 
 
 def test_parse_cpuinfo_reads_the_first_processor():
@@ -65,6 +65,34 @@ def test_float32_when_torch_disagrees_or_is_capped(kind):
     assert chosen == "float32" and "ONEDNN_MAX_CPU_ISA" in reason
     # a cap at or above the bf16 kernels changes nothing
     assert choose_cpu_dtype(_features(kind, onednn_max_isa="avx512_core_amx"))[0] == "bfloat16"
+
+
+@pytest.mark.parametrize("cap,permitted,native", [
+    (None, True, "amx"),
+    (None, None, "amx"),  # this torch cannot say: the flags decide, as before
+    (None, False, "avx512_bf16"),  # Linux refused the tiles: oneDNN runs its AVX-512 BF16 kernels
+    ("AVX512_CORE_BF16", True, "avx512_bf16"),
+    ("avx10_1_512", True, "avx512_bf16"),
+    ("AVX512_CORE_FP16", True, "avx512_bf16"),
+    ("AVX10_1_512_AMX", True, "amx"),
+    ("avx512_core_amx", True, "amx"),
+])
+def test_amx_counts_only_where_onednn_can_use_it(cap, permitted, native):
+    features = _features("xeon_amx", onednn_max_isa=cap, amx_permitted=permitted)
+    assert features.native_bf16() == native
+    chosen, reason = choose_cpu_dtype(features)
+    assert chosen == "bfloat16" and ("AMX bf16" in reason) == (native == "amx")
+
+
+def test_the_prefill_path_follows_a_cap_below_amx(monkeypatch):
+    """On any machine: with oneDNN capped below its AMX kernels, the backend keeps the Numba
+    prefill (torch's fused attention took 754 ms instead of 6 ms for a 64-row prompt there)."""
+    from kernels.cpu.backend import NumbaCPUBackend
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert read_cpu_features().native_bf16() != "amx"
+    assert NumbaCPUBackend().matmul_prefill_path is False
+    assert "amx_permitted" in read_cpu_features().summary()
 
 
 def test_torch_without_a_flag_view_relies_on_cpuinfo():
