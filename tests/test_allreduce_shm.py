@@ -211,3 +211,30 @@ def test_a_peer_that_arrived_then_closed_is_not_blamed():
     with pytest.raises(GroupError, match="rank 1 closed while rank 0 waited for it at collective 2") as info:
         flags._check_lagging(lagging, W_EPOCH, 2, "collective 2", waited_s=0.0)
     assert info.value.rank == 1
+
+
+@pytest.mark.parametrize("arrives", [True, False])
+def test_a_peer_that_arrives_closes_and_exits_during_the_check_is_not_blamed(monkeypatch, arrives):
+    """The same race a step later: rank 1 publishes, closes and exits while rank 0 checks it. Only
+    a peer that is gone without having arrived is blamed as dead."""
+    from services.executor.parallel import flags as flags_module
+    from services.executor.parallel.flags import PeerFlags
+    from services.executor.parallel.segment import STATUS_CLOSED, W_EPOCH, W_STATUS
+
+    flags = PeerFlags(_header(), new_group_id(), 0, WaitPolicy())
+    peer = _header()
+    flags.peers.append((1, peer, {"pid": 12345, "pid_start": 0, "pid_ns": 0}))
+    lagging = list(flags.peers)  # seen short of epoch 1
+
+    def finishes_and_exits(pid, start_ticks, pid_namespace):  # whenever rank 0 asks, it is gone
+        if arrives:
+            peer[W_EPOCH], peer[W_STATUS] = 1, STATUS_CLOSED
+        return False
+
+    monkeypatch.setattr(flags_module, "process_alive", finishes_and_exits)
+    if arrives:
+        flags._check_lagging(lagging, W_EPOCH, 1, "collective 1", waited_s=0.0)
+        assert flags.error is None
+    else:
+        with pytest.raises(GroupError, match="rank 1 \\(pid 12345\\) died; rank 0 was at collective 1"):
+            flags._check_lagging(lagging, W_EPOCH, 1, "collective 1", waited_s=0.0)

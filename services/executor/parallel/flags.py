@@ -115,10 +115,14 @@ class PeerFlags:
     def _check_lagging(self, lagging, word: int, value: int, what: str, waited_s: float) -> None:
         """Fail naming the first peer still short of ``value`` that aborted, closed, died or is late.
 
-        A peer seen lagging may have arrived since, then closed or exited (it was done): its status
-        is read first, then whether it arrived, so that such a peer is not blamed."""
+        A peer seen lagging may have arrived since, then closed or exited (it was done). So whether
+        it lives is asked first, then its status is read, then whether it arrived: a peer found gone
+        has written its last words before, and one that arrived is not blamed. (Asked last, a peer
+        that arrived, closed and exited between the reads and the question was blamed as dead: a
+        4-rank test group failed so on a loaded machine, the blamed rank's exit status 0.)"""
         late = []
         for r, words, h in lagging:
+            alive = process_alive(h["pid"], h["pid_start"], h["pid_ns"])
             status = words[W_STATUS]
             if words[word] >= value:
                 continue
@@ -131,7 +135,7 @@ class PeerFlags:
                           f"was at {what}", None if cause < 0 else cause)
             if status == STATUS_CLOSED:
                 self.fail(f"rank {r} closed while rank {self.rank} waited for it at {what}", r)
-            if not process_alive(h["pid"], h["pid_start"], h["pid_ns"]):
+            if not alive:
                 self.fail(f"rank {r} (pid {h['pid']}) died; rank {self.rank} was at {what}", r)
         if late and waited_s > self.policy.timeout_s:
             self.fail(f"ranks {late} did not reach {what} within {self.policy.timeout_s:g} s "
