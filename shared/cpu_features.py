@@ -75,14 +75,18 @@ class CpuFeatures:
         return self.torch_flags is None or all(_TORCH_NAMES.get(n, n) in self.torch_flags
                                                for n in names)
 
+    def onednn_cap(self) -> str:
+        """``ONEDNN_MAX_CPU_ISA`` in lower case (oneDNN reads it either way); "" where unset."""
+        return (self.onednn_max_isa or "").lower()
+
     def native_bf16(self) -> str | None:
         """``"amx"`` or ``"avx512_bf16"`` where bf16 matmuls run natively, else None."""
         if self.torch_capability != "AVX512":
             return None
-        if (self.onednn_max_isa or "").lower() in _ONEDNN_ISAS_WITHOUT_BF16:
+        if self.onednn_cap() in _ONEDNN_ISAS_WITHOUT_BF16:
             return None
         if (self.has(AMX_FLAGS) and self.amx_permitted is not False
-                and (self.onednn_max_isa or "").lower() not in _ONEDNN_ISAS_WITHOUT_AMX):
+                and self.onednn_cap() not in _ONEDNN_ISAS_WITHOUT_AMX):
             return "amx"
         if self.has(AVX512_BF16_FLAGS):
             return "avx512_bf16"
@@ -151,7 +155,7 @@ def choose_cpu_dtype(features: CpuFeatures) -> tuple[str, str]:
         return "bfloat16", "AVX-512 BF16 matmuls (oneDNN avx512_core_bf16)"
     if features.torch_capability != "AVX512":
         why = f"torch's CPU capability is {features.torch_capability}, not AVX512"
-    elif (features.onednn_max_isa or "").lower() in _ONEDNN_ISAS_WITHOUT_BF16:
+    elif features.onednn_cap() in _ONEDNN_ISAS_WITHOUT_BF16:
         why = f"ONEDNN_MAX_CPU_ISA={features.onednn_max_isa} stops oneDNN short of bf16"
     else:
         why = "no AMX-BF16 or AVX-512 BF16 (as both /proc/cpuinfo and torch report it)"
