@@ -32,6 +32,8 @@ GREEDY = dict(model=MODEL, max_tokens=120, temperature=0, extra_body={"ignore_eo
 POISON_DIR = Path(__file__).parent / "poison_executor"
 POISON_TOKEN_ID = 49151  # tests/poison_executor/sitecustomize.py kills the executor on it
 RECOVERY_S = 240.0  # a guard against hangs only
+# rounds of streams started until one is caught with every stream midway (see Streams.midway_of)
+MIDWAY_TRIES = 5
 # what the stopped-executor tests wait out: a tiny-model step takes milliseconds (the kernels are
 # loaded during the executor's warm-up), so 3 s is still a wide margin on a loaded machine
 STEP_TIMEOUT_S = "3"
@@ -130,7 +132,8 @@ def _alive(pid: int) -> bool:
 
 
 class Streams:
-    """Greedy streams of ``PROMPTS`` in threads; ``midway()`` waits until each has had a few chunks."""
+    """Greedy streams of ``PROMPTS`` in threads, started together; ``midway_of`` starts them and
+    returns once each has had a few chunks and none has finished."""
 
     def __init__(self, url: str, prompts: list[str] = PROMPTS) -> None:
         self.client = _client(url)
@@ -139,11 +142,13 @@ class Streams:
         self.num_chunks = [0] * len(prompts)
         self.finish_reasons: list[str | None] = [None] * len(prompts)
         self.errors: list[BaseException | None] = [None] * len(prompts)
+        self._go = threading.Barrier(len(prompts))  # every thread sends its request at once
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(len(prompts))]
         for thread in self.threads:
             thread.start()
 
     def _run(self, i: int) -> None:
+        self._go.wait()
         try:
             for chunk in self.client.completions.create(prompt=self.prompts[i], stream=True, **GREEDY):
                 if chunk.choices:
@@ -153,10 +158,21 @@ class Streams:
         except BaseException as exc:  # noqa: BLE001 - recorded for the test to assert on
             self.errors[i] = exc
 
-    def midway(self) -> None:
-        _wait_for(lambda: min(self.num_chunks) >= 5 or any(self.errors), "streams did not start")
-        assert not any(self.errors), self.errors
-        assert not any(self.finish_reasons), "a stream finished before the fault: the test would prove nothing"
+    @classmethod
+    def midway_of(cls, url: str, prompts: list[str] = PROMPTS) -> "Streams":
+        """Streams of ``prompts``, each past its first few chunks and none finished: the moment at
+        which a fault proves something. On a loaded machine one stream can start so late that
+        another has finished by then (a tiny model's 120 tokens take well under a second); such a
+        round is left to finish and a new one started, up to ``MIDWAY_TRIES`` rounds."""
+        for _ in range(MIDWAY_TRIES):
+            streams = cls(url, prompts)
+            _wait_for(lambda: min(streams.num_chunks) >= 5 or any(streams.errors), "streams did not start")
+            assert not any(streams.errors), streams.errors
+            if not any(streams.finish_reasons):
+                return streams
+            streams.join()
+        raise AssertionError(f"in each of {MIDWAY_TRIES} rounds a stream finished before the fault: "
+                             "the test would prove nothing")
 
     def join(self) -> None:
         for thread in self.threads:
@@ -194,8 +210,7 @@ def server(tmp_path_factory, model_dir):
 def test_killed_process_is_replaced_and_streams_continue_identically(server, victim):
     proc, url, root, reference = server
     before = _restarts(url)
-    streams = Streams(url)
-    streams.midway()
+    streams = Streams.midway_of(url)
     os.kill(_child(proc, victim), signal.SIGKILL)
     streams.join()
     assert streams.errors == [None] * len(PROMPTS)
@@ -211,8 +226,7 @@ def test_killed_process_is_replaced_and_streams_continue_identically(server, vic
 def test_stopped_executor_is_killed_after_the_step_timeout(server):
     proc, url, root, reference = server
     before = _restarts(url)
-    streams = Streams(url)
-    streams.midway()
+    streams = Streams.midway_of(url)
     stopped = _child(proc, "executor")
     os.kill(stopped, signal.SIGSTOP)
     streams.join()
@@ -233,8 +247,7 @@ def test_scheduler_restart_resumes_sampled_and_grouped_requests(server):
         n_stream = pool.submit(lambda: list(client.completions.create(
             n=2, stream=True, stream_options={"include_usage": True}, **sampled)))
         best_of = pool.submit(client.completions.create, n=1, best_of=2, **sampled)
-        streams = Streams(url, PROMPTS[:2])
-        streams.midway()
+        streams = Streams.midway_of(url, PROMPTS[:2])
         os.kill(_child(proc, "scheduler"), signal.SIGKILL)
         chunks = n_stream.result(timeout=RECOVERY_S)
         streams.join()
@@ -257,8 +270,7 @@ def test_overlapped_loop_gives_the_same_streams_and_recovers_with_two_steps_in_f
     try:
         assert _reference(url) == reference
         for fault in (signal.SIGKILL, signal.SIGSTOP):
-            streams = Streams(url)
-            streams.midway()
+            streams = Streams.midway_of(url)
             victim = _child(proc, "executor")
             os.kill(victim, fault)
             streams.join()
@@ -276,8 +288,7 @@ def test_overlapped_loop_gives_the_same_streams_and_recovers_with_two_steps_in_f
 
 def test_killed_frontend_is_replaced_and_its_requests_are_freed(server):
     proc, url, _, _ = server
-    streams = Streams(url)
-    streams.midway()
+    streams = Streams.midway_of(url)
     os.kill(_child(proc, "frontend"), signal.SIGKILL)
     streams.join()
     assert all(e is not None for e in streams.errors)  # the connections dropped, as with any server
@@ -306,8 +317,7 @@ def test_poison_request_is_failed_alone_and_idle_hang_shows_in_health(poison_ser
     innocent = PROMPTS[:7]
     reference = _reference(url, innocent)
     before = _restarts(url)["executor"]
-    streams = Streams(url, innocent)
-    streams.midway()
+    streams = Streams.midway_of(url, innocent)
     with pytest.raises(Exception) as failure:
         _client(url).completions.create(prompt=[5, 6, POISON_TOKEN_ID, 7], **GREEDY)
     assert "executor crashes" in str(failure.value)
@@ -331,8 +341,7 @@ def test_a_silent_scheduler_makes_health_and_new_requests_answer_503(poison_serv
     proc, url = poison_server
     before = _restarts(url)["scheduler"]
     reference = _reference(url, PROMPTS[:1])
-    streams = Streams(url, PROMPTS[:1])
-    streams.midway()
+    streams = Streams.midway_of(url, PROMPTS[:1])
     scheduler = _child(proc, "scheduler")
     os.kill(scheduler, signal.SIGSTOP)
     try:
