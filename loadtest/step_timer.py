@@ -10,7 +10,9 @@ Categories (ns, summed over the steps timed; ``breakdown`` derives the rest):
 
 - ``matmul``: the linear layers of the decoder layers (q/k/v/o, gate/up/down, fused or not; also
   the MLP's ``separate_gate_up``, its two matmuls in the float32 exactness mode);
-- ``attention``: the backend's ``write_kv``, ``decode`` and ``prefill`` (the paged kernels);
+- ``attention``: the backend's ``write_kv``, ``decode`` and ``prefill`` (the paged kernels), and
+  ``decode_qkv`` (a decode-only step's rotary embedding, cache write and attention in one kernel:
+  there ``rotary`` counts nothing);
 - ``norm``, ``rotary``: the RMSNorm modules (also the final one) and the rotary embedding;
 - ``forward``: the whole forward pass; ``lm_head``: ``compute_logits``; ``sampling``: the
   sampler; ``execute``: the runner's whole step.
@@ -26,7 +28,7 @@ from torch import nn
 
 EXECUTOR_PARTS = (
     ("matmul", "matmuls q/k/v/o, gate/up/down"),
-    ("attention", "attention (paged kernels, cache write)"),
+    ("attention", "attention (paged kernels, cache write; decode: and rotary)"),
     ("norm", "RMS norms"),
     ("rotary", "rotary embedding"),
     ("other_layer", "other per-layer ops (activation, residuals, embedding, glue)"),
@@ -89,8 +91,9 @@ def install(runner, timer: RegionTimer) -> Callable[[], None]:
         if isinstance(module, RMSNorm):
             timer.wrap(module, "forward", "norm")
     timer.wrap(model.rotary, "forward", "rotary")
-    for name in ("write_kv", "decode", "prefill"):
-        timer.wrap(runner.backend, name, "attention")
+    for name in ("write_kv", "decode", "prefill", "decode_qkv"):
+        if hasattr(runner.backend, name):
+            timer.wrap(runner.backend, name, "attention")
     timer.wrap(model, "forward", "forward")
     timer.wrap(model, "compute_logits", "lm_head")
     timer.wrap(runner.sampler, "sample", "sampling")

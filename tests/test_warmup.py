@@ -5,7 +5,7 @@ kernels that only long prompts, long contexts, copy-on-write and swaps would oth
 import pytest
 import torch
 
-from kernels.cpu import activation, cache_ops, decode, norm, rotary
+from kernels.cpu import activation, cache_ops, decode, decode_qkv, norm, rotary
 from services.executor.warmup import WARMUP_SEQ_IDS, warm_up, warmup_steps
 from tests.harness import InProcessEngine, tiny_llama
 
@@ -50,10 +50,11 @@ def test_steps_fit_the_pool_and_the_model_length():
 
 
 # (module, kernel) that a step reaches only at a long prefill chunk (the per-layer ops' parallel
-# variants), a long context at a small batch (partitioned decode), copy-on-write or a swap
+# variants), a long context at a small batch (partitioned decode), a decode batch with more work
+# than the warm-up's (the fused decode's parallel kernel), copy-on-write or a swap
 RARE_KERNELS = [(norm, "_add_rms_norm_parallel"), (rotary, "_rope_split_parallel"),
                 (activation, "_silu_mul_parallel"), (decode, "_rows_partitioned_kernel"),
-                (cache_ops, "_copy_rows_kernel")]
+                (decode_qkv, "_qkv_kernel"), (cache_ops, "_copy_rows_kernel")]
 
 
 @pytest.mark.parametrize("dtype,max_model_len", [(torch.float32, 8192), (torch.bfloat16, 8192),

@@ -12,6 +12,10 @@ argument in place. ``NumbaCPUBackend`` adapts them to the torch tensors of the a
 - ``decode``: ``attend_rows`` (query rows over a prefix of their sequence's cache, one task per
   row and KV head, partitioned for few long rows: ``auto_partitions``, ``MIN_PARTITION_SIZE``)
   and ``paged_decode_attention`` on it.
+  ``plan_rows`` and ``run_plan`` split it: the plan (task order, serial or parallel, partitions)
+  depends on the metadata only, and the backend makes a decode step's once for all its layers.
+- ``decode_qkv``: a decode-only step's rotary embedding, cache write and attention in one call,
+  straight from the fused q/k/v projection (the backend's ``decode_qkv``).
 - ``prefill``: ``paged_prefill_attention``, each new token a row of ``attend_rows``.
 - ``cache_ops``: ``write_kv_cache``, ``copy_blocks``, ``swap_blocks``.
 - ``norm``, ``rotary``, ``activation``: the model's elementwise chains fused (residual add + RMS

@@ -11,9 +11,10 @@ from kernels import reference
 from kernels.cpu.activation import silu_mul_
 from kernels.cpu.cache_ops import copy_blocks, swap_blocks, write_kv_cache
 from kernels.cpu.common import BITS_DTYPES, kernel_array, sync_threads
-from kernels.cpu.decode import MIN_PARTITION_SIZE, paged_decode_attention
+from kernels.cpu.decode import MIN_PARTITION_SIZE, RowsPlan, paged_decode_attention, plan_rows, run_plan
 from kernels.cpu.live_arrays import live_array
 from kernels.cpu import activation, matmul_prefill, norm, rotary
+from kernels.cpu import decode_qkv as qkv_kernels
 from kernels.cpu.norm import add_rms_norm_
 from kernels.cpu.prefill import paged_prefill_attention
 from kernels.cpu.rotary import rope_split_
@@ -77,6 +78,9 @@ class NumbaCPUBackend:
         if matmul_prefill_path is None:
             matmul_prefill_path = _has_amx()
         self.matmul_prefill_path = matmul_prefill_path
+        # (block tables, (threads, ...), context lengths, plan) of the last decode call: the step's
+        # plan, reused by its other layers (``_decode_plan``)
+        self._last_plan = None
         # rows from which the norm, rotary and activation kernels run in parallel (their modules'
         # thresholds until ``parallel_small_rows(True)`` lowers them)
         self.parallel_small_rows(False)
@@ -119,11 +123,47 @@ class NumbaCPUBackend:
         if not (_pool_pair_ok(key_cache, value_cache) and _io_ok(key_cache, out, query)):
             return reference.paged_decode_attention(
                 out, query, key_cache, value_cache, block_tables, context_lens, scale)
-        threads = sync_threads()
-        paged_decode_attention(
-            kernel_array(out), kernel_array(query), live_array(key_cache),
-            live_array(value_cache), live_array(block_tables), live_array(context_lens),
-            scale, num_threads=threads, partition_threads=self.partition_threads)
+        plan = self._decode_plan(block_tables, context_lens, key_cache, sync_threads())
+        run_plan(kernel_array(out), kernel_array(query), live_array(key_cache), live_array(value_cache),
+                 plan, scale)
+
+    def decode_qkv(self, qkv, cos, sin, key_cache, value_cache, slot_mapping, block_tables,
+                   context_lens, scale, num_heads: int):
+        """A decode batch's attention ``[T, H, D]`` straight from its fused q/k/v projection
+        ``qkv`` (one row per sequence): the rotary embedding, the write of the new keys and values
+        and the attention in one kernel call (``kernels/cpu/decode_qkv.py``); the same bits as
+        ``rope_split``, ``write_kv`` and ``decode`` one after the other. None (nothing done) where
+        it does not apply: other formats, a partitioned plan."""
+        dtype = qkv.dtype
+        if not (_pool_pair_ok(key_cache, value_cache) and key_cache.dtype is dtype
+                and _fusable(qkv, cos, sin) and qkv.is_contiguous()):
+            return None
+        plan = self._decode_plan(block_tables, context_lens, key_cache, sync_threads())
+        if not qkv_kernels.plan_ok(plan):
+            return None
+        num_tokens, head_dim = qkv.shape[0], key_cache.shape[3]
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype)
+        qkv_kernels.decode_qkv(
+            kernel_array(out), kernel_array(qkv), live_array(cos).reshape(num_tokens, head_dim),
+            live_array(sin).reshape(num_tokens, head_dim), live_array(slot_mapping),
+            live_array(key_cache), live_array(value_cache), plan, scale)
+        return out
+
+    def _decode_plan(self, block_tables, context_lens, key_cache, threads: int):
+        """``decode.plan_rows`` for a decode batch (one row per sequence), made once per step: every
+        layer passes the same metadata tensors (``AttentionMetadata``), and the plan depends on
+        nothing else but the lengths' values (compared: a caller may change a tensor in place), the
+        thread count and the pools' shape."""
+        key = (threads, self.partition_threads, key_cache.shape[1], key_cache.shape[2])
+        lens = live_array(context_lens)
+        last = self._last_plan
+        if (last is not None and last[0] is block_tables and last[1] == key
+                and np.array_equal(last[2], lens)):
+            return last[3]
+        plan = plan_rows(live_array(block_tables), np.arange(len(lens)), lens, key_cache.shape[1],
+                         key_cache.shape[2], num_threads=threads, partition_threads=self.partition_threads)
+        self._last_plan = (block_tables, key, lens.copy(), plan)
+        return plan
 
     def prefill(self, out, query, key_cache, value_cache, block_tables, query_start_loc,
                 context_lens, scale, new_key=None, new_value=None) -> None:
@@ -195,6 +235,8 @@ class NumbaCPUBackend:
         if key_cache.shape[0] < 2 or not _pool_pair_ok(key_cache, value_cache):
             return
         self.copy_blocks([key_cache], [value_cache], torch.tensor([[1, 0]]))
+        if _fusable(key_cache):
+            self._warm_decode_qkv(key_cache, value_cache, num_heads)
         if max_model_len <= MIN_PARTITION_SIZE:
             return
         block_size, head_dim = key_cache.shape[2], key_cache.shape[3]
@@ -205,6 +247,21 @@ class NumbaCPUBackend:
             kernel_array(out), kernel_array(query), live_array(key_cache), live_array(value_cache),
             np.array([[0, 1]], np.int32), np.array([2 * block_size], np.int32), 1.0,
             partition_size=block_size, num_threads=threads, partition_threads=self.partition_threads)
+
+    def _warm_decode_qkv(self, key_cache, value_cache, num_heads: int) -> None:
+        """The fused decode's parallel kernel (a warm-up decode of two short sequences runs its
+        serial one): one row over block 0's first position, its slot -1 (nothing written)."""
+        num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
+        one = np.ones(1, np.int32)
+        plan = RowsPlan(rows=one * 0, seqs=one * 0, lens=one, block_tables=np.zeros((1, 1), np.int32),
+                        serial=False, partition_size=0, row_ids=None)
+        qkv = torch.zeros(1, (num_heads + 2 * num_kv_heads) * head_dim, dtype=key_cache.dtype)
+        rope = torch.zeros(1, head_dim, dtype=key_cache.dtype)
+        out = torch.empty(1, num_heads, head_dim, dtype=key_cache.dtype)
+        sync_threads()
+        qkv_kernels.decode_qkv(kernel_array(out), kernel_array(qkv), kernel_array(rope), kernel_array(rope),
+                               np.full(1, -1, np.int64), live_array(key_cache), live_array(value_cache),
+                               plan, 1.0)
 
     # The model's elementwise chains (``services/executor/layers.py``), fused; None where these
     # tensors are not the kernels' (the model then runs the torch form).

@@ -42,6 +42,8 @@ instruction per 16 lanes (no faster).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
 from numba import njit, prange
@@ -276,6 +278,77 @@ def balanced_order(lens: np.ndarray) -> np.ndarray:
     return order
 
 
+class RowsPlan(NamedTuple):
+    """What ``attend_rows`` derives from the rows' metadata alone (``plan_rows``): the same for every
+    layer of a step, so a caller may make it once per step and run it in each layer (``run_plan``)."""
+
+    rows: np.ndarray  # [N] int32, in task order: the query (and out) row
+    seqs: np.ndarray  # [N] int32: its block-table row
+    lens: np.ndarray  # [N] int32: the positions it attends to
+    block_tables: np.ndarray  # [S, max_blocks] int32
+    serial: bool  # on the calling thread
+    partition_size: int  # tokens per partition; 0: unpartitioned
+    row_ids: np.ndarray | None  # the rows computed (others' ``out`` left as it was); None: all
+
+
+def plan_rows(block_tables, row_seqs, row_lens, num_kv_heads: int, block_size: int,
+              partition_size: int | None = None, num_threads: int | None = None,
+              partition_threads: int | None = None, row_ids=None) -> RowsPlan | None:
+    """The plan of an ``attend_rows`` call (its arguments but the tensors' data); None for no rows."""
+    num_rows = len(row_lens) if row_ids is None else len(row_ids)
+    if num_rows == 0:
+        return None
+    block_tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+    lens = np.ascontiguousarray(row_lens, dtype=np.int32)
+    seqs = np.ascontiguousarray(row_seqs, dtype=np.int32)
+    ids = None if row_ids is None else np.ascontiguousarray(row_ids, dtype=np.int32)
+    if ids is not None:
+        seqs, lens = seqs[ids], lens[ids]
+    threads = numba.get_num_threads() if num_threads is None else num_threads
+    sized_for = threads if partition_threads is None else partition_threads
+    total = int(lens[0]) if num_rows == 1 else int(lens.sum())  # (numpy's sum: 1.3 us)
+    small = total * num_kv_heads <= MAX_SERIAL_WORK
+    serial = threads <= 1 or small
+    if serial:
+        rows = np.arange(num_rows, dtype=np.int32) if ids is None else ids
+    else:
+        order = balanced_order(lens).astype(np.int32)
+        seqs, lens = seqs[order], lens[order]
+        rows = order if ids is None else ids[order]
+    if partition_size is None:
+        num_parts = 1 if small else auto_partitions(num_rows, num_kv_heads, sized_for)
+        partition_size = 0 if num_parts == 1 else max(-(-int(lens.max()) // num_parts),
+                                                      MIN_PARTITION_SIZE)
+    partition_size = -(-partition_size // block_size) * block_size
+    if not (partition_size > 0 and partition_size < int(lens.max())):  # max only where partitions may be
+        partition_size = 0
+    return RowsPlan(rows, seqs, lens, block_tables, serial, partition_size, ids)
+
+
+def run_plan(out, query, key_cache, value_cache, plan: RowsPlan | None, scale) -> None:
+    """``attend_rows`` on a plan made for these rows (``plan_rows``)."""
+    if plan is None:
+        return
+    key_cache, value_cache = as_bits(key_cache), as_bits(value_cache)
+    out = out.view(np.int16) if out.dtype == np.float16 else out
+    shape = GroupShape.of(query.shape[1] // key_cache.shape[1], query.shape[2])
+    query = as_input(query, key_cache)
+    target = output_target(out, key_cache)
+    rows, seqs, lens, block_tables = plan.rows, plan.seqs, plan.lens, plan.block_tables
+    if plan.partition_size:
+        _rows_partitioned_kernel(target, query, key_cache, value_cache, block_tables, rows, seqs,
+                                 lens, float(scale), plan.partition_size, shape)
+    else:
+        kernel = _rows_serial_kernel if plan.serial else _rows_kernel
+        kernel(target, query, key_cache, value_cache, block_tables, rows, seqs, lens, float(scale),
+               shape)
+    if target is not out:
+        if plan.row_ids is None:
+            out[...] = target
+        else:
+            out[plan.row_ids] = target[plan.row_ids]
+
+
 def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_lens, scale,
                 partition_size: int | None = None, num_threads: int | None = None,
                 partition_threads: int | None = None, row_ids=None) -> None:
@@ -296,49 +369,11 @@ def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_
     into ``query``, ``out``, ``row_seqs`` and ``row_lens``) are computed, the others' ``out`` left
     as it was; default all.
     """
-    num_rows = query.shape[0] if row_ids is None else len(row_ids)
-    if num_rows == 0:
-        return
-    key_cache, value_cache = as_bits(key_cache), as_bits(value_cache)
-    out = out.view(np.int16) if out.dtype == np.float16 else out
-    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-    shape = GroupShape.of(query.shape[1] // num_kv_heads, query.shape[2])
-    query = as_input(query, key_cache)
-    block_tables = np.ascontiguousarray(block_tables, dtype=np.int32)
-    lens = np.ascontiguousarray(row_lens, dtype=np.int32)
-    seqs = np.ascontiguousarray(row_seqs, dtype=np.int32)
-    ids = None if row_ids is None else np.ascontiguousarray(row_ids, dtype=np.int32)
-    if ids is not None:
-        seqs, lens = seqs[ids], lens[ids]
-    threads = numba.get_num_threads() if num_threads is None else num_threads
-    sized_for = threads if partition_threads is None else partition_threads
-    total = int(lens[0]) if num_rows == 1 else int(lens.sum())  # (numpy's sum: 1.3 us)
-    small = total * num_kv_heads <= MAX_SERIAL_WORK
-    serial = threads <= 1 or small
-    if serial:
-        rows = np.arange(num_rows, dtype=np.int32) if ids is None else ids
-    else:
-        order = balanced_order(lens).astype(np.int32)
-        seqs, lens = seqs[order], lens[order]
-        rows = order if ids is None else ids[order]
-    target = output_target(out, key_cache)
-    if partition_size is None:
-        num_parts = 1 if small else auto_partitions(num_rows, num_kv_heads, sized_for)
-        partition_size = 0 if num_parts == 1 else max(-(-int(lens.max()) // num_parts),
-                                                      MIN_PARTITION_SIZE)
-    partition_size = -(-partition_size // block_size) * block_size
-    if partition_size > 0 and partition_size < int(lens.max()):  # max only where partitions may be
-        _rows_partitioned_kernel(target, query, key_cache, value_cache, block_tables, rows, seqs,
-                                 lens, float(scale), partition_size, shape)
-    else:
-        kernel = _rows_serial_kernel if serial else _rows_kernel
-        kernel(target, query, key_cache, value_cache, block_tables, rows, seqs, lens, float(scale),
-               shape)
-    if target is not out:
-        if ids is None:
-            out[...] = target
-        else:
-            out[ids] = target[ids]
+    if row_ids is None and len(row_lens) != query.shape[0]:
+        raise ValueError(f"{query.shape[0]} query rows with {len(row_lens)} lengths")
+    plan = plan_rows(block_tables, row_seqs, row_lens, key_cache.shape[1], key_cache.shape[2],
+                     partition_size, num_threads, partition_threads, row_ids)
+    run_plan(out, query, key_cache, value_cache, plan, scale)
 
 
 def paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale,

@@ -35,20 +35,26 @@ def _rounded(like, x):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def rotate_head(dst, x, c, s):
+    """``dst`` [D] = one head ``x`` [D] rotated by the token's ``c``/``s`` [D], rounded to the format
+    of ``dst`` as the torch form rounds it (also the fused decode's, ``kernels/cpu/decode_qkv.py``)."""
+    half = x.shape[0] // 2
+    for d in range(half):  # both halves per iteration: no branch, so it vectorizes
+        lo, hi = widen(x[d]), widen(x[d + half])
+        dst[d] = narrow_like(dst, _rounded(dst, lo * widen(c[d])) + _rounded(dst, -hi * widen(s[d])))
+        dst[d + half] = narrow_like(
+            dst, _rounded(dst, hi * widen(c[d + half])) + _rounded(dst, lo * widen(s[d + half])))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _rope_split_row(q, k, v, qkv, cos, sin, i):
     """Token ``i``: its rotated queries and keys, and its values."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
-    half = head_dim // 2
     row, c, s = qkv[i], cos[i], sin[i]
     for h in range(num_heads + num_kv_heads):
         dst = q[i, h] if h < num_heads else k[i, h - num_heads]
-        x = row[h * head_dim:(h + 1) * head_dim]
-        for d in range(half):  # both halves per iteration: no branch, so it vectorizes
-            lo, hi = widen(x[d]), widen(x[d + half])
-            dst[d] = narrow_like(dst, _rounded(dst, lo * widen(c[d])) + _rounded(dst, -hi * widen(s[d])))
-            dst[d + half] = narrow_like(
-                dst, _rounded(dst, hi * widen(c[d + half])) + _rounded(dst, lo * widen(s[d + half])))
+        rotate_head(dst, row[h * head_dim:(h + 1) * head_dim], c, s)
     base = (num_heads + num_kv_heads) * head_dim
     for h in range(num_kv_heads):
         for d in range(head_dim):

@@ -125,3 +125,27 @@ def paged_attention(
             new_key=None if key is None else key[ndt:], new_value=None if value is None else value[ndt:],
         )
     return out
+
+
+def decode_from_qkv(
+    backend,
+    qkv: torch.Tensor,  # [T, (num_heads + 2 num_kv_heads) * head_dim]: the fused projection's output
+    rope: tuple[torch.Tensor, torch.Tensor],  # cos and sin [T, 1, head_dim] (``RotaryEmbedding.at``)
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    num_heads: int,
+) -> torch.Tensor | None:
+    """A decode-only step's attention ``[T, num_heads, head_dim]`` straight from the layer's fused
+    q/k/v projection, where the backend does the rotary embedding, the cache write and the
+    attention in one call (``decode_qkv``: the numba backend, ``kernels/cpu/decode_qkv.py``), with
+    the bits of ``RotaryEmbedding``, ``write_kv`` and ``paged_attention`` one after the other. None
+    where it does not (no such kernel, a step with prefills, tensors the kernel does not take): the
+    caller then runs those three."""
+    fused = getattr(backend, "decode_qkv", None)
+    num_tokens = qkv.shape[0]
+    if fused is None or meta.num_decodes != num_tokens or meta.num_decode_tokens != num_tokens:
+        return None
+    return fused(qkv, *rope, key_cache, value_cache, meta.slot_mapping, meta.decode_block_tables,
+                 meta.decode_context_lens, scale, num_heads)

@@ -23,7 +23,7 @@ from torch import nn
 
 from shared.model_check import ModelShape, model_shape
 
-from .attention import AttentionMetadata, paged_attention
+from .attention import AttentionMetadata, decode_from_qkv, paged_attention
 from .layers import MLP, RMSNorm, RotaryEmbedding
 from .parallel.base import Communicator, SingleRank
 from .parallel.sharding import ShardPlan
@@ -76,10 +76,13 @@ class Attention(nn.Module):
                 backend):
         # x: [T, hidden]; rope: cos and sin [T, 1, D] (``RotaryEmbedding.at``)
         num_tokens = x.shape[0]
-        q, k, v = rotary(self.qkv_proj(x), *rope, self.num_heads, self.num_kv_heads, backend)
+        qkv = self.qkv_proj(x)
         key_cache, value_cache = kv_cache
-        backend.write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
-        out = paged_attention(backend, q, key_cache, value_cache, meta, self.scale, k, v)
+        out = decode_from_qkv(backend, qkv, rope, key_cache, value_cache, meta, self.scale, self.num_heads)
+        if out is None:
+            q, k, v = rotary(qkv, *rope, self.num_heads, self.num_kv_heads, backend)
+            backend.write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+            out = paged_attention(backend, q, key_cache, value_cache, meta, self.scale, k, v)
         return self.comm.all_reduce_(self.o_proj(out.view(num_tokens, self.q_size)))
 
 
