@@ -156,13 +156,13 @@ class NumbaCPUBackend:
         thread count and the pools' shape."""
         key = (threads, self.partition_threads, key_cache.shape[1], key_cache.shape[2])
         lens = live_array(context_lens)
+        values = lens.tobytes()  # (compared as bytes: 0.1 us, np.array_equal 2.5)
         last = self._last_plan
-        if (last is not None and last[0] is block_tables and last[1] == key
-                and np.array_equal(last[2], lens)):
+        if last is not None and last[0] is block_tables and last[1] == key and last[2] == values:
             return last[3]
         plan = plan_rows(live_array(block_tables), np.arange(len(lens)), lens, key_cache.shape[1],
                          key_cache.shape[2], num_threads=threads, partition_threads=self.partition_threads)
-        self._last_plan = (block_tables, key, lens.copy(), plan)
+        self._last_plan = (block_tables, key, values, plan)
         return plan
 
     def prefill(self, out, query, key_cache, value_cache, block_tables, query_start_loc,
