@@ -50,11 +50,13 @@ def _three_calls(backend, qkv, rope, key_cache, value_cache, meta, num_heads, nu
 SMOLLM2 = (9, 3, 64)  # query heads, KV heads, head_dim
 
 
+# The other shapes are ones the unfused kernels' tests compile already (a cold Numba cache compiles
+# each shape's kernels once, a few seconds each): one KV head per query head, and groups of 3.
 @pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,num_seqs,max_ctx,threads", [
     *[(dtype, *SMOLLM2, *batch) for dtype in (torch.float32, torch.bfloat16)
-      for batch in ((1, 40, 1), (3, 70, 2), (24, 300, 2), (24, 300, 1))],
-    (torch.float32, 4, 4, 32, 24, 300, 2),  # one KV head per query head
-    (torch.bfloat16, 8, 2, 64, 24, 300, 2),  # groups of 4
+      for batch in ((1, 40, 1), (3, 70, 2), (24, 300, 2))],  # serial, serial (little work), parallel
+    (torch.float32, 4, 4, 64, 24, 300, 2),
+    (torch.bfloat16, 6, 2, 64, 24, 300, 2),
 ])
 def test_fused_decode_equals_the_three_calls(dtype, num_heads, num_kv_heads, head_dim, num_seqs, max_ctx,
                                              threads):
