@@ -96,7 +96,7 @@ def plan_ok(plan: RowsPlan | None) -> bool:
 def decode_qkv(out, qkv, cos, sin, slot_mapping, key_cache, value_cache, plan: RowsPlan,
                scale) -> None:
     """Writes the new keys and values into the caches and the attention into ``out`` ``[T, H, D]``
-    (see the module's docstring); ``plan`` must be one ``takes`` accepts."""
+    (see the module's docstring); ``plan`` must be one ``plan_ok`` accepts."""
     if not plan_ok(plan):
         raise ValueError("decode_qkv runs unpartitioned plans of all the rows (decode.plan_rows)")
     num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
