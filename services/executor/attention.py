@@ -4,7 +4,9 @@ A backend is a small object with ``write_kv``, ``decode``, ``prefill``, ``copy_b
 ``swap_blocks`` methods taking torch tensors in the layouts documented in ``kernels/reference.py``,
 in the model's dtype (float32, bfloat16 or float16; attention accumulates in float32 whatever it
 is). The numba backend runs all three in its kernels; the cuda backend float32, and hands 16-bit
-tensors to the PyTorch reference. ``select_backend`` picks one by name
+tensors to the PyTorch reference. A backend may also offer ``decode_qkv``: a decode-only step's
+rotary embedding, cache write and attention in one call, from the layer's fused q/k/v projection
+(``decode_from_qkv``; the numba backend has it). ``select_backend`` picks one by name
 (``--attention-backend``): ``torch`` (the reference), ``numba`` (Numba CPU kernels) or ``cuda``
 (Numba CUDA kernels); ``auto`` means numba on CPU and cuda on CUDA devices, when available.
 """

@@ -4,6 +4,8 @@ rotary embedding (with the q/k/v split) and the gated MLP.
 Each runs its elementwise chain in one kernel where the attention backend offers one for these
 tensors (the numba backend on CPU: ``add_rms_norm``, ``rope_split``, ``silu_mul``;
 ``kernels/cpu/``), else as the torch form written here, which rounds as Hugging Face's modules do.
+In a decode-only step the numba backend rotates inside its fused decode instead, bit for bit the
+same (``decode_from_qkv`` in ``attention.py``).
 Float32 with ``nn.Linear`` weights (``--linear-kernel auto``'s float32) is the exactness mode, in
 which greedy output equals transformers' token for token: there the rotary kernel is bit for bit
 the torch form, the norm kernel's variance may differ by an ulp (its sum of squares runs in another
