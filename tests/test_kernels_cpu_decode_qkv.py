@@ -107,6 +107,7 @@ def test_fused_decode_declines_what_it_does_not_take():
 
     long_ctx = MIN_PARTITION_SIZE + 3 * BLOCK
     qkv, rope, (kc, vc), meta = _batch(1, long_ctx, num_heads, num_kv_heads, head_dim, torch.float32, seed=6)
+    pools = kc.clone(), vc.clone()
     torch_before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -114,6 +115,7 @@ def test_fused_decode_declines_what_it_does_not_take():
             pytest.skip("numba has one thread here: no partitions")  # pragma: no cover
         assert decode_from_qkv(backend, qkv, rope, kc, vc, meta, 0.1, num_heads) is None
         assert backend._last_plan[3].partition_size > 0
+        assert torch.equal(kc, pools[0]) and torch.equal(vc, pools[1])
     finally:
         torch.set_num_threads(torch_before)
 

@@ -78,8 +78,8 @@ class NumbaCPUBackend:
         if matmul_prefill_path is None:
             matmul_prefill_path = _has_amx()
         self.matmul_prefill_path = matmul_prefill_path
-        # (block tables, (threads, ...), context lengths, plan) of the last decode call: the step's
-        # plan, reused by its other layers (``_decode_plan``)
+        # (block tables, (threads, ...), the context lengths' bytes, plan) of the last decode
+        # call: the step's plan, reused by its other layers (``_decode_plan``)
         self._last_plan = None
         # rows from which the norm, rotary and activation kernels run in parallel (their modules'
         # thresholds until ``parallel_small_rows(True)`` lowers them)
@@ -252,9 +252,9 @@ class NumbaCPUBackend:
         """The fused decode's parallel kernel (a warm-up decode of two short sequences runs its
         serial one): one row over block 0's first position, its slot -1 (nothing written)."""
         num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
-        one = np.ones(1, np.int32)
-        plan = RowsPlan(rows=one * 0, seqs=one * 0, lens=one, block_tables=np.zeros((1, 1), np.int32),
-                        serial=False, partition_size=0, row_ids=None)
+        first = np.zeros(1, np.int32)  # row 0, its block-table row 0
+        plan = RowsPlan(rows=first, seqs=first, lens=np.ones(1, np.int32),
+                        block_tables=np.zeros((1, 1), np.int32), serial=False, partition_size=0, row_ids=None)
         qkv = torch.zeros(1, (num_heads + 2 * num_kv_heads) * head_dim, dtype=key_cache.dtype)
         rope = torch.zeros(1, head_dim, dtype=key_cache.dtype)
         out = torch.empty(1, num_heads, head_dim, dtype=key_cache.dtype)
