@@ -28,6 +28,23 @@ def pytest_configure(config):
     if "PAGEDSERVE_GGUF_CACHE" not in os.environ:
         _made_gguf_cache = tempfile.mkdtemp(prefix="pagedserve-gguf-cache-")
         os.environ["PAGEDSERVE_GGUF_CACHE"] = _made_gguf_cache
+    _share_the_cores_between_workers()
+
+
+def _share_the_cores_between_workers() -> None:
+    """Under pytest-xdist each worker's own torch and Numba take their share of the cores (one
+    each on two cores), not all of them: two workers' spinning OpenMP pools on two cores made the
+    in-process SmolLM2 tests 5-10x slower. Tests that need a pool size set it themselves; the
+    servers the tests start choose their own."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    import numba
+    import torch
+
+    share = max(1, len(os.sched_getaffinity(0)) // workers)
+    torch.set_num_threads(share)
+    numba.set_num_threads(min(share, numba.config.NUMBA_NUM_THREADS))
 
 
 def pytest_unconfigure(config):
@@ -94,3 +111,21 @@ def frontend(request, model, fake):
 @pytest.fixture(scope="module")
 def client(frontend):
     return openai.OpenAI(base_url=frontend.base_url + "/v1", api_key="unused", max_retries=0, timeout=20)
+
+
+# Tests that see machine-wide state other tests change: every psv-* segment in /dev/shm. Under
+# pytest-xdist they run in one group (one worker, one after another).
+SHARED_STATE_GROUP = {
+    "test_server_lifecycle": "dev-shm",
+    "test_server_tensor_parallel": "dev-shm",
+    "test_allreduce_shm": "dev-shm",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``--dist loadgroup``): a module's tests stay on one worker, so that its
+    module-scoped fixtures (servers, engines) start once; modules in ``SHARED_STATE_GROUP`` share a
+    worker."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        item.add_marker(pytest.mark.xdist_group(SHARED_STATE_GROUP.get(module, module)))
