@@ -112,20 +112,3 @@ def frontend(request, model, fake):
 def client(frontend):
     return openai.OpenAI(base_url=frontend.base_url + "/v1", api_key="unused", max_retries=0, timeout=20)
 
-
-# Tests that see machine-wide state other tests change: every psv-* segment in /dev/shm. Under
-# pytest-xdist they run in one group (one worker, one after another).
-SHARED_STATE_GROUP = {
-    "test_server_lifecycle": "dev-shm",
-    "test_server_tensor_parallel": "dev-shm",
-    "test_allreduce_shm": "dev-shm",
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``--dist loadgroup``): a module's tests stay on one worker, so that its
-    module-scoped fixtures (servers, engines) start once; modules in ``SHARED_STATE_GROUP`` share a
-    worker."""
-    for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        item.add_marker(pytest.mark.xdist_group(SHARED_STATE_GROUP.get(module, module)))

@@ -22,15 +22,10 @@ from tests.test_server_faults import (
 pytestmark = pytest.mark.slow
 
 
-def _shm_segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("psv-")}
-
-
 def test_restarts_and_kills_during_start_up_leave_nothing_behind_and_are_counted(tmp_path, tiny_model_dir):
     """Each process killed while it starts up (before any other heard of it), then more restarts in
     a row: /metrics counts every replaced process once, across the frontend's own restart, and
     /health reports the same counts."""
-    shm_before = _shm_segments()
     proc, url = _serve(tmp_path, tiny_model_dir, "--heartbeat-timeout", "3", wait=False)
     try:
         for victim in ("executor", "scheduler", "frontend"):
@@ -51,7 +46,8 @@ def test_restarts_and_kills_during_start_up_leave_nothing_behind_and_are_counted
     assert len(started) == 3 + 7  # the first three, and seven restarts
     assert not [pid for pid in started if _alive(pid)], "orphan processes"
     assert not [p for p in os.listdir(tmp_path) if p.startswith("pagedserve-")], "socket directory left behind"
-    assert _shm_segments() <= shm_before, "shared memory left behind"
+    # (A one-rank server makes no shared-memory segments; the tensor-parallel restart tests check
+    # that a group's segments go with it: tests/test_server_tensor_parallel.py.)
     log = (tmp_path / "serve.log").read_text()
     assert log.count('"process restarted"') == 7 and "was killed by SIGKILL" in log
 
