@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.frontend.detokenizer import IncrementalDetokenizer
+from services.frontend.detokenizer import IncrementalDetokenizer, window_decoder
 from tests.frontend_doubles import cached_tokenizer
 
 TEXTS = [
@@ -163,3 +163,51 @@ def test_random_stops_match_truncated_full_decode(tokenizer):
 def test_empty_stop_string_is_rejected(tokenizer):
     with pytest.raises(ValueError):
         IncrementalDetokenizer(tokenizer, [""])
+
+
+# ---------------------------------------------------------------- which decode the windows take
+
+
+def _counting_decode(monkeypatch, tokenizer) -> list[int]:
+    """Counts the calls of ``tokenizer.decode`` (transformers' own) from here on."""
+    calls = []
+    original = tokenizer.decode
+
+    def decode(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "decode", decode)
+    return calls
+
+
+def test_smollm2s_windows_are_decoded_by_the_rust_tokenizer_with_the_same_text(tokenizer, monkeypatch):
+    rng = random.Random(5)
+    samples = [[rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 12))] + [0, 2] for _ in range(300)]
+    samples += [tokenizer.encode(text) for text in TEXTS]
+    expected = [full_decode(tokenizer, ids) for ids in samples]
+    calls = _counting_decode(monkeypatch, tokenizer)
+    decode = window_decoder(tokenizer)
+    assert [decode(ids) for ids in samples] == expected
+    pieces, _ = incremental(tokenizer, tokenizer.encode(TEXTS[1]), [1])
+    assert "".join(pieces) == expected[len(samples) - len(TEXTS) + 1]
+    assert calls == []  # transformers' decode never ran
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode(tokenizer, monkeypatch):
+    ids = tokenizer.encode("Hello , world ! It 's here .")
+    calls = _counting_decode(monkeypatch, tokenizer)
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    assert window_decoder(tokenizer)(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(calls) == 2
+
+
+def test_a_tokenizer_class_with_its_own_decode_keeps_it(tokenizer, monkeypatch):
+    ids = tokenizer.encode("Hello , world ! It 's here .")
+
+    class Shouting(type(tokenizer)):
+        def decode(self, token_ids, **kwargs):
+            return super().decode(token_ids, **kwargs).upper()
+
+    monkeypatch.setattr(tokenizer, "__class__", Shouting)
+    assert window_decoder(tokenizer)(ids) == "HELLO , WORLD ! IT 'S HERE ."

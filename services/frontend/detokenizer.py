@@ -8,14 +8,38 @@ tokens back rather than from the start keeps the cost per step constant and give
 that strip a leading space (SentencePiece) the same context as a full decode. A byte-level
 tokenizer splits multi-byte characters across tokens, and a partial character decodes to U+FFFD,
 so text ending in U+FFFD is held back until the character completes (or the request ends).
+
+Where transformers' ``decode`` is the Rust tokenizer's own with nothing added (a
+``TokenizersBackend`` that does not clean up tokenization spaces, as SmolLM2's), the windows are
+decoded by the Rust tokenizer directly (``window_decoder``): the same text without transformers'
+Python around it (SmolLM2, windows of 6 tokens, this machine: 2.7 against 7.9 us a call; two calls
+per token).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
+
+
+def window_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """``ids -> tokenizer.decode(ids, skip_special_tokens=True)``: the Rust tokenizer's ``decode``
+    where transformers' would call it and return its text unchanged, else transformers' own."""
+    raw = getattr(tokenizer, "_tokenizer", None)
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        Tokenizer = TokenizersBackend = None
+    plain = (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
+             and isinstance(raw, Tokenizer) and not tokenizer.clean_up_tokenization_spaces
+             and type(tokenizer).decode is TokenizersBackend.decode
+             and type(tokenizer)._decode is TokenizersBackend._decode)
+    if plain:
+        return lambda ids: raw.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class IncrementalDetokenizer:
@@ -30,7 +54,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
-        self._tokenizer = tokenizer
+        self._decode = window_decoder(tokenizer)
         self._stop = tuple(stop)
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self._ids: list[int] = []
@@ -76,9 +100,8 @@ class IncrementalDetokenizer:
     def _decode_window(self) -> tuple[str, str]:
         window = self._ids[self._prefix_offset:]
         num_read = self._read_offset - self._prefix_offset
-        decode = self._tokenizer.decode
-        prefix_text = decode(window[:num_read], skip_special_tokens=True) if num_read else ""
-        return prefix_text, decode(window, skip_special_tokens=True)
+        prefix_text = self._decode(window[:num_read]) if num_read else ""
+        return prefix_text, self._decode(window)
 
     def _append(self, new_text: str) -> None:
         # A stop string ending in new_text starts at most len(longest) - 1 characters earlier.
