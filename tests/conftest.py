@@ -34,8 +34,8 @@ def pytest_configure(config):
 def _share_the_cores_between_workers() -> None:
     """Under pytest-xdist each worker's own torch and Numba take their share of the cores (one
     each on two cores), not all of them: two workers' spinning OpenMP pools on two cores made the
-    in-process SmolLM2 tests about 10x slower (the bf16 comparison's setup 236 s against 21). Tests that need a pool size set it themselves; the
-    servers the tests start choose their own."""
+    in-process SmolLM2 tests about 10x slower (the bf16 comparison's setup 236 s against 21).
+    Tests that need a pool size set it themselves; the servers the tests start choose their own."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers <= 1:
         return
