@@ -102,15 +102,23 @@ class CpuFeatures:
 
 
 def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
-    """(model name, flags) of the first processor in a /proc/cpuinfo text."""
-    model, flags = "unknown", frozenset()
+    """(model name, flags) of the first processor in a /proc/cpuinfo text. Where the text gives
+    the CPU family and model numbers, the name ends with them: a VM may name its CPU only "AMD
+    EPYC", which "(family 25, model 17)" (Zen 4) tells apart from family 26 (Zen 5)."""
+    model, flags, numbers = "unknown", frozenset(), {}
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
-        if key == "model name" and model == "unknown":
+        if key == "processor" and (model != "unknown" or flags):
+            break  # the next processor's block
+        if key == "model name":
             model = value.strip()
-        elif key == "flags" and not flags:
+        elif key == "flags":
             flags = frozenset(value.split())
+        elif key in ("cpu family", "model") and value.strip().isdigit():
+            numbers[key] = value.strip()
+    if model != "unknown" and len(numbers) == 2:
+        model = f"{model} (family {numbers['cpu family']}, model {numbers['model']})"
     return model, flags
 
 

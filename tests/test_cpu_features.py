@@ -35,6 +35,16 @@ def _features(kind: str, capability: str | None = None, torch_agrees: bool = Tru
     return CpuFeatures(model, flags, capability, torch_flags, onednn_max_isa, amx_permitted)
 
 
+def test_parse_cpuinfo_names_the_family_and_model_where_given():
+    block = ("processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: 17\n"
+             "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512_bf16\n\n")
+    model, flags = parse_cpuinfo(block.format(n=0, family=25) + block.format(n=1, family=26))
+    assert model == "AMD EPYC (family 25, model 17)"  # the first processor's numbers
+    assert flags == frozenset({"fpu", "avx2", "avx512_bf16"})
+    no_numbers = "processor\t: 0\nmodel name\t: AMD EPYC\nmodel\t\t: x\nflags\t\t: fpu\n"
+    assert parse_cpuinfo(no_numbers)[0] == "AMD EPYC"
+
+
 def test_parse_cpuinfo_reads_the_first_processor():
     model, flags = parse_cpuinfo(_cpuinfo_text(*CPUINFO["xeon_amx"]))
     assert model.startswith("Intel(R) Xeon(R)")
