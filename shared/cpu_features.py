@@ -105,13 +105,15 @@ def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
     """(model name, flags) of the first processor in a /proc/cpuinfo text. Where the text gives
     the CPU family and model numbers, the name ends with them: a VM may name its CPU only "AMD
     EPYC", which "(family 25, model 17)" (Zen 4) tells apart from family 26 (Zen 5)."""
-    model, flags, numbers = "unknown", frozenset(), {}
+    model, flags, numbers, blocks = "unknown", frozenset(), {}, 0
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
-        if key == "processor" and (model != "unknown" or flags):
-            break  # the next processor's block
-        if key == "model name":
+        if key == "processor":
+            blocks += 1
+            if blocks > 1:
+                break  # the next processor's block
+        elif key == "model name":
             model = value.strip()
         elif key == "flags":
             flags = frozenset(value.split())
