@@ -235,7 +235,7 @@ def measure(args) -> tuple[dict, list]:
     # the backend set up as a server's executor sets it (attention partitions, row kernels), though
     # every step here runs on all the threads: no tuner chooses them
     _, tuning = thread_tuner_for(runner, torch.get_num_threads(), 1)
-    packed = linear_kernel_name(runner.model) == "onednn"  # the roofline times the engine's kernel
+    kernel = linear_kernel_name(runner.model)  # the roofline times the engine's kernel
     bench = StepBench(runner, max_seqs, max(2048, args.prefill + args.prefill_decodes), clock)
     results = []
     try:
@@ -244,12 +244,12 @@ def measure(args) -> tuple[dict, list]:
             say(f"  {label}: matmul roofline")
             roof = matmul_roofline(runner.model.config, choice.dtype, num_decodes + sum(lengths),
                                    num_decodes + len(lengths), args.roofline_repeats, clock,
-                                   packed=packed)
+                                   kernel=kernel)
             results.append((label, median_parts(samples), roof))
     finally:
         bench.close()
     facts = {"model": source.name, "dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason,
-             "source": source, "backend": runner.backend.name, "linear": "onednn" if packed else "torch",
+             "source": source, "backend": runner.backend.name, "linear": kernel,
              "executor_setup": tuning, "prefill_kind": getattr(runner.backend, "prefill_kind", lambda: runner.backend.name)()}
     return facts, results
 
@@ -273,7 +273,7 @@ def format_table(facts: dict, results: list, args) -> str:
         row(indent + name, [f"{parts.get(key, 0) / 1e6:8.2f} ({100 * parts.get(key, 0) / 1e6 / t:3.0f}%)"
                             for (_, parts, _), t in zip(results, totals)])
     row("step (sum of the medians)", [f"{t:8.2f}       " for t in totals])
-    kernel = "oneDNN-packed" if facts.get("linear") == "onednn" else "F.linear"
+    kernel = {"onednn": "oneDNN-packed", "numba": "Numba pairs"}.get(facts.get("linear"), "F.linear")
     row(f"matmuls alone: {kernel}, HF shapes, best of {args.roofline_repeats}",
         [f"{r.total_s * 1e3:8.2f}       " for _, _, r in results])
     row("  of which the LM head", [f"{r.lm_head_s * 1e3:8.2f}       " for _, _, r in results])
@@ -334,7 +334,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="as the server's --model (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    ap.add_argument("--linear-kernel", default="auto", choices=["auto", "onednn", "torch"],
+    ap.add_argument("--linear-kernel", default="auto", choices=["auto", "onednn", "numba", "torch"],
                     help="the engine's --linear-kernel (services/executor/linear.py)")
     ap.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 16, 64],
                     help="decode batch sizes, comma-separated (default 1,16,64)")

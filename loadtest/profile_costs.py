@@ -54,17 +54,19 @@ def layer_shapes(cfg) -> list[tuple[int, int]]:
 
 
 def matmul_roofline(cfg, dtype: torch.dtype, num_tokens: int, num_sampled: int,
-                    repeats: int = 5, clock=time.perf_counter_ns, packed: bool = False) -> MatmulRoofline:
+                    repeats: int = 5, clock=time.perf_counter_ns, kernel: str = "torch") -> MatmulRoofline:
     """One step's matmuls alone: ``num_tokens`` rows through every layer, ``num_sampled`` rows
-    through the LM head; ``clock`` in ns (wall, or CPU time). ``packed``: on oneDNN-packed weights
-    (``--linear-kernel``, ``services/executor/linear.py``), as the engine multiplies then."""
+    through the LM head; ``clock`` in ns (wall, or CPU time). ``kernel``: what the engine multiplies
+    with (``--linear-kernel``, ``services/executor/linear.py``): "torch" (``nn.Linear``), "onednn"
+    (oneDNN-packed weights) or "numba"."""
     from torch import nn
 
-    from services.executor.linear import PackedLinear
+    from services.executor.linear import PackedLinear, PairLinear
+
+    wrap = {"torch": lambda linear: linear, "onednn": PackedLinear, "numba": PairLinear}[kernel]
 
     def make(in_f: int, out_f: int) -> nn.Module:
-        linear = nn.Linear(in_f, out_f, bias=False, dtype=dtype)
-        return PackedLinear(linear) if packed else linear
+        return wrap(nn.Linear(in_f, out_f, bias=False, dtype=dtype))
 
     with torch.inference_mode():
         layers_ = [[make(in_f, out_f) for in_f, out_f in layer_shapes(cfg)] for _ in range(cfg.num_layers)]

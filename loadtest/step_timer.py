@@ -78,12 +78,12 @@ class RegionTimer:
 
 def install(runner, timer: RegionTimer) -> Callable[[], None]:
     """Wrap ``runner``'s model, backend and sampler; returns the function that removes it all."""
-    from services.executor.linear import PackedLinear  # imported here: torch after the thread settings
+    from services.executor.linear import PackedLinear, PairLinear  # torch after the thread settings
     from services.executor.layers import MLP, RMSNorm
 
     model = runner.model
     for module in model.model.layers.modules():
-        if isinstance(module, (nn.Linear, PackedLinear)):
+        if isinstance(module, (nn.Linear, PackedLinear, PairLinear)):
             timer.wrap(module, "forward", "matmul")
         if isinstance(module, MLP):  # float32 on nn.Linear: gate and up as two F.linear calls
             timer.wrap(module, "separate_gate_up", "matmul")

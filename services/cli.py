@@ -65,12 +65,13 @@ def _add_executor_arguments(p: argparse.ArgumentParser) -> None:
                    help="GiB of CPU memory for swapped-out KV blocks (default 1)")
     g.add_argument("--attention-backend", default=None, choices=["auto", "torch", "numba", "cuda"],
                    help="paged-attention kernels (default auto: numba on CPU, cuda on GPUs)")
-    g.add_argument("--linear-kernel", default=None, choices=["auto", "onednn", "torch"],
-                   help="the model's matmuls (default auto: oneDNN-packed weights on CPUs in float32/bfloat16)")
+    g.add_argument("--linear-kernel", default=None, choices=["auto", "onednn", "numba", "torch"],
+                   help="the model's matmuls (default auto: on CPUs in bfloat16, the Numba kernel where the CPU "
+                        "has AVX-512 BF16 without AMX, else oneDNN-packed weights; F.linear in float32)"),
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch and numba")
     g.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction, default=None,
                    help="run each small step on one thread or on all, whichever its timing shows faster "
-                        "(default on where the results cannot differ: one rank, oneDNN-packed matmuls)")
+                        "(default on where the results cannot differ: one rank, oneDNN or Numba matmuls)")
     g.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
 
 

@@ -1,5 +1,6 @@
 """``--linear-kernel``: oneDNN-packed weights (services/executor/linear.py) multiply like
-``nn.Linear`` up to float rounding, replace every linear layer, and are chosen only where they run."""
+``nn.Linear`` up to float rounding, replace every linear layer, and are chosen only where they run
+(the Numba kernel's own tests: tests/test_kernels_cpu_matmul.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from services.executor.linear import PackedLinear, onednn_supported, pack_linears, use_onednn
+from services.executor.linear import PackedLinear, choose_linear_kernel, onednn_supported, pack_linears
+from shared.cpu_features import CpuFeatures
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(not onednn_supported(CPU, torch.float32), reason="torch without oneDNN here")
@@ -42,13 +44,17 @@ def test_pack_linears_replaces_every_linear_and_keeps_the_outputs():
 
 
 def test_which_kernel_runs():
-    assert not use_onednn("torch", CPU, torch.float32)
-    assert not use_onednn("auto", CPU, torch.float16)  # oneDNN packing here only for fp32 and bf16
-    assert not use_onednn("auto", torch.device("meta"), torch.float32)  # not a CPU
-    assert not use_onednn("auto", CPU, torch.float32)  # float32 stays token-identical to transformers
-    assert use_onednn("auto", CPU, torch.bfloat16) == onednn_supported(CPU, torch.bfloat16)
-    assert use_onednn("onednn", CPU, torch.float32) == onednn_supported(CPU, torch.float32)
+    avx2 = CpuFeatures("test CPU", frozenset({"avx2"}), "AVX2", None, None)  # auto's bf16 here: oneDNN
+    onednn_bf16 = "onednn" if onednn_supported(CPU, torch.bfloat16) else "torch"
+    assert choose_linear_kernel("torch", CPU, torch.float32) == "torch"
+    assert choose_linear_kernel("torch", CPU, torch.bfloat16) == "torch"
+    assert choose_linear_kernel("auto", CPU, torch.float16) == "torch"  # oneDNN packing only for fp32 and bf16
+    assert choose_linear_kernel("auto", torch.device("meta"), torch.float32) == "torch"  # not a CPU
+    assert choose_linear_kernel("auto", CPU, torch.float32) == "torch"  # float32 stays token-identical to transformers
+    assert choose_linear_kernel("auto", CPU, torch.bfloat16, avx2) == onednn_bf16
+    if onednn_supported(CPU, torch.float32):
+        assert choose_linear_kernel("onednn", CPU, torch.float32) == "onednn"
     with pytest.raises(ValueError, match="--linear-kernel onednn needs a CPU"):
-        use_onednn("onednn", CPU, torch.float16)
-    with pytest.raises(ValueError, match="--linear-kernel must be one of auto, onednn, torch, got 'fast'"):
-        use_onednn("fast", CPU, torch.float32)
+        choose_linear_kernel("onednn", CPU, torch.float16)
+    with pytest.raises(ValueError, match="--linear-kernel must be one of auto, onednn, numba, torch, got 'fast'"):
+        choose_linear_kernel("fast", CPU, torch.float32)

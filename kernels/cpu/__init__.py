@@ -21,6 +21,8 @@ argument in place. ``NumbaCPUBackend`` adapts them to the torch tensors of the a
 - ``norm``, ``rotary``, ``activation``: the model's elementwise chains fused (residual add + RMS
   norm; rotary + the q/k/v split; SiLU(gate) * up), which the backend offers as ``add_rms_norm``,
   ``rope_split`` and ``silu_mul``.
+- ``matmul``: bfloat16 ``x @ W.T`` on weights packed in input pairs, multiplied with ``vdpbf16ps``
+  (``--linear-kernel numba``, what ``auto`` runs on CPUs with AVX-512 BF16 and no AMX).
 - ``argmax``: the first largest logit of each row (float32 or bfloat16), which greedy sampling
   calls directly (``services/executor/sampler.py``), ``torch.argmax`` for other tensors.
 - ``backend``: ``NumbaCPUBackend``. ``common`` has ``sync_threads`` (numba follows torch's thread

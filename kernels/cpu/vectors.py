@@ -36,6 +36,7 @@ from numba.core.datamodel import models
 from numba.extending import (
     NativeValue, intrinsic, overload_attribute, register_model, typeof_impl, unbox,
 )
+from numba.core.imputils import lower_constant
 
 from kernels.cpu.common import emit_prefetch
 
@@ -96,6 +97,12 @@ class _GroupShapeModel(models.StructModel):
 @unbox(GroupShapeType)
 def _unbox_group_shape(typ, obj, c):
     return NativeValue(c.context.get_constant_null(typ))
+
+
+@lower_constant(GroupShapeType)
+def _lower_group_shape(context, builder, typ, value):
+    # a GroupShape read from a module's globals inside a kernel: a constant of its type, as unboxed
+    return context.get_constant_null(typ)
 
 
 @overload_attribute(GroupShapeType, "rows")

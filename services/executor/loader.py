@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import select_backend
-from .linear import check_linear_kernel, pack_linears, use_onednn
+from .linear import check_linear_kernel, choose_linear_kernel, pack_linears
 from .model import ModelConfig
 from .model_check import MemoryPlan, plan_memory
 from .parallel.base import Communicator
@@ -105,8 +105,9 @@ def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: Runner
     device = torch.device(options.device)
     dtype = _dtype(options)
     model = build_model(hf_config, state_dict, dtype, device, plan.max_model_len, shard, comm)
-    if use_onednn(options.linear_kernel, device, dtype):
-        pack_linears(model)  # oneDNN's blocked weights (linear.py)
+    kind = choose_linear_kernel(options.linear_kernel, device, dtype)
+    if kind != "torch":
+        pack_linears(model, kind)  # oneDNN's blocked weights or the Numba kernel's pairs (linear.py)
     kv_cfg = model.kv_cache_config  # only this rank's KV heads
     kv = allocate_kv_cache(kv_cfg, plan.num_blocks, options.block_size, dtype, device)
     cpu_kv = allocate_kv_cache(kv_cfg, plan.num_cpu_blocks, options.block_size, dtype, torch.device("cpu"))

@@ -135,8 +135,8 @@ def thread_tuner_for(runner, num_threads: int, world_size: int, enabled: bool = 
                      ) -> tuple[ThreadTuner | None, str]:
     """The tuner for this executor, or None, and why (for the log): only on one rank (the ranks of
     a group wait for each other, so one rank's time says little about its own threads), with more
-    than one thread, and where the matmuls are oneDNN-packed (their results do not depend on the
-    thread count). Fixes the attention kernels' partitions to ``num_threads`` either way."""
+    than one thread, and where the matmuls are oneDNN's or the Numba kernel's (their results do not
+    depend on the thread count). Fixes the attention kernels' partitions to ``num_threads`` either way."""
     from .linear import linear_kernel_name
 
     backend = getattr(runner, "backend", None)
@@ -146,7 +146,7 @@ def thread_tuner_for(runner, num_threads: int, world_size: int, enabled: bool = 
         return None, "--no-adaptive-threads"
     if num_threads <= 1 or world_size > 1:
         return None, f"{num_threads} thread(s), {world_size} rank(s): nothing to choose"
-    if linear_kernel_name(runner.model) != "onednn":
+    if linear_kernel_name(runner.model) not in ("onednn", "numba"):
         return None, "matmuls on F.linear, whose results depend on the thread count"
     candidates = thread_ladder(num_threads)
     small_rows = hasattr(backend, "parallel_small_rows") and backend.parallel_small_rows(True)
