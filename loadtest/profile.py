@@ -318,6 +318,7 @@ def header(facts: dict, args, load_before: tuple) -> str:
     load_after = os.getloadavg()
     return "\n".join([
         f"pagedserve step profile: {facts['model']} in {facts['dtype']} ({args.dtype}: {facts['reason']}), "
+        f"matmuls {facts.get('linear', '?')}, "
         f"attention backend {facts['backend']} (prefill: {facts.get('prefill_kind', facts['backend'])})",
         f"as a server's executor: {facts.get('executor_setup', '')} (here every step runs on all threads)",
         f"CPU: {cpu.model_name}, {os.cpu_count()} cores; threads: torch {torch.get_num_threads()}, "

@@ -162,7 +162,7 @@ def choose_cpu_dtype(features: CpuFeatures) -> tuple[str, str]:
     if native == "amx":
         return "bfloat16", "AMX bf16 matmuls (oneDNN avx512_core_amx)"
     if native == "avx512_bf16":
-        return "bfloat16", "AVX-512 BF16 matmuls (oneDNN avx512_core_bf16)"
+        return "bfloat16", "AVX-512 BF16 matmuls (vdpbf16ps)"
     if features.torch_capability != "AVX512":
         why = f"torch's CPU capability is {features.torch_capability}, not AVX512"
     elif features.onednn_cap() in _ONEDNN_ISAS_WITHOUT_BF16:

@@ -99,3 +99,12 @@ def test_frontend_costs_on_smollm2_streams():
     assert [len(s) for s in streams] == [50, 50, 50] and streams[0] != streams[1]
     costs = frontend_costs(tokenizer, num_streams=3, num_tokens=50)
     assert set(costs) == {"outputs", "detokenize", "sse"} and all(v > 0 for v in costs.values())
+
+
+def test_header_names_the_dtype_reason_and_the_matmul_kernel():
+    args = profile.parse_args(["--dtype", "auto"])
+    facts = {"model": "tiny", "dtype": "bfloat16", "reason": "AVX-512 BF16 matmuls (vdpbf16ps)",
+             "backend": "numba", "linear": "numba", "prefill_kind": "numba"}
+    first = profile.header(facts, args, (0.5, 0.5, 0.5)).splitlines()[0]
+    assert "tiny in bfloat16 (auto: AVX-512 BF16 matmuls (vdpbf16ps))" in first
+    assert "matmuls numba, attention backend numba" in first
