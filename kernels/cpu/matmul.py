@@ -5,22 +5,24 @@ the weight packed once into pairs, multiplied with ``vdpbf16ps`` (``--linear-ker
 Why: a decode step multiplies a few rows by every weight, so its matmuls should take the time of
 reading the weights once. oneDNN's bfloat16 kernel (what ``--linear-kernel onednn`` runs) does
 not stream them that fast at few rows on a CPU without AMX. Measured on a 2-core AMD EPYC Zen 4
-(family 25, model 17; ``avx512_bf16``, no AMX; 2026-12-03): SmolLM2's 120 layer matmuls over 30
-distinct layers plus the LM head (266 MB of bfloat16 weights), 2 threads, both kernels interleaved
-in one process, median of 5 (2 at 2,048 rows), two runs (``/tmp/c/var/ab.py``):
+(family 25, model 17; ``avx512_bf16``, no AMX; 2026-12-03) with ``python -m kernels.bench_matmul
+--rows 1,4,8,16,32,64,2048``: SmolLM2's 210 layer matmuls (30 layers with weights of their own) plus
+the LM head, 269 MB of bfloat16 weights, 2 threads, both kernels interleaved in one process, median
+of 5 rounds, two runs:
 
 | rows | oneDNN packed | this kernel | ratio |
 |---|---|---|---|
-| 1 | 18.11 / 18.08 ms | 13.55 / 12.88 ms | 0.75 / 0.71 |
-| 4 | 16.24 / 17.11 | 11.71 / 12.72 | 0.72 / 0.74 |
-| 8 | 19.58 / 23.21 | 14.33 / 18.63 | 0.73 / 0.80 |
-| 16 | 23.14 / 26.18 | 20.26 / 22.52 | 0.88 / 0.86 |
-| 32 | 36.78 / 37.43 | 32.63 / 33.73 | 0.89 / 0.90 |
-| 64 | 62.33 / 61.43 | 56.42 / 55.97 | 0.91 / 0.91 |
-| 2,048 | 1,575.5 / 1,425.0 | 1,576.1 / 1,513.7 | 1.00 / 1.06 |
+| 1 | 20.33 / 22.72 ms | 13.37 / 15.47 ms | 0.66 / 0.68 |
+| 4 | 19.07 / 19.57 | 13.96 / 14.28 | 0.73 / 0.73 |
+| 8 | 18.02 / 22.26 | 13.97 / 16.72 | 0.78 / 0.75 |
+| 16 | 23.90 / 26.46 | 21.24 / 22.76 | 0.89 / 0.86 |
+| 32 | 32.31 / 37.53 | 28.96 / 33.11 | 0.90 / 0.88 |
+| 64 | 53.81 / 59.44 | 53.70 / 56.08 | 1.00 / 0.94 |
+| 2,048 | 1,484.9 / 1,523.8 | 1,600.8 / 1,645.2 | 1.08 / 1.08 |
 
-At one row oneDNN read the weights at 15-21 GB/s where a ``torch.sum`` read 28-32 GB/s; this kernel
-reads them at 20-27. From about 32 rows both are bound by the CPU's ``vdpbf16ps`` rate.
+At one row oneDNN read the weights at 12-13 GB/s, this kernel at 17-20, where a ``torch.sum``
+read 28-32 GB/s on this machine (an earlier session). From about 32 rows both are bound by the
+CPU's ``vdpbf16ps`` rate; at prefill sizes oneDNN's blocking is the better one.
 
 Layout. The weight ``[out, in]`` (bfloat16) is stored as ``[tiles, in / 2, 64, 2]``: tiles of
 ``TILE_COLUMNS`` (64) output columns; within a tile, for each pair of inputs ``(2p, 2p + 1)``, the
