@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from shared.model_source import ModelSource
+from shared.model_source import ModelSource, kernels_clash_hint
 
 GIB = 2**30
 
@@ -153,7 +153,7 @@ def load_hf_config(source: ModelSource) -> Any:
     try:
         config = AutoConfig.from_pretrained(source.directory, trust_remote_code=False, **source.pretrained_kwargs())
     except Exception as exc:  # transformers raises anything (OSError, ValueError, KeyError, ZeroDivisionError...)
-        message = f"{type(exc).__name__}: {_one_line(exc)}"
+        message = f"{type(exc).__name__}: {_one_line(exc)}{kernels_clash_hint(exc)}"
         raise ModelCheckError(f"{where}: cannot read the model config: {message}") from None
     model_shape(config.to_dict(), where)
     return config

@@ -93,7 +93,17 @@ def load_tokenizer(source: ModelSource) -> Any:
     except Exception as exc:  # transformers raises anything (OSError, ValueError, KeyError...)
         text = " ".join(str(exc).split())[:300]
         raise ValueError(f"--model {source.where}: cannot load the tokenizer: "
-                         f"{type(exc).__name__}: {text}") from None
+                         f"{type(exc).__name__}: {text}{kernels_clash_hint(exc)}") from None
+
+
+def kernels_clash_hint(exc: BaseException) -> str:
+    """A hint for an error raised where transformers imported Hugging Face's ``kernels`` package and
+    got this project's ``kernels/`` (same top-level name; transformers 5.25 and later require that
+    package, ``pyproject.toml`` keeps them out); "" for any other error."""
+    if isinstance(exc, ImportError) and "from 'kernels'" in str(exc):
+        return (" (Hugging Face's `kernels` package is installed, and its name is pagedserve's "
+                "kernels/ package's: `pip uninstall kernels`, with transformers below 5.25)")
+    return ""
 
 
 def _generic_tokenizer(source: ModelSource) -> bool:

@@ -116,3 +116,18 @@ def test_the_conversion_parses_the_file_once(tmp_path):
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
     assert gguf.GGUFReader is reader_class and gguf.get_tensor_name_map is name_map
     assert gguf.GGUFReader(path) is not first
+
+
+def test_a_clash_with_hugging_faces_kernels_package_gets_a_hint(monkeypatch, gguf_source):
+    """transformers 5.25+ imports Hugging Face's ``kernels`` package, whose name is ours: the error
+    says what to do; other errors get no hint."""
+    import shared.model_source as model_source
+
+    def clash(source):
+        raise ImportError("cannot import name 'CUDAProperties' from 'kernels' (/x/kernels/__init__.py)")
+
+    monkeypatch.setattr(model_source, "_generic_tokenizer", clash)
+    with pytest.raises(ValueError, match=r"CUDAProperties.*`pip uninstall kernels`"):
+        load_tokenizer(gguf_source)
+    assert model_source.kernels_clash_hint(ImportError("cannot import name 'x' from 'numba'")) == ""
+    assert model_source.kernels_clash_hint(ValueError("from 'kernels'")) == ""
