@@ -54,7 +54,7 @@ def test_stream_timings_from_server_sent_events():
 def server(tiny_f32_server):
     """The session's float32 tiny-model server (conftest.py, shared with test_offline and
     test_server_frontends: a start fewer; served as ``tiny`` with the model's whole 256-token
-    context); the streams Locust cuts at the end are aborted by the server as any client's are."""
+    context); a stream Locust would cut at its stop timeout is aborted by the server as any client's is."""
     url = tiny_f32_server[0]
     _warm_up(url)  # the kernels compile on first use: not inside Locust's few seconds
     return url
@@ -70,12 +70,16 @@ def _warm_up(url: str) -> None:
 
 @pytest.mark.slow
 def test_locust_headless_reports_ttft_and_inter_token_latency(server, tmp_path):
+    # Four seconds of arrivals, then (--stop-timeout) every stream in flight runs to its end: on a
+    # busy machine none may have ended within the four seconds (one run with three test workers on
+    # two cores had only the users' GET /v1/models in its table), and the test is about the
+    # reports, not about how many streams fit in a given time.
     out = str(tmp_path / "out")
     proc = subprocess.run(
         [sys.executable, "-m", "locust", "-f", "loadtest/locustfile.py", "--headless", "-u", "4", "-r", "4",
-         "-t", "4s", "--host", server, "--dataset", "alpaca", "--csv", out, "--html", f"{out}.html",
+         "-t", "4s", "-s", "120", "--host", server, "--dataset", "alpaca", "--csv", out, "--html", f"{out}.html",
          "--only-summary", "--loglevel", "WARNING"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(f"{out}_stats.csv", newline="") as f:
