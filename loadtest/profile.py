@@ -16,7 +16,10 @@ For each scenario it prints the median per step of: scheduling, messages, and in
 matmuls, attention, norms, rotary, the other per-layer ops, the LM head, sampling and the runner's
 own work (``loadtest/step_timer.py`` times them with wrappers installed from outside; the product
 carries no timing code); then the matmul roofline (``loadtest/profile_costs.py``) and the ratio of
-the step to it. Last, the frontend's CPU cost per 1000 output tokens (output frames,
+the step to it. The roofline's passes run between the measured steps (``--roofline-repeats`` after
+each), so that it is timed in the same minutes as the steps on a machine whose speed moves: the table
+gives the step's median over the best pass, and the median (and range) of each step over the best
+pass timed right after it. Last, the frontend's CPU cost per 1000 output tokens (output frames,
 detokenization, SSE chunks). Figures from a machine shared with other work are noisy: compare
 ratios measured in one run.
 """
@@ -26,9 +29,11 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
+from typing import Callable
 
 from shared.threads import configure_cpu_threads
 
@@ -159,9 +164,10 @@ class StepBench:
 
 
 def run_scenario(bench: StepBench, label: str, num_decodes: int, context: int, prompt_lengths: tuple[int, ...],
-                 warmup: int, steps: int) -> list[dict[str, int]]:
+                 warmup: int, steps: int, after_step: Callable[[], None] | None = None) -> list[dict[str, int]]:
     """``num_decodes`` sequences at ``context`` tokens, decoding; fresh prompts of
-    ``prompt_lengths`` tokens (none for a decode step) join every step (and are aborted after it)."""
+    ``prompt_lengths`` tokens (none for a decode step) join every step (and are aborted after it).
+    ``after_step``: called after each measured step (the roofline passes of its moment)."""
     say(f"  {label}: filling the cache of {num_decodes} sequence(s) with {context} tokens")
     decoding = bench.add_requests(num_decodes, context)
     bench.prefill_without_maths()
@@ -173,6 +179,8 @@ def run_scenario(bench: StepBench, label: str, num_decodes: int, context: int, p
         bench.abort(fresh)
         if i >= warmup:
             samples.append(parts)
+            if after_step is not None:
+                after_step()
     bench.abort(decoding)
     return samples
 
@@ -223,7 +231,7 @@ def measure(args) -> tuple[dict, list]:
     from services.executor.linear import linear_kernel_name
     from services.executor.thread_tuner import thread_tuner_for
 
-    from .profile_costs import matmul_roofline, median_parts
+    from .profile_costs import RooflinePasses, median_parts, roofline_of
 
     cols = scenarios(args)
     max_seqs = max(n + len(lengths) for _, n, lengths in cols)
@@ -240,11 +248,15 @@ def measure(args) -> tuple[dict, list]:
     results = []
     try:
         for label, num_decodes, lengths in cols:
-            samples = run_scenario(bench, label, num_decodes, args.context, lengths, args.warmup, args.steps)
-            say(f"  {label}: matmul roofline")
-            roof = matmul_roofline(runner.model.config, choice.dtype, num_decodes + sum(lengths),
-                                   num_decodes + len(lengths), args.roofline_repeats, clock,
-                                   kernel=kernel)
+            say(f"  {label}: the matmul roofline's weights")
+            roofline = RooflinePasses(runner.model.config, choice.dtype, num_decodes + sum(lengths),
+                                      num_decodes + len(lengths), kernel=kernel)
+            passes: list[list[tuple[int, int]]] = []
+            samples = run_scenario(
+                bench, label, num_decodes, args.context, lengths, args.warmup, args.steps,
+                after_step=lambda: passes.append([roofline.time_pass(clock) for _ in range(args.roofline_repeats)]))
+            del roofline
+            roof = roofline_of(passes, [sum(parts.values()) for parts in samples])
             results.append((label, median_parts(samples), roof))
     finally:
         bench.close()
@@ -274,14 +286,21 @@ def format_table(facts: dict, results: list, args) -> str:
                             for (_, parts, _), t in zip(results, totals)])
     row("step (sum of the medians)", [f"{t:8.2f}       " for t in totals])
     kernel = {"onednn": "oneDNN-packed", "numba": "Numba pairs"}.get(facts.get("linear"), "F.linear")
-    row(f"matmuls alone: {kernel}, HF shapes, best of {args.roofline_repeats}",
+    row(f"matmuls alone: {kernel}, HF shapes, best of {args.steps * args.roofline_repeats} passes",
         [f"{r.total_s * 1e3:8.2f}       " for _, _, r in results])
     row("  of which the LM head", [f"{r.lm_head_s * 1e3:8.2f}       " for _, _, r in results])
     row("step / matmul roofline", [f"x{t / (r.total_s * 1e3):.2f}       " for t, (_, _, r) in zip(totals, results)])
+    row("each step / the roofline pass after it: median (range)", [_paired(r.paired_ratios) for _, _, r in results])
     row("in-model matmuls + LM head / roofline",
         [f"x{(p.get('matmul', 0) + p.get('lm_head', 0)) / 1e6 / (r.total_s * 1e3):.2f}       "
          for _, p, r in results])
     return "\n".join(lines)
+
+
+def _paired(ratios: tuple[float, ...]) -> str:
+    if not ratios:
+        return "-       "
+    return f"x{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def format_frontend(costs: dict[str, float], results: list) -> str:
@@ -302,7 +321,8 @@ def write_json(path: str, facts: dict, results: list, costs: dict[str, float]) -
 
     body = {"dtype": facts["dtype"], "frontend_ms_per_1000_tokens": {k: v / 1e3 for k, v in costs.items()},
             "scenarios": {label: {"parts_ms": {k: v / 1e6 for k, v in parts.items()},
-                                  "roofline_ms": r.total_s * 1e3, "roofline_lm_head_ms": r.lm_head_s * 1e3}
+                                  "roofline_ms": r.total_s * 1e3, "roofline_lm_head_ms": r.lm_head_s * 1e3,
+                                  "step_over_roofline_paired": list(r.paired_ratios)}
                           for label, parts, r in results}}
     with open(path, "w") as f:
         json.dump(body, f, indent=1)
@@ -347,7 +367,10 @@ def parse_args(argv=None):
                          "e.g. --prefill 2032 --prefill-prompts 15, a chunk of a burst of chat requests)")
     ap.add_argument("--steps", type=int, default=10, help="steps measured per scenario")
     ap.add_argument("--warmup", type=int, default=2, help="steps run first and not measured")
-    ap.add_argument("--roofline-repeats", type=int, default=5)
+    ap.add_argument("--roofline-repeats", type=int, default=1,
+                    help="passes of the matmul roofline timed after each measured step (default 1): the "
+                         "roofline is the best of them all, and each step is also set against the passes "
+                         "of its own moment")
     ap.add_argument("--num-threads", type=int, default=None, help="as the executor's --num-threads")
     ap.add_argument("--json", default=None, help="also write the medians (ms) to this file")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -356,9 +379,9 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.prefill and not 1 <= args.prefill_prompts <= args.prefill:
         ap.error(f"--prefill-prompts must be between 1 and --prefill ({args.prefill}), got {args.prefill_prompts}")
-    if args.steps < 1 or args.context < 1 or min(args.batches) < 1:
-        ap.error(f"--steps, --context and --batches must be positive, got {args.steps}, {args.context}, "
-                 f"{args.batches}")
+    if args.steps < 1 or args.context < 1 or min(args.batches) < 1 or args.roofline_repeats < 1:
+        ap.error(f"--steps, --context, --batches and --roofline-repeats must be positive, got {args.steps}, "
+                 f"{args.context}, {args.batches}, {args.roofline_repeats}")
     return args
 
 

@@ -1,10 +1,12 @@
 """Yardsticks for ``loadtest.profile``: the matmul roofline of a step, and the frontend's CPU cost
 per output token.
 
-- ``matmul_roofline``: the time of one step's matmuls alone, ``nn.Linear`` (or oneDNN-packed) on the
-  Hugging Face shapes (q, k, v, o, gate, up, down per layer, then the LM head on the sampled rows)
-  in the model's dtype, each layer with weights of its own (as in the model, they do not stay in
-  cache from one layer to the next); best of ``repeats`` runs of the whole chain.
+- ``RooflinePasses``: one step's matmuls alone, ``nn.Linear`` (or oneDNN-packed, or the Numba
+  kernel) on the Hugging Face shapes (q, k, v, o, gate, up, down per layer, then the LM head on the
+  sampled rows) in the model's dtype, each layer with weights of its own (as in the model, they do
+  not stay in cache from one layer to the next); built once, timed a pass at a time, so that a
+  profile can time a pass right after each step (``roofline_of``: the best pass, and each step
+  over the pass of its own moment). ``matmul_roofline``: the best of ``repeats`` passes.
 - ``frontend_costs``: what the frontend spends per output token on realistic streams: decoding the
   scheduler's ``RequestOutputs`` frames (one per step), the incremental detokenizer (with stop
   strings) and the SSE chunks (chat shape, JSON, bytes); CPU nanoseconds per token. Socket writes
@@ -40,6 +42,9 @@ _TEXT = (
 class MatmulRoofline:
     layers_s: float  # the decoder layers' matmuls
     lm_head_s: float
+    # per measured step, in order: the step's time over the roofline pass timed right after it (the
+    # same minute of a machine whose speed moves); empty where the passes were timed apart
+    paired_ratios: tuple[float, ...] = ()
 
     @property
     def total_s(self) -> float:
@@ -53,43 +58,61 @@ def layer_shapes(cfg) -> list[tuple[int, int]]:
     return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
 
 
+class RooflinePasses:
+    """One step's matmuls alone: ``num_tokens`` rows through every layer, ``num_sampled`` rows
+    through the LM head. ``kernel``: what the engine multiplies with (``--linear-kernel``,
+    ``services/executor/linear.py``): "torch" (``nn.Linear``), "onednn" (oneDNN-packed weights) or
+    "numba". Built (and run once, so that oneDNN picks and caches its kernels) on construction."""
+
+    def __init__(self, cfg, dtype: torch.dtype, num_tokens: int, num_sampled: int,
+                 kernel: str = "torch") -> None:
+        from torch import nn
+
+        from services.executor.linear import PackedLinear, PairLinear
+
+        wrap = {"torch": lambda linear: linear, "onednn": PackedLinear, "numba": PairLinear}[kernel]
+
+        def make(in_f: int, out_f: int) -> nn.Module:
+            return wrap(nn.Linear(in_f, out_f, bias=False, dtype=dtype))
+
+        with torch.inference_mode():
+            self._layers = [[make(in_f, out_f) for in_f, out_f in layer_shapes(cfg)]
+                            for _ in range(cfg.num_layers)]
+            self._inputs = {n: torch.randn(num_tokens, n, dtype=dtype) for n in {s[0] for s in layer_shapes(cfg)}}
+            self._head = make(cfg.hidden_size, cfg.vocab_size)
+            self._head_in = torch.randn(num_sampled, cfg.hidden_size, dtype=dtype)
+        self.time_pass(time.perf_counter_ns)  # warm-up
+
+    def time_pass(self, clock=time.perf_counter_ns) -> tuple[int, int]:
+        """One pass: (ns of the layers' matmuls, ns of the LM head) by ``clock``."""
+        with torch.inference_mode():
+            start = clock()
+            for layer in self._layers:
+                for linear in layer:
+                    linear(self._inputs[linear.in_features])
+            middle = clock()
+            self._head(self._head_in)
+            return middle - start, clock() - middle
+
+
+def roofline_of(passes: list[list[tuple[int, int]]], step_ns: list[int] | None = None) -> MatmulRoofline:
+    """The best pass's layers and LM head (each the least of its passes) of ``passes`` (groups of
+    ``RooflinePasses.time_pass`` results); with ``step_ns`` (one step's time per group, the group
+    timed right after it), also each step over the best pass of its own group."""
+    flat = [p for group in passes for p in group]
+    ratios = ()
+    if step_ns is not None:
+        if len(step_ns) != len(passes):
+            raise ValueError(f"{len(step_ns)} steps for {len(passes)} groups of roofline passes")
+        ratios = tuple(step / min(a + b for a, b in group) for step, group in zip(step_ns, passes))
+    return MatmulRoofline(min(a for a, _ in flat) / 1e9, min(b for _, b in flat) / 1e9, ratios)
+
+
 def matmul_roofline(cfg, dtype: torch.dtype, num_tokens: int, num_sampled: int,
                     repeats: int = 5, clock=time.perf_counter_ns, kernel: str = "torch") -> MatmulRoofline:
-    """One step's matmuls alone: ``num_tokens`` rows through every layer, ``num_sampled`` rows
-    through the LM head; ``clock`` in ns (wall, or CPU time). ``kernel``: what the engine multiplies
-    with (``--linear-kernel``, ``services/executor/linear.py``): "torch" (``nn.Linear``), "onednn"
-    (oneDNN-packed weights) or "numba"."""
-    from torch import nn
-
-    from services.executor.linear import PackedLinear, PairLinear
-
-    wrap = {"torch": lambda linear: linear, "onednn": PackedLinear, "numba": PairLinear}[kernel]
-
-    def make(in_f: int, out_f: int) -> nn.Module:
-        return wrap(nn.Linear(in_f, out_f, bias=False, dtype=dtype))
-
-    with torch.inference_mode():
-        layers_ = [[make(in_f, out_f) for in_f, out_f in layer_shapes(cfg)] for _ in range(cfg.num_layers)]
-        inputs = {n: torch.randn(num_tokens, n, dtype=dtype) for n in {s[0] for s in layer_shapes(cfg)}}
-        head, head_in = make(cfg.hidden_size, cfg.vocab_size), torch.randn(num_sampled, cfg.hidden_size, dtype=dtype)
-
-        def layers() -> None:
-            for layer in layers_:
-                for linear in layer:
-                    linear(inputs[linear.in_features])
-
-        return MatmulRoofline(_best_of(layers, repeats, clock), _best_of(lambda: head(head_in), repeats, clock))
-
-
-def _best_of(fn, repeats: int, clock) -> float:
-    """Seconds."""
-    fn()  # warm-up: oneDNN picks and caches its kernels
-    best = float("inf")
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        best = min(best, clock() - start)
-    return best / 1e9
+    """The best of ``repeats`` passes of ``RooflinePasses`` (``clock`` in ns: wall, or CPU time)."""
+    passes = RooflinePasses(cfg, dtype, num_tokens, num_sampled, kernel)
+    return roofline_of([[passes.time_pass(clock) for _ in range(repeats)]])
 
 
 def stream_token_ids(tokenizer, num_streams: int, num_tokens: int) -> list[list[int]]:

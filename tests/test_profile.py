@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loadtest import profile
-from loadtest.profile_costs import MatmulRoofline, matmul_roofline
+from loadtest.profile_costs import MatmulRoofline, RooflinePasses, matmul_roofline, roofline_of
 from loadtest.step_timer import EXECUTOR_PARTS, RegionTimer, breakdown, install
 from services.executor.loader import RunnerOptions, build_runner
 from services.executor.model import ModelConfig
@@ -37,6 +37,34 @@ def test_every_part_of_a_decode_and_a_mixed_step_is_timed():
                                               "scheduler", "messages"))
         assert parts["other_layer"] >= 0 and parts["runner"] >= 0
     assert not bench.scheduler.has_work()  # every request was aborted at the end of its scenario
+
+
+def test_the_roofline_is_timed_between_the_measured_steps():
+    """A pass (or ``--roofline-repeats``) after each measured step, none after a warm-up step; the
+    roofline is the best pass, and each step is set against the best pass of its own moment."""
+    runner = tiny_runner()
+    cfg = runner.model.config
+    passes = RooflinePasses(cfg, torch.float32, num_tokens=3, num_sampled=3)
+    groups = []
+    bench = profile.StepBench(runner, max_num_seqs=4, max_num_batched_tokens=256)
+    try:
+        samples = profile.run_scenario(bench, "decode 3", 3, 20, (), warmup=2, steps=3,
+                                       after_step=lambda: groups.append([passes.time_pass() for _ in range(2)]))
+    finally:
+        bench.close()
+    assert len(samples) == 3 and [len(g) for g in groups] == [2, 2, 2]
+    assert all(layers > 0 and head > 0 for g in groups for layers, head in g)
+    steps = [sum(parts.values()) for parts in samples]
+    roof = roofline_of(groups, steps)
+    assert roof.layers_s == min(a for g in groups for a, _ in g) / 1e9
+    assert roof.lm_head_s == min(b for g in groups for _, b in g) / 1e9
+    assert roof.paired_ratios == tuple(s / min(a + b for a, b in g) for s, g in zip(steps, groups))
+    # the pairing by hand: step 2's moment was slow, its ratio is not
+    roof = roofline_of([[(2, 1), (3, 1)], [(6, 3)]], [6, 18])
+    assert (roof.layers_s, roof.lm_head_s, roof.paired_ratios) == (2e-9, 1e-9, (2.0, 2.0))
+    assert roofline_of([[(2, 1)]]).paired_ratios == ()
+    with pytest.raises(ValueError):
+        roofline_of([[(2, 1)]], [5, 6])
 
 
 def test_a_mixed_step_of_several_prompts():
@@ -79,6 +107,9 @@ def test_roofline_times_the_model_shapes(tmp_path):
     args = profile.parse_args(["--roofline-repeats", "2"])
     table = profile.format_table({}, results, args)
     assert "x1.33" in table  # step 4 ms / roofline 3 ms
+    paired = profile.format_table({}, [("decode 8", parts, MatmulRoofline(0.002, 0.001, (1.5, 1.25, 1.375)))], args)
+    assert "x1.38 (1.25-1.50)" in paired.splitlines()[-2]  # median (range) of each step's own ratio
+    assert "best of 20 passes" in table  # 10 steps, 2 passes after each
     long_label = "prefill 2032 in 15 + 16 dec"
     header = profile.format_table({}, [*results, (long_label, parts, MatmulRoofline(0.002, 0.001))], args)
     assert f"decode 8  {long_label}" in header.splitlines()[0]  # the columns stay apart
