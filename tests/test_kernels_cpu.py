@@ -122,9 +122,9 @@ def test_last_blocks_prefetch_the_first_blocks_of_the_range_attended_next():
     range's own table, and past its last block the same offset in the first blocks of the range
     the thread attends next (its own table, KV head and start: a partition starts mid-table); with
     no range next, the tile's own row. And which range comes next for the plain and the
-    partitioned kernels' task orders (``_following``, ``_following_part``)."""
+    partitioned kernels' task orders (``_following``)."""
     from kernels.cpu.decode import _PREFETCH_AHEAD as ahead_blocks
-    from kernels.cpu.decode import _following, _following_part, _tile
+    from kernels.cpu.decode import _following, _tile
 
     blocks, heads, block_size, head_dim = 40, 2, 4, 8
     cache = np.zeros((blocks, heads, block_size, head_dim), np.float32)
@@ -156,12 +156,12 @@ def test_last_blocks_prefetch_the_first_blocks_of_the_range_attended_next():
     assert (got[0].tolist(), got[1:]) == (tables[0].tolist(), (0, 0, 30))
     assert _following(tables, seqs, lens, 2, 3)[3] == 0  # the last task: nothing next
     # partitions of 8 tokens: row 0 has 2 used of 4, row 1 all 4; tasks (row, head, partition)
-    got = _following_part(tables, seqs, lens, 2, 4, 8, 0)  # -> row 0, head 0, partition 1
+    got = _following(tables, seqs, lens, 2, 0, 4, 8)  # -> row 0, head 0, partition 1
     assert (got[0].tolist(), got[1:]) == (tables[2].tolist(), (0, 8, 9))
-    assert _following_part(tables, seqs, lens, 2, 4, 8, 1)[2:] == (16, 9)  # empty: past its end
-    got = _following_part(tables, seqs, lens, 2, 4, 8, 7)  # -> row 1, head 0, partition 0
+    assert _following(tables, seqs, lens, 2, 1, 4, 8)[2:] == (16, 9)  # empty: past its end
+    got = _following(tables, seqs, lens, 2, 7, 4, 8)  # -> row 1, head 0, partition 0
     assert (got[0].tolist(), got[1:]) == (tables[0].tolist(), (0, 0, 8))
-    assert _following_part(tables, seqs, lens, 2, 4, 8, 15)[3] == 0
+    assert _following(tables, seqs, lens, 2, 15, 4, 8)[3] == 0
 
 
 def _prefill_case(q_lens, lens, num_heads, num_kv_heads, head_dim, block_size, seed):

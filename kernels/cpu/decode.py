@@ -113,25 +113,19 @@ def _tile(table, kvh, pos, end, key_cache, following):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _following(block_tables, seqs, lens, num_kv_heads, task):
-    """The range the rows kernels' task ``task + 1`` attends (``_row_task``'s order): (table, KV
-    head, 0, its length); after the last task an empty range. numba hands each thread a contiguous
-    share of the tasks, so it is the one the thread runs next (or the next thread's first)."""
-    i = (task + 1) // num_kv_heads
-    if i >= seqs.shape[0]:
-        return block_tables[seqs[0]], 0, 0, 0
-    return block_tables[seqs[i]], task + 1 - i * num_kv_heads, 0, lens[i]
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _following_part(block_tables, seqs, lens, num_kv_heads, num_parts, partition_size, task):
-    """``_following`` for the partitioned kernel's tasks (row, KV head, partition), the partitions
-    of a (row, KV head) one after the other: the range of task ``task + 1``."""
+def _following(block_tables, seqs, lens, num_kv_heads, task, num_parts=1, partition_size=0):
+    """The range task ``task + 1`` of the rows kernels attends: (table, KV head, start, end); after
+    the last task an empty range. Tasks run row by row, KV head by KV head, and (the partitioned
+    kernel: ``num_parts`` partitions of ``partition_size`` tokens) partition by partition; with
+    ``partition_size`` 0 a task is a whole context. numba hands each thread a contiguous share of
+    the tasks, so it is the one the thread runs next (or the next thread's first)."""
     nxt = task + 1
     ik = nxt // num_parts
     i = ik // num_kv_heads
     if i >= seqs.shape[0]:
         return block_tables[seqs[0]], 0, 0, 0
+    if partition_size == 0:
+        return block_tables[seqs[i]], ik - i * num_kv_heads, 0, lens[i]
     start = (nxt - ik * num_parts) * partition_size
     return block_tables[seqs[i]], ik - i * num_kv_heads, start, min(start + partition_size, lens[i])
 
@@ -266,9 +260,8 @@ def _rows_partitioned_kernel(out, query, key_cache, value_cache, block_tables, r
             qv = query_operand(query, (rows[i] * num_heads + kvh * group) * head_dim, shape,
                                key_cache)
             acc = _attend_range(acc, m, l, qv, key_cache, value_cache, block_tables[seqs[i]], kvh,
-                                start, end, sc, _following_part(block_tables, seqs, lens,
-                                                                num_kv_heads, num_parts,
-                                                                partition_size, task))
+                                start, end, sc, _following(block_tables, seqs, lens, num_kv_heads,
+                                                           task, num_parts, partition_size))
         store_rows(part_acc, task * group * head_dim, acc)
     # phase 2: log-sum-exp merge of the partitions of each (row, KV head); serial, since the entry
     # point partitions small batches only and a second parallel region costs more
