@@ -7,7 +7,7 @@ import pytest
 
 import torch
 
-from loadtest import profile
+from loadtest import profile, profile_report
 from loadtest.profile_costs import MatmulRoofline, RooflinePasses, matmul_roofline, roofline_of
 from loadtest.step_timer import EXECUTOR_PARTS, RegionTimer, breakdown, install
 from services.executor.loader import RunnerOptions, build_runner
@@ -105,16 +105,16 @@ def test_roofline_times_the_model_shapes(tmp_path):
     parts = {"matmul": 3e6, "attention": 1e6}
     results = [("decode 8", parts, MatmulRoofline(0.002, 0.001))]
     args = profile.parse_args(["--roofline-repeats", "2"])
-    table = profile.format_table({}, results, args)
+    table = profile_report.format_table({}, results, args)
     assert "x1.33" in table  # step 4 ms / roofline 3 ms
-    paired = profile.format_table({}, [("decode 8", parts, MatmulRoofline(0.002, 0.001, (1.5, 1.25, 1.375)))], args)
+    paired = profile_report.format_table({}, [("decode 8", parts, MatmulRoofline(0.002, 0.001, (1.5, 1.25, 1.375)))], args)
     assert "x1.38 (1.25-1.50)" in paired.splitlines()[-2]  # median (range) of each step's own ratio
     assert "best of 20 passes" in table  # 10 steps, 2 passes after each
     long_label = "prefill 2032 in 15 + 16 dec"
-    header = profile.format_table({}, [*results, (long_label, parts, MatmulRoofline(0.002, 0.001))], args)
+    header = profile_report.format_table({}, [*results, (long_label, parts, MatmulRoofline(0.002, 0.001))], args)
     assert f"decode 8  {long_label}" in header.splitlines()[0]  # the columns stay apart
     out = tmp_path / "profile.json"
-    profile.write_json(str(out), {"dtype": "float32"}, results, {"outputs": 1e4, "detokenize": 2e4, "sse": 3e4})
+    profile_report.write_json(str(out), {"dtype": "float32"}, results, {"outputs": 1e4, "detokenize": 2e4, "sse": 3e4})
     body = json.loads(out.read_text())
     assert body["scenarios"]["decode 8"]["parts_ms"] == {"matmul": 3.0, "attention": 1.0}
     assert body["frontend_ms_per_1000_tokens"]["sse"] == 30.0
@@ -136,6 +136,6 @@ def test_header_names_the_dtype_reason_and_the_matmul_kernel():
     args = profile.parse_args(["--dtype", "auto"])
     facts = {"model": "tiny", "dtype": "bfloat16", "reason": "AVX-512 BF16 matmuls (vdpbf16ps)",
              "backend": "numba", "linear": "numba", "prefill_kind": "numba"}
-    first = profile.header(facts, args, (0.5, 0.5, 0.5)).splitlines()[0]
+    first = profile_report.header(facts, args, (0.5, 0.5, 0.5)).splitlines()[0]
     assert "tiny in bfloat16 (auto: AVX-512 BF16 matmuls (vdpbf16ps))" in first
     assert "matmuls numba, attention backend numba" in first
