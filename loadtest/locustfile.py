@@ -27,6 +27,8 @@ import random
 import sys
 import time
 
+import gevent
+import locust.stats
 from locust import HttpUser, constant, events, task
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `locust -f` from anywhere
@@ -49,6 +51,28 @@ def _add_options(parser) -> None:
                         help="Bearer key for the API (default: $PAGEDSERVE_API_KEY)")
     parser.add_argument("--length-seed", type=int, default=0, include_in_web_ui=True,
                         help="seed of the request lengths and prompts (user i uses seed + i)")
+
+
+_csv_prefix = ""  # --csv, from the init event
+
+
+@events.init.add_listener
+def _remember_csv_prefix(environment, **_kwargs) -> None:
+    global _csv_prefix
+    _csv_prefix = getattr(environment.parsed_options, "csv_prefix", None) or ""
+
+
+@events.quit.add_listener
+def _final_csv_write(**_kwargs) -> None:
+    """Let Locust's CSV writer rewrite ``--csv``'s files once more before they are closed.
+
+    The writer rewrites them once a second, and at exit Locust closes them without a last write
+    (locust issues 1806 and 2299), so the streams that ended in the last second (with ``-t``, every
+    stream that ran on into ``--stop-timeout``) were in the printed summary and the HTML report but
+    not in the CSV. Every user has stopped when ``quit`` fires, so the writer's next tick, due within
+    one interval, writes the final figures."""
+    if _csv_prefix:
+        gevent.sleep(locust.stats.CSV_STATS_INTERVAL_SEC * 1.5)
 
 
 class ChatStreamUser(HttpUser):
