@@ -53,9 +53,9 @@ def _np(*tensors):
 @pytest.fixture(params=["parallel", "serial"])
 def rows_kernel(request, monkeypatch):
     """The attention entry points run the parallel rows kernel or the serial one, by the work's
-    size (``decode.MAX_SERIAL_WORK``): a test that takes this fixture checks both."""
+    size (``rows_plan.MAX_SERIAL_WORK``): a test that takes this fixture checks both."""
     limit = -1 if request.param == "parallel" else 1 << 40
-    monkeypatch.setattr(cpu.decode, "MAX_SERIAL_WORK", limit)
+    monkeypatch.setattr(cpu.rows_plan, "MAX_SERIAL_WORK", limit)
     return request.param
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels.cpu import NumbaCPUBackend
-from kernels.cpu.decode import MAX_SERIAL_WORK, MIN_PARTITION_SIZE
+from kernels.cpu.rows_plan import MAX_SERIAL_WORK, MIN_PARTITION_SIZE
 from services.executor.attention import AttentionMetadata, decode_from_qkv, paged_attention
 from services.executor.layers import RotaryEmbedding
 

@@ -5,7 +5,7 @@ kernels that only long prompts, long contexts, copy-on-write and swaps would oth
 import pytest
 import torch
 
-from kernels.cpu import activation, cache_ops, decode, decode_qkv, norm, rotary
+from kernels.cpu import activation, cache_ops, decode, decode_qkv, norm, rotary, rows_plan
 from services.executor.warmup import WARMUP_SEQ_IDS, warm_up, warmup_steps
 from tests.harness import InProcessEngine, tiny_llama
 
@@ -61,7 +61,7 @@ RARE_KERNELS = [(norm, "_add_rms_norm_parallel"), (rotary, "_rope_split_parallel
                                                  (torch.bfloat16, 4096)])
 def test_warm_up_reaches_the_rare_kernels(dtype, max_model_len, monkeypatch):
     """Each kernel a step may reach but the warm-up steps do not, once; the partitioned decode
-    only where a context can be longer than a partition (``decode.MIN_PARTITION_SIZE``)."""
+    only where a context can be longer than a partition (``rows_plan.MIN_PARTITION_SIZE``)."""
     engine = InProcessEngine(tiny_llama(seed=5, max_position_embeddings=max_model_len), num_blocks=64,
                              block_size=4, backend="numba", dtype=dtype, max_model_len=max_model_len)
     called = []
@@ -74,7 +74,7 @@ def test_warm_up_reaches_the_rare_kernels(dtype, max_model_len, monkeypatch):
     expected = {name for _, name in RARE_KERNELS}
     if engine.runner.model.model.layers[0].mlp.as_transformers(dtype):  # float32 exactness mode:
         expected.discard("_silu_mul_parallel")  # transformers' silu and mul, no fused activation
-    if max_model_len <= decode.MIN_PARTITION_SIZE:
+    if max_model_len <= rows_plan.MIN_PARTITION_SIZE:
         expected.discard("_rows_partitioned_kernel")
     assert engine.runner.max_model_len == max_model_len
     assert set(called) == expected

@@ -10,10 +10,11 @@ argument in place. ``NumbaCPUBackend`` adapts them to the torch tensors of the a
   accumulators held in registers (``Rows``, ``GroupShape``), keys' partial dot products
   (``vdpbf16ps`` on AVX-512 BF16), a tile's scores and online softmax step in vectors.
 - ``decode``: ``attend_rows`` (query rows over a prefix of their sequence's cache, one task per
-  row and KV head, partitioned for few long rows: ``auto_partitions``, ``MIN_PARTITION_SIZE``)
-  and ``paged_decode_attention`` on it.
-  ``plan_rows`` and ``run_plan`` split it: the plan (task order, serial or parallel, partitions)
-  depends on the metadata only, and the backend makes a decode step's once for all its layers.
+  row and KV head, partitioned for few long rows) and ``paged_decode_attention`` on it;
+  ``run_plan`` runs a plan.
+- ``rows_plan``: ``plan_rows``, the plan of such a call (task order, serial or parallel,
+  partitions: ``auto_partitions``, ``MIN_PARTITION_SIZE``), which depends on the metadata only:
+  the backend makes a decode step's once for all its layers.
 - ``decode_qkv``: a decode-only step's rotary embedding, cache write and attention in one call,
   straight from the fused q/k/v projection (the backend's ``decode_qkv``).
 - ``prefill``: ``paged_prefill_attention``, each new token a row of ``attend_rows``.
@@ -40,7 +41,8 @@ from __future__ import annotations
 from kernels.cpu.backend import NumbaCPUBackend
 from kernels.cpu.cache_ops import copy_blocks, swap_blocks, write_kv_cache
 from kernels.cpu.common import sync_threads
-from kernels.cpu.decode import MIN_PARTITION_SIZE, auto_partitions, paged_decode_attention
+from kernels.cpu.decode import paged_decode_attention
+from kernels.cpu.rows_plan import MIN_PARTITION_SIZE, auto_partitions
 from kernels.cpu.prefill import paged_prefill_attention
 
 __all__ = [

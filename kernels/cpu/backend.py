@@ -11,7 +11,8 @@ from kernels import reference
 from kernels.cpu.activation import silu_mul_
 from kernels.cpu.cache_ops import copy_blocks, swap_blocks, write_kv_cache
 from kernels.cpu.common import BITS_DTYPES, kernel_array, sync_threads
-from kernels.cpu.decode import MIN_PARTITION_SIZE, RowsPlan, paged_decode_attention, plan_rows, run_plan
+from kernels.cpu.decode import paged_decode_attention, run_plan
+from kernels.cpu.rows_plan import MIN_PARTITION_SIZE, RowsPlan, plan_rows
 from kernels.cpu.live_arrays import live_array
 from kernels.cpu import activation, matmul_prefill, norm, rotary
 from kernels.cpu import decode_qkv as qkv_kernels
@@ -150,7 +151,7 @@ class NumbaCPUBackend:
         return out
 
     def _decode_plan(self, block_tables, context_lens, key_cache, threads: int):
-        """``decode.plan_rows`` for a decode batch (one row per sequence), made once per step: every
+        """``rows_plan.plan_rows`` for a decode batch (one row per sequence), made once per step: every
         layer passes the same metadata tensors (``AttentionMetadata``), and the plan depends on
         nothing else but the lengths' values (compared: a caller may change a tensor in place), the
         thread count and the pools' shape."""
@@ -228,7 +229,7 @@ class NumbaCPUBackend:
     def warm_up(self, key_cache, value_cache, num_heads: int, max_model_len: int) -> None:
         """Load (or, on a cold Numba cache, compile) the kernels a step reaches only in rare shapes,
         in this pool's format: the block copy of copy-on-write and swaps, and where a context can
-        outgrow ``decode.MIN_PARTITION_SIZE`` tokens (``max_model_len``), the partitioned decode
+        outgrow ``rows_plan.MIN_PARTITION_SIZE`` tokens (``max_model_len``), the partitioned decode
         (such a context at a small batch: 3.3 s to compile in bf16 on a 2-core AMD EPYC). Reads
         blocks 0 and 1 and copies block 1 onto block 0: for a warm-up, before any block holds a
         sequence's data."""

@@ -4,7 +4,7 @@ decode batch in one kernel call.
 
 ``decode_qkv(out, qkv, cos, sin, slot_mapping, key_cache, value_cache, plan, scale)``: ``qkv``
 ``[T, (H + 2 Hkv) * D]`` (the ``qkv_proj`` output), ``cos``/``sin`` ``[T, D]``, one decode row per
-sequence (``plan``: ``decode.plan_rows`` of the step's block tables and context lengths, which
+sequence (``plan``: ``rows_plan.plan_rows`` of the step's block tables and context lengths, which
 count the new token). Each (row, KV head) task rotates its group's queries into ``out``'s rows
 (``rotary.rotate_head``, rounded as the torch form rounds them), rotates the new key into its slot
 and copies the new value into its slot, then attends over the whole context with the queries read
@@ -17,7 +17,7 @@ their views, and the Python between the calls. A task owns its (sequence, KV hea
 scheduler gives a decoding sequence a block of its own before a token is written into it
 (copy-on-write), and no other task reads that slot before the step ends.
 
-Partitioned plans (long contexts at a small batch, ``decode.auto_partitions``) are not taken: the
+Partitioned plans (long contexts at a small batch, ``rows_plan.auto_partitions``) are not taken: the
 partitions of one row run as separate tasks, which would read the slot before its write.
 
 Arrays: float32, or bfloat16 as raw bits (``uint16``), all of one format, C-contiguous.
@@ -28,7 +28,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kernels.cpu.decode import RowsPlan, _row_task
+from kernels.cpu.decode import _row_task
+from kernels.cpu.rows_plan import RowsPlan
 from kernels.cpu.rotary import rotate_head
 from kernels.cpu.vectors import GroupShape
 
@@ -98,7 +99,7 @@ def decode_qkv(out, qkv, cos, sin, slot_mapping, key_cache, value_cache, plan: R
     """Writes the new keys and values into the caches and the attention into ``out`` ``[T, H, D]``
     (see the module's docstring); ``plan`` must be one ``plan_ok`` accepts."""
     if not plan_ok(plan):
-        raise ValueError("decode_qkv runs unpartitioned plans of all the rows (decode.plan_rows)")
+        raise ValueError("decode_qkv runs unpartitioned plans of all the rows (rows_plan.plan_rows)")
     num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
     if not (out.dtype == qkv.dtype == key_cache.dtype == value_cache.dtype
             and qkv.shape[1] == (out.shape[1] + 2 * num_kv_heads) * head_dim):

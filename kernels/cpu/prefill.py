@@ -8,7 +8,7 @@ kernel does the work, tile by tile with the group's query and accumulators in re
 first; measured on a 512-token prompt (SmolLM2's shapes, bf16, one thread) that took 2.6 ms a
 layer where the previous kernel, which read each K/V row once for a tile of 16 query rows but
 with a dot product and a horizontal sum per row and head, took 6.5 ms. The rows go to the
-threads longest with shortest (``decode.balanced_order``), since causal rows grow by one
+threads longest with shortest (``rows_plan.balanced_order``), since causal rows grow by one
 position each.
 """
 
