@@ -12,7 +12,7 @@ Categories (ns, summed over the steps timed; ``breakdown`` derives the rest):
   the MLP's ``separate_gate_up``, its two matmuls in the float32 exactness mode);
 - ``attention``: the backend's ``write_kv``, ``decode`` and ``prefill`` (the paged kernels), and
   ``decode_qkv`` (a decode-only step's rotary embedding, cache write and attention in one kernel:
-  there ``rotary`` counts nothing);
+  there ``rotary`` counts nothing; the numba backend's is its view of the pass, ``for_pass``);
 - ``norm``, ``rotary``: the RMSNorm modules (also the final one) and the rotary embedding;
 - ``forward``: the whole forward pass; ``lm_head``: ``compute_logits``; ``sampling``: the
   sampler; ``execute``: the runner's whole step.
@@ -46,9 +46,8 @@ class RegionTimer:
         self.ns: dict[str, int] = defaultdict(int)
         self._undo: list[tuple[Any, str, Any]] = []
 
-    def wrap(self, obj: Any, name: str, category: str) -> None:
-        """Time every call of ``obj.name`` into ``category`` (an instance attribute shadows it)."""
-        original = getattr(obj, name)
+    def timed(self, original: Callable, category: str) -> Callable:
+        """``original``, its time added to ``category`` at each call."""
         clock, timer = self.clock, self
 
         def timed(*args, **kwargs):
@@ -58,8 +57,29 @@ class RegionTimer:
             finally:
                 timer.ns[category] += clock() - start
 
+        return timed
+
+    def wrap(self, obj: Any, name: str, category: str) -> None:
+        """Time every call of ``obj.name`` into ``category`` (an instance attribute shadows it)."""
+        original = getattr(obj, name)
         self._undo.append((obj, name, vars(obj).get(name)))
-        setattr(obj, name, timed)
+        setattr(obj, name, self.timed(original, category))
+
+    def wrap_made(self, obj: Any, name: str, methods: tuple[str, ...], category: str) -> None:
+        """Time, into ``category``, the ``methods`` of every object that ``obj.name(...)`` makes (a
+        view for one call, which goes when the call's caller lets it go: nothing to undo on it)."""
+        original, timer = getattr(obj, name), self
+
+        def made(*args, **kwargs):
+            view = original(*args, **kwargs)
+            if view is not obj:
+                for method in methods:
+                    if hasattr(view, method):
+                        setattr(view, method, timer.timed(getattr(view, method), category))
+            return view
+
+        self._undo.append((obj, name, vars(obj).get(name)))
+        setattr(obj, name, made)
 
     def uninstall(self) -> None:
         """Put every wrapped method back as it was."""
@@ -91,9 +111,14 @@ def install(runner, timer: RegionTimer) -> Callable[[], None]:
         if isinstance(module, RMSNorm):
             timer.wrap(module, "forward", "norm")
     timer.wrap(model.rotary, "forward", "rotary")
+    # a backend with a view per forward pass (the numba backend's ``for_pass``): its fused decode is
+    # the view's, whose calls that the view does not take itself reach the backend's (counted once)
+    view_methods = ("decode_qkv",) if hasattr(runner.backend, "for_pass") else ()
     for name in ("write_kv", "decode", "prefill", "decode_qkv"):
-        if hasattr(runner.backend, name):
+        if hasattr(runner.backend, name) and name not in view_methods:
             timer.wrap(runner.backend, name, "attention")
+    if view_methods:
+        timer.wrap_made(runner.backend, "for_pass", view_methods, "attention")
     timer.wrap(model, "forward", "forward")
     timer.wrap(model, "compute_logits", "lm_head")
     timer.wrap(runner.sampler, "sample", "sampling")

@@ -39,6 +39,26 @@ def test_every_part_of_a_decode_and_a_mixed_step_is_timed():
     assert not bench.scheduler.has_work()  # every request was aborted at the end of its scenario
 
 
+def test_the_numba_backends_fused_decode_is_attention():
+    """On the numba backend a decode-only step's attention is the fused decode of the backend's
+    view of the pass (``for_pass``): timed as attention, not left to "other"; the wrappers come off."""
+    hf = tiny_llama(seed=3)
+    runner = build_runner(hf.config, hf.state_dict(), RunnerOptions(
+        dtype=torch.float32, num_kv_blocks=64, num_cpu_blocks=0, max_model_len=200, attention_backend="numba"))
+    bench = profile.StepBench(runner, max_num_seqs=8, max_num_batched_tokens=256)
+    views = []
+    for_pass = runner.backend.for_pass
+    runner.backend.for_pass = lambda *args: views.append(for_pass(*args)) or views[-1]
+    try:
+        decode = profile.run_scenario(bench, "decode 4", 4, 20, (), warmup=0, steps=2)
+    finally:
+        bench.close()
+        del runner.backend.for_pass
+    assert all(parts["attention"] > 0 for parts in decode)
+    assert views and all("decode_qkv" in vars(view) for view in views)  # the view's own, wrapped
+    assert "for_pass" not in vars(runner.backend) and "decode_qkv" not in vars(runner.backend)
+
+
 def test_the_roofline_is_timed_between_the_measured_steps():
     """A pass (or ``--roofline-repeats``) after each measured step, none after a warm-up step; the
     roofline is the best pass, and each step is set against the best pass of its own moment."""

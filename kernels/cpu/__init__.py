@@ -26,6 +26,8 @@ argument in place. ``NumbaCPUBackend`` adapts them to the torch tensors of the a
   (``--linear-kernel numba``, what ``auto`` runs on CPUs with AVX-512 BF16 and no AMX).
 - ``argmax``: the first largest logit of each row (float32 or bfloat16), which greedy sampling
   calls directly (``services/executor/sampler.py``), ``torch.argmax`` for other tensors.
+- ``pass_view``: ``ForwardPass``, the backend for one forward pass (``NumbaCPUBackend.for_pass``):
+  what the layers' norm, activation and fused decode calls share, checked and made once.
 - ``backend``: ``NumbaCPUBackend``. ``common`` has ``sync_threads`` (numba follows torch's thread
   count) and ``by_rows`` (the elementwise kernels' serial-or-parallel choice by rows).
 

@@ -17,6 +17,7 @@ from kernels.cpu.live_arrays import live_array
 from kernels.cpu import activation, matmul_prefill, norm, rotary
 from kernels.cpu import decode_qkv as qkv_kernels
 from kernels.cpu.norm import add_rms_norm_
+from kernels.cpu.pass_view import ForwardPass
 from kernels.cpu.prefill import paged_prefill_attention
 from kernels.cpu.rotary import rope_split_
 
@@ -80,7 +81,7 @@ class NumbaCPUBackend:
             matmul_prefill_path = _has_amx()
         self.matmul_prefill_path = matmul_prefill_path
         # (block tables, (threads, ...), the context lengths' bytes, plan) of the last decode
-        # call: the step's plan, reused by its other layers (``_decode_plan``)
+        # call: the step's plan, reused by its other layers (``decode_plan``)
         self._last_plan = None
         # rows from which the norm, rotary and activation kernels run in parallel (their modules'
         # thresholds until ``parallel_small_rows(True)`` lowers them)
@@ -103,6 +104,24 @@ class NumbaCPUBackend:
             SMALL_ROWS_PARALLEL_FROM if small else defaults)
         return small
 
+    def row_thresholds(self) -> tuple[int, int, int]:
+        """Rows from which the norm, rotary and activation kernels run in parallel (``parallel_small_rows``)."""
+        return self._norm_from, self._rotary_from, self._activation_from
+
+    def for_pass(self, meta, rope, num_tokens: int, dtype: torch.dtype):
+        """This backend for one forward pass of ``num_tokens`` rows in ``dtype`` with the pass's
+        metadata and rotary tables (cos, sin): what every layer's calls share is checked and made
+        once (``kernels/cpu/pass_view.py``), with the same results. The backend itself where the
+        pass's dtype is not the fused kernels' (float32, bfloat16)."""
+        if dtype is not torch.float32 and dtype is not torch.bfloat16:
+            return self
+        return ForwardPass(self, meta, rope, num_tokens, dtype)
+
+    @staticmethod
+    def pools_ok(key_cache, value_cache) -> bool:
+        """Whether a layer's pools are the kernels' (checked once per pair: ``_pool_pair_ok``)."""
+        return _pool_pair_ok(key_cache, value_cache)
+
     def prefill_kind(self) -> str:
         """What the start-up log says of the prefill attention."""
         if self.matmul_prefill_path:
@@ -124,7 +143,7 @@ class NumbaCPUBackend:
         if not (_pool_pair_ok(key_cache, value_cache) and _io_ok(key_cache, out, query)):
             return reference.paged_decode_attention(
                 out, query, key_cache, value_cache, block_tables, context_lens, scale)
-        plan = self._decode_plan(block_tables, context_lens, key_cache, sync_threads())
+        plan = self.decode_plan(block_tables, context_lens, key_cache, sync_threads())
         run_plan(kernel_array(out), kernel_array(query), live_array(key_cache), live_array(value_cache),
                  plan, scale)
 
@@ -139,7 +158,7 @@ class NumbaCPUBackend:
         if not (_pool_pair_ok(key_cache, value_cache) and key_cache.dtype is dtype
                 and _fusable(qkv, cos, sin) and qkv.is_contiguous()):
             return None
-        plan = self._decode_plan(block_tables, context_lens, key_cache, sync_threads())
+        plan = self.decode_plan(block_tables, context_lens, key_cache, sync_threads())
         if not qkv_kernels.plan_ok(plan):
             return None
         num_tokens, head_dim = qkv.shape[0], key_cache.shape[3]
@@ -150,7 +169,7 @@ class NumbaCPUBackend:
             live_array(key_cache), live_array(value_cache), plan, scale)
         return out
 
-    def _decode_plan(self, block_tables, context_lens, key_cache, threads: int):
+    def decode_plan(self, block_tables, context_lens, key_cache, threads: int):
         """``rows_plan.plan_rows`` for a decode batch (one row per sequence), made once per step: every
         layer passes the same metadata tensors (``AttentionMetadata``), and the plan depends on
         nothing else but the lengths' values (compared: a caller may change a tensor in place), the

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .module import Linear, Module
 from .parallel.base import Communicator
 from .parallel.sharding import ShardPlan
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from .model import ModelConfig
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
     """``forward(delta, residual)``: ``residual += delta`` in place (the residual stream; ``delta``
     may have no rows), then ``(RMSNorm(residual), residual)``: a decoder layer's "sublayer output
     plus residual, then norm". In one kernel where the attention backend has one for these tensors
@@ -50,7 +51,7 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype), residual
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Module):
     """Non-interleaved (``rotate_half``) rotary embedding with a precomputed cos/sin table."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
@@ -94,7 +95,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class MLP(nn.Module):
+class MLP(Module):
     """This rank's intermediate columns; down_proj's partial sums are all-reduced.
 
     gate and up are one matmul: ``gate_up_proj`` holds this rank's rows of Hugging Face's gate_proj
@@ -112,8 +113,8 @@ class MLP(nn.Module):
         super().__init__()
         start, stop = plan.intermediate_range
         self.num_columns, self.comm = stop - start, comm
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.num_columns, bias=False)
-        self.down_proj = nn.Linear(self.num_columns, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.num_columns, bias=False)
+        self.down_proj = Linear(self.num_columns, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, backend=None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         if self.as_transformers(x.dtype):

@@ -31,11 +31,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .module import Module
+
 LINEAR_KERNELS = ("auto", "onednn", "numba", "torch")
 BATCH_HINT = 64  # rows the packing is tuned for (a decode batch); every row count works
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(Module):
     """``nn.Linear``'s forward over a oneDNN-packed copy of its weight."""
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -48,7 +50,7 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-class PairLinear(nn.Module):
+class PairLinear(Module):
     """``nn.Linear``'s forward in bfloat16 through the Numba kernel (``kernels/cpu/matmul.py``), on a
     copy of its weight packed in input pairs."""
 

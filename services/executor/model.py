@@ -25,6 +25,7 @@ from shared.model_check import ModelShape, model_shape
 
 from .attention import AttentionMetadata, decode_from_qkv, paged_attention
 from .layers import MLP, RMSNorm, RotaryEmbedding
+from .module import Linear, Module
 from .parallel.base import Communicator, SingleRank
 from .parallel.sharding import ShardPlan
 
@@ -57,7 +58,7 @@ class ModelConfig(ModelShape):
         )
 
 
-class Attention(nn.Module):
+class Attention(Module):
     """This rank's query heads and the KV heads they use; o_proj's partial sums are all-reduced.
 
     q, k and v are one matmul: ``qkv_proj`` holds this rank's rows of Hugging Face's q_proj,
@@ -68,8 +69,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = plan.num_local_heads, plan.num_local_kv_heads
         self.head_dim, self.comm = cfg.head_dim, comm
         self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], rotary, kv_cache, meta: AttentionMetadata,
@@ -113,7 +114,7 @@ def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-class VocabEmbedding(nn.Module):
+class VocabEmbedding(Module):
     """This rank's rows of the embedding; ids outside them embed to zeros, then an all-reduce."""
 
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, comm: Communicator) -> None:
@@ -130,7 +131,7 @@ class VocabEmbedding(nn.Module):
         return self.comm.all_reduce_(x.masked_fill_(outside.unsqueeze(-1), 0.0))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Module):
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, comm: Communicator) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, plan, comm)
@@ -147,7 +148,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(x, backend), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(Module):
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, comm: Communicator) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg, plan, comm)
@@ -155,7 +156,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, plan: ShardPlan | None = None,
                  comm: Communicator | None = None) -> None:
         super().__init__()
@@ -166,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
                              f"rank {comm.rank}/{comm.world_size}")
         self.config, self.plan, self.comm = cfg, plan, comm
         self.model = LlamaModel(cfg, plan, comm)
-        self.lm_head = nn.Linear(cfg.hidden_size, plan.vocab_shard_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, plan.vocab_shard_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
@@ -187,6 +188,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         residual = self.model.embed_tokens(input_ids)  # the residual stream, summed in place
         rope = self.rotary.at(positions, residual.dtype)
+        for_pass = getattr(backend, "for_pass", None)  # what the layers' calls share, made once
+        if for_pass is not None:
+            backend = for_pass(meta, rope, residual.shape[0], residual.dtype)
         delta = residual[:0]
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             delta, residual = layer(delta, residual, rope, self.rotary, kv_cache, meta, backend)
