@@ -119,49 +119,39 @@ def test_partitioned_decode_small_batch_long_context():
 
 def test_last_blocks_prefetch_the_first_blocks_of_the_range_attended_next():
     """The decode kernel's prefetch target (``_tile``): ``_PREFETCH_AHEAD`` blocks ahead in the
-    range's own table, and past its last block the same offset in the first blocks of the range
-    the thread attends next (its own table, KV head and start: a partition starts mid-table); with
-    no range next, the tile's own row. And which range comes next for the plain and the
+    range's own sequence, and past its last block the same offset in the first blocks of the range
+    the thread attends next (its own sequence, KV head and start: a partition starts mid-table);
+    with no range next, the tile's own row. And which range comes next for the plain and the
     partitioned kernels' task orders (``_following``)."""
     from kernels.cpu.decode import _PREFETCH_AHEAD as ahead_blocks
     from kernels.cpu.decode import _following, _tile
 
-    blocks, heads, block_size, head_dim = 40, 2, 4, 8
-    cache = np.zeros((blocks, heads, block_size, head_dim), np.float32)
-    stride = heads * block_size * head_dim
-    table = np.array([5, 7, 9, 3, 1, 0], np.int32)
-    nxt = np.array([11, 13, 15, 17, 19, 21, 23, 25], np.int32)
-    end = 6 * block_size - 1  # the last block one position short
+    block_size = 4
+    end = 6 * block_size - 1  # a range of 6 blocks of sequence 3, the last one position short
     for next_start_block in (0, 2):
-        following = (nxt, 1, next_start_block * block_size, len(nxt) * block_size)
+        following = (8, 1, next_start_block * block_size, 8 * block_size)  # sequence 8, KV head 1
         for b in range(6):
             for off in (0, 1):
-                n, row, ahead = _tile(table, 0, b * block_size + off, end, cache, following)
-                assert row == table[b] * stride + off * head_dim
+                n, bi, at, *ahead = _tile(3, 0, b * block_size + off, end, block_size, following)
+                assert (bi, at) == (b, off)
                 assert n == min(block_size - off, end - b * block_size - off)
                 a = b + ahead_blocks
                 if a < 6:
-                    assert ahead == table[a] * stride + off * head_dim
+                    assert ahead == [3, 0, a]
                 else:  # the next range's block, at its KV head's rows
-                    block = nxt[next_start_block + a - 6]
-                    assert ahead == block * stride + (block_size + off) * head_dim
-    n, row, ahead = _tile(table, 1, 5 * block_size, end, cache, (nxt, 0, 0, 0))
-    assert ahead == row == table[5] * stride + block_size * head_dim
+                    assert ahead == [8, 1, next_start_block + a - 6]
+    n, bi, off, *ahead = _tile(3, 1, 5 * block_size, end, block_size, (8, 0, 0, 0))
+    assert ahead == [3, 1, bi] and (bi, off) == (5, 0)  # nothing next: the tile's own row
 
-    tables = np.arange(12, dtype=np.int32).reshape(3, 4)
     seqs, lens = np.array([2, 0], np.int32), np.array([9, 30], np.int32)
-    got = _following(tables, seqs, lens, 2, 0)  # task 0: row 0, head 0 -> row 0, head 1
-    assert (got[0].tolist(), got[1:]) == (tables[2].tolist(), (1, 0, 9))
-    got = _following(tables, seqs, lens, 2, 1)  # row 0, head 1 -> row 1, head 0
-    assert (got[0].tolist(), got[1:]) == (tables[0].tolist(), (0, 0, 30))
-    assert _following(tables, seqs, lens, 2, 3)[3] == 0  # the last task: nothing next
+    assert _following(seqs, lens, 2, 0) == (2, 1, 0, 9)  # task 0: row 0, head 0 -> row 0, head 1
+    assert _following(seqs, lens, 2, 1) == (0, 0, 0, 30)  # row 0, head 1 -> row 1, head 0
+    assert _following(seqs, lens, 2, 3)[3] == 0  # the last task: nothing next
     # partitions of 8 tokens: row 0 has 2 used of 4, row 1 all 4; tasks (row, head, partition)
-    got = _following(tables, seqs, lens, 2, 0, 4, 8)  # -> row 0, head 0, partition 1
-    assert (got[0].tolist(), got[1:]) == (tables[2].tolist(), (0, 8, 9))
-    assert _following(tables, seqs, lens, 2, 1, 4, 8)[2:] == (16, 9)  # empty: past its end
-    got = _following(tables, seqs, lens, 2, 7, 4, 8)  # -> row 1, head 0, partition 0
-    assert (got[0].tolist(), got[1:]) == (tables[0].tolist(), (0, 0, 8))
-    assert _following(tables, seqs, lens, 2, 15, 4, 8)[3] == 0
+    assert _following(seqs, lens, 2, 0, 4, 8) == (2, 0, 8, 9)  # -> row 0, head 0, partition 1
+    assert _following(seqs, lens, 2, 1, 4, 8)[2:] == (16, 9)  # empty: past its end
+    assert _following(seqs, lens, 2, 7, 4, 8) == (0, 0, 0, 8)  # -> row 1, head 0, partition 0
+    assert _following(seqs, lens, 2, 15, 4, 8)[3] == 0
 
 
 def _prefill_case(q_lens, lens, num_heads, num_kv_heads, head_dim, block_size, seed):
