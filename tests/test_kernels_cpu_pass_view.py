@@ -103,12 +103,17 @@ def test_what_the_pass_did_not_check_goes_to_the_backend(monkeypatch):
                            meta.decode_context_lens, 0.125, HEADS) is not None
     assert view.decode_qkv(qkv.double(), *rope, kc, vc, meta.slot_mapping, meta.decode_block_tables,
                            meta.decode_context_lens, 0.125, HEADS) is None  # the backend declines it too
+    assert view.decode_qkv(qkv, *rope, kc, vc, meta.slot_mapping, meta.decode_block_tables,
+                           meta.decode_context_lens, 0.125, HEADS) is not None  # the pass's own kernel
+    with pytest.raises(ValueError):  # then a projection of another width: the backend's error, no read past it
+        view.decode_qkv(qkv[:, :-HEAD_DIM].contiguous(), *rope, kc, vc, meta.slot_mapping,
+                        meta.decode_block_tables, meta.decode_context_lens, 0.125, HEADS)
     strided = torch.stack([stream[1], stream[1]], dim=-1)[..., 0]
     residual = stream[0].clone()
     assert view.add_rms_norm(residual, strided, weight, 1e-5) is None  # declined: not contiguous
     assert view.add_rms_norm(residual[:2].contiguous(), stream[1][:2], weight, 1e-5) is not None
     assert view.silu_mul(gate_up.bfloat16()) is not None
-    assert asked == ["decode_qkv"] * 3 + ["add_rms_norm"] * 2 + ["silu_mul"]
+    assert asked == ["decode_qkv"] * 4 + ["add_rms_norm"] * 2 + ["silu_mul"]
     assert backend.for_pass(meta, rope, num_seqs, torch.float16) is backend
 
 

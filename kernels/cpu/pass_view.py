@@ -86,11 +86,11 @@ class ForwardPass:
                                             block_tables, context_lens, scale, num_heads)
         kernel, cos_a, sin_a, slots, tables, rows, seqs, lens = self._decode
         num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
+        if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or num_heads % num_kv_heads:
+            return self._backend.decode_qkv(qkv, cos, sin, key_cache, value_cache, slot_mapping,
+                                            block_tables, context_lens, scale, num_heads)  # it raises
         shape = self._shapes.get((num_heads, num_kv_heads, head_dim))
         if shape is None:
-            if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or num_heads % num_kv_heads:
-                return self._backend.decode_qkv(qkv, cos, sin, key_cache, value_cache, slot_mapping,
-                                                block_tables, context_lens, scale, num_heads)
             shape = self._shapes[(num_heads, num_kv_heads, head_dim)] = GroupShape.of(
                 num_heads // num_kv_heads, head_dim)
         out = torch.empty(self._num_tokens, num_heads, head_dim, dtype=self._dtype)
