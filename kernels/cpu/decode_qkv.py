@@ -94,6 +94,11 @@ def plan_ok(plan: RowsPlan | None) -> bool:
     return plan is not None and plan.partition_size == 0 and plan.row_ids is None
 
 
+def kernel_for(plan: RowsPlan):
+    """The kernel that runs ``plan`` (one ``plan_ok`` accepts): on the calling thread or in parallel."""
+    return _qkv_serial_kernel if plan.serial else _qkv_kernel
+
+
 def decode_qkv(out, qkv, cos, sin, slot_mapping, key_cache, value_cache, plan: RowsPlan,
                scale) -> None:
     """Writes the new keys and values into the caches and the attention into ``out`` ``[T, H, D]``
@@ -106,6 +111,5 @@ def decode_qkv(out, qkv, cos, sin, slot_mapping, key_cache, value_cache, plan: R
         raise ValueError(f"decode_qkv: out {out.shape} {out.dtype}, qkv {qkv.shape} {qkv.dtype}, "
                          f"caches {key_cache.shape} {key_cache.dtype}")
     shape = GroupShape.of(out.shape[1] // num_kv_heads, head_dim)
-    kernel = _qkv_serial_kernel if plan.serial else _qkv_kernel
-    kernel(out, qkv, cos, sin, slot_mapping, key_cache, value_cache, plan.block_tables, plan.rows,
-           plan.seqs, plan.lens, float(scale), shape)
+    kernel_for(plan)(out, qkv, cos, sin, slot_mapping, key_cache, value_cache, plan.block_tables,
+                     plan.rows, plan.seqs, plan.lens, float(scale), shape)

@@ -73,30 +73,38 @@ class ForwardPass:
     def decode_qkv(self, qkv, cos, sin, key_cache, value_cache, slot_mapping, block_tables,
                    context_lens, scale, num_heads: int):
         """As ``NumbaCPUBackend.decode_qkv``."""
+        shape = self._decode_shape(qkv, cos, sin, key_cache, value_cache, slot_mapping, block_tables,
+                                   context_lens, num_heads)
+        if shape is None:
+            return self._backend.decode_qkv(qkv, cos, sin, key_cache, value_cache, slot_mapping,
+                                            block_tables, context_lens, scale, num_heads)
+        kernel, cos_a, sin_a, slots, tables, rows, seqs, lens = self._decode
+        out = torch.empty(self._num_tokens, num_heads, key_cache.shape[3], dtype=self._dtype)
+        kernel(kernel_array(out), kernel_array(qkv), cos_a, sin_a, slots, live_array(key_cache),
+               live_array(value_cache), tables, rows, seqs, lens, float(scale), shape)
+        return out
+
+    def _decode_shape(self, qkv, cos, sin, key_cache, value_cache, slot_mapping, block_tables,
+                      context_lens, num_heads: int) -> GroupShape | None:
+        """The group shape with which the pass runs this fused decode itself; None where the call
+        is the backend's: tensors other than the ones checked for the pass, pools or a plan the
+        kernel does not take, a projection of another width (where the backend declines or raises)."""
         meta = self._meta
         if not (cos is self._rope[0] and sin is self._rope[1] and slot_mapping is meta.slot_mapping
                 and block_tables is meta.decode_block_tables and context_lens is meta.decode_context_lens
                 and self._ours(qkv) and key_cache.dtype is self._dtype):
-            return self._backend.decode_qkv(qkv, cos, sin, key_cache, value_cache, slot_mapping,
-                                            block_tables, context_lens, scale, num_heads)
+            return None
         if self._decode is None:
             self._decode = self._prepare_decode(key_cache, value_cache)
-        if self._decode is False or not self._backend.pools_ok(key_cache, value_cache):
-            return self._backend.decode_qkv(qkv, cos, sin, key_cache, value_cache, slot_mapping,
-                                            block_tables, context_lens, scale, num_heads)
-        kernel, cos_a, sin_a, slots, tables, rows, seqs, lens = self._decode
         num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
-        if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or num_heads % num_kv_heads:
-            return self._backend.decode_qkv(qkv, cos, sin, key_cache, value_cache, slot_mapping,
-                                            block_tables, context_lens, scale, num_heads)  # it raises
-        shape = self._shapes.get((num_heads, num_kv_heads, head_dim))
+        if (self._decode is False or not self._backend.pools_ok(key_cache, value_cache)
+                or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or num_heads % num_kv_heads):
+            return None
+        key = (num_heads, num_kv_heads, head_dim)
+        shape = self._shapes.get(key)
         if shape is None:
-            shape = self._shapes[(num_heads, num_kv_heads, head_dim)] = GroupShape.of(
-                num_heads // num_kv_heads, head_dim)
-        out = torch.empty(self._num_tokens, num_heads, head_dim, dtype=self._dtype)
-        kernel(kernel_array(out), kernel_array(qkv), cos_a, sin_a, slots, live_array(key_cache),
-               live_array(value_cache), tables, rows, seqs, lens, float(scale), shape)
-        return out
+            shape = self._shapes[key] = GroupShape.of(num_heads // num_kv_heads, head_dim)
+        return shape
 
     def _prepare_decode(self, key_cache, value_cache):
         """(kernel, arrays) of the pass's fused decode; False where the backend's checks would
@@ -110,7 +118,6 @@ class ForwardPass:
                                          self._threads)
         if not qkv_kernels.plan_ok(plan):
             return False
-        kernel = qkv_kernels._qkv_serial_kernel if plan.serial else qkv_kernels._qkv_kernel
-        return (kernel, live_array(cos).reshape(num_tokens, head_dim),
+        return (qkv_kernels.kernel_for(plan), live_array(cos).reshape(num_tokens, head_dim),
                 live_array(sin).reshape(num_tokens, head_dim), live_array(meta.slot_mapping),
                 plan.block_tables, plan.rows, plan.seqs, plan.lens)
