@@ -110,12 +110,12 @@ def layout_from_args(args, sock_dir: str) -> GroupLayout:
 
 def check_model_split(model: str | None, world_size: int) -> None:
     """Raise ``ValueError`` (naming -tp) if the model's heads cannot be split ``world_size`` ways."""
-    from services.executor.model import ModelConfig
+    from services.executor.architectures import model_config
     from services.executor.parallel.sharding import ShardPlan
     from services.executor.weights import load_hf_config
     from shared.model_source import resolve_model
 
-    ShardPlan.for_model(ModelConfig.from_hf(load_hf_config(resolve_model(model))), 0, world_size)
+    ShardPlan.for_model(model_config(load_hf_config(resolve_model(model))), 0, world_size)
 
 
 def _free_port() -> int:

@@ -41,6 +41,12 @@ class ModelShape:
     head_dim: int
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # what differs between the families the executor builds (``weight_bytes``): matrices per MLP (3 for
+    # the gated Llama MLP, 2 for OPT's fc1/fc2), the width of the token embeddings and LM head (OPT's
+    # ``word_embed_proj_dim``; the hidden size elsewhere), rows of learned position embeddings (OPT's)
+    mlp_matrices: int
+    embedding_dim: int
+    position_rows: int
 
 
 def read_config_json(directory: str) -> dict[str, Any]:
@@ -68,6 +74,7 @@ def model_shape(config: Mapping[str, Any], where: str) -> ModelShape:
             raise ModelCheckError(f"{where}: {name} must be a positive integer, got {value!r}")
         return value
 
+    opt = config.get("model_type") == "opt"
     hidden_size = size("hidden_size")
     num_heads = size("num_attention_heads")
     num_kv_heads = num_heads if config.get("num_key_value_heads") is None else size("num_key_value_heads")
@@ -86,11 +93,17 @@ def model_shape(config: Mapping[str, Any], where: str) -> ModelShape:
         if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
                                       and math.isfinite(value) and value > 0):
             raise ModelCheckError(f"{where}: {name} must be a positive number, got {value!r}")
+    max_positions = size("max_position_embeddings")
     return ModelShape(
-        vocab_size=size("vocab_size"), hidden_size=hidden_size, intermediate_size=size("intermediate_size"),
+        vocab_size=size("vocab_size"), hidden_size=hidden_size,
+        intermediate_size=size("ffn_dim" if opt else "intermediate_size"),
         num_layers=size("num_hidden_layers"), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        max_position_embeddings=size("max_position_embeddings"),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_position_embeddings=max_positions,
+        # OPT's checkpoints tie the LM head to the embeddings (OPTConfig's default)
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", opt)),
+        mlp_matrices=2 if opt else 3,
+        embedding_dim=size("word_embed_proj_dim") if opt and config.get("word_embed_proj_dim") is not None else hidden_size,
+        position_rows=max_positions + 2 if opt else 0,  # OPT's table is offset by 2
     )
 
 
@@ -160,13 +173,15 @@ def load_hf_config(source: ModelSource) -> Any:
 
 
 def weight_bytes(shape: ModelShape, dtype_bytes: int) -> int:
-    """Bytes of a Llama-family model's weights: embeddings, attention, MLP, norms, LM head."""
+    """Bytes of a model's weight matrices: embeddings, attention, MLP, norms, LM head (biases, a few
+    thousand elements per layer, and OPT's projections between embedding and hidden widths left out)."""
     s = shape
     attention = s.hidden_size * s.head_dim * (2 * s.num_heads + 2 * s.num_kv_heads)  # q, o; k, v
-    mlp = 3 * s.hidden_size * s.intermediate_size  # gate, up, down
+    mlp = s.mlp_matrices * s.hidden_size * s.intermediate_size  # gate, up, down (OPT: fc1, fc2)
     per_layer = attention + mlp + 2 * s.hidden_size  # two norms
-    embeddings = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
-    return dtype_bytes * (embeddings + s.num_layers * per_layer + s.hidden_size)
+    embeddings = s.vocab_size * s.embedding_dim * (1 if s.tie_word_embeddings else 2)
+    positions = s.position_rows * s.hidden_size
+    return dtype_bytes * (embeddings + positions + s.num_layers * per_layer + s.hidden_size)
 
 
 def kv_block_bytes(shape: ModelShape, block_size: int, dtype_bytes: int) -> int:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from services.executor.attention import AttentionMetadata, select_backend
-from services.executor.model import ModelConfig
+from services.executor.architectures import model_config
 from services.executor.parallel.sharding import ShardPlan, shard_state_dict
 from services.executor.runner import allocate_kv_cache, kv_block_bytes
 from services.executor.weights import build_model
@@ -67,7 +67,7 @@ def replay(model, backend, steps, num_blocks, num_cpu_blocks):
 
 def _rank_worker(rank, world_size, report, spec, hf_model, steps, reference, num_blocks, backend):
     comm = make_communicator("shm", rank, world_size, spec)
-    cfg = ModelConfig.from_hf(hf_model.config)
+    cfg = model_config(hf_model.config)
     plan = ShardPlan.for_model(cfg, rank, world_size)
     model = build_model(hf_model.config, hf_model.state_dict(), torch.float32, torch.device("cpu"),
                         hf_model.config.max_position_embeddings, plan, comm)
@@ -96,7 +96,7 @@ def check_sharded_equals_unsharded(hf_model, world_size, prompts, max_tokens, at
                           method=method)
         assert group.join(600) == [0] * world_size, group.messages
     assert group_segments(group_id) == []
-    cfg = ModelConfig.from_hf(hf_model.config)
+    cfg = model_config(hf_model.config)
     full_bytes = kv_block_bytes(cfg, BLOCK_SIZE, torch.float32)
     num_local_kv = max(1, cfg.num_kv_heads // world_size)
     for rank in range(world_size):
@@ -175,7 +175,7 @@ def test_kv_head_mapping_follows_vllm():
 def test_shards_cover_the_full_weights():
     hf_model = tiny_llama(seed=5, num_key_value_heads=3)
     state = hf_model.state_dict()
-    cfg = ModelConfig.from_hf(hf_model.config)
+    cfg = model_config(hf_model.config)
     shards = [shard_state_dict(state, ShardPlan.for_model(cfg, r, 3)) for r in range(3)]
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight"):
         assert torch.equal(torch.cat([s[name] for s in shards]), state[name])

@@ -11,7 +11,7 @@ import torch
 
 from .attention import select_backend
 from .linear import check_linear_kernel, choose_linear_kernel, pack_linears
-from .model import ModelConfig
+from .architectures import model_config
 from .model_check import MemoryPlan, plan_memory
 from .parallel.base import Communicator
 from .parallel.sharding import ShardPlan
@@ -89,7 +89,7 @@ def shard_plan(hf_config, comm: Communicator | None) -> ShardPlan | None:
     """Rank ``comm.rank``'s share of the model, or None without a group of more than one rank."""
     if comm is None:
         return None
-    return ShardPlan.for_model(ModelConfig.from_hf(hf_config), comm.rank, comm.world_size)
+    return ShardPlan.for_model(model_config(hf_config), comm.rank, comm.world_size)
 
 
 def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: RunnerOptions,

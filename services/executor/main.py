@@ -146,7 +146,8 @@ class ExecutorProcess:
             raise
         from .linear import linear_kernel_name  # torch is imported by now
 
-        self.log.info("model loaded", seconds=round(time.monotonic() - t0, 1), num_blocks=runner.num_blocks,
+        self.log.info("model loaded", architecture=type(runner.model).__name__,
+                      seconds=round(time.monotonic() - t0, 1), num_blocks=runner.num_blocks,
                       kv_cache_mib=round(runner.kv_cache_bytes / 2**20, 1), attention_backend=runner.backend.name,
                       prefill_attention=getattr(runner.backend, "prefill_kind", lambda: runner.backend.name)(),
                       linear_kernel=linear_kernel_name(runner.model), max_model_len=runner.max_model_len, num_cpu_blocks=runner.num_cpu_blocks,

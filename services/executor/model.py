@@ -104,7 +104,7 @@ def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name in state:
         for fused, parts in FUSED_PROJECTIONS.items():
             prefix, _, kind = name.partition(parts[0] + ".")
-            if not kind or not prefix.startswith("model.layers."):
+            if not kind or not prefix.startswith(("model.layers.", "model.decoder.layers.")):  # (OPT's)
                 continue
             names = [f"{prefix}{part}.{kind}" for part in parts]
             if all(n in state for n in names):
@@ -117,9 +117,9 @@ def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class VocabEmbedding(Module):
     """This rank's rows of the embedding; ids outside them embed to zeros, then an all-reduce."""
 
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan, comm: Communicator) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(plan.vocab_shard_size, cfg.hidden_size))
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, comm: Communicator, dim: int | None = None) -> None:
+        super().__init__()  # dim: the embeddings' width (default the hidden size)
+        self.weight = nn.Parameter(torch.empty(plan.vocab_shard_size, dim or cfg.hidden_size))
         self.vocab_range, self.comm = plan.vocab_range, comm
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
@@ -156,9 +156,20 @@ class LlamaModel(Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class LlamaForCausalLM(Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, plan: ShardPlan | None = None,
-                 comm: Communicator | None = None) -> None:
+class CausalLM(Module):
+    """What the runner, the loader and the tensor-parallel group use of a model, whatever its family
+    (``LlamaForCausalLM`` here, ``OPTForCausalLM`` in ``opt.py``): its config, shard plan and
+    communicator, the KV pool's shape, the LM head's logits, the longest sequence it was built for.
+
+    A family's class sets ``config_class`` (with a ``from_hf(transformers config)``), builds its
+    layers, an ``lm_head`` and ``input_embeddings`` (a ``VocabEmbedding``), and defines
+    ``forward(input_ids, positions, kv_caches, meta, backend)``; ``hf_state_dict`` maps a
+    checkpoint's names onto its parameters' and ``build_buffers`` makes what is computed rather than
+    loaded."""
+
+    config_class: type
+
+    def __init__(self, cfg, plan: ShardPlan | None, comm: Communicator | None) -> None:
         super().__init__()
         plan = plan or ShardPlan.for_model(cfg)
         comm = comm or SingleRank()
@@ -166,16 +177,70 @@ class LlamaForCausalLM(Module):
             raise ValueError(f"shard plan of rank {plan.rank}/{plan.world_size} with a communicator of "
                              f"rank {comm.rank}/{comm.world_size}")
         self.config, self.plan, self.comm = cfg, plan, comm
-        self.model = LlamaModel(cfg, plan, comm)
-        self.lm_head = Linear(cfg.hidden_size, plan.vocab_shard_size, bias=False)
+
+    @property
+    def kv_cache_config(self):
+        """The config to size and allocate this rank's KV pool from: only its KV heads."""
+        return dataclasses.replace(self.config, num_kv_heads=self.plan.num_local_kv_heads)
+
+    @property
+    def max_model_len(self) -> int:
+        """The most positions a sequence may reach in this model as built."""
+        raise NotImplementedError
+
+    @property
+    def input_embeddings(self) -> "VocabEmbedding":
+        raise NotImplementedError
+
+    @staticmethod
+    def hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A checkpoint's tensors under this model's Hugging Face names (before sharding and fusing),
+        in a new dict."""
+        return dict(state)
+
+    def build_buffers(self, max_model_len: int, device: torch.device) -> None:
+        """Make the tables that are computed, not loaded, on ``device`` (after the weights are cast)."""
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab]
+        """Every rank must call it; rank 0 gets the logits, the other ranks ``None``. The logits
+        stay in the model's dtype, as transformers' LM head returns them: their readers widen them
+        to float32 where they compute with them (an exact cast), and greedy sampling needs no copy
+        (at 64 rows of SmolLM2 in bfloat16 the cast took 0.5 ms, a fresh 12.6 MB)."""
+        logits = self.lm_head(hidden)  # [N, vocab_shard_size]
+        if self.comm.world_size == 1:
+            return logits
+        shards = self.comm.gather(logits, dst=0)
+        return None if shards is None else torch.cat(shards, dim=-1)[:, : self.config.vocab_size]
+
+
+class LlamaForCausalLM(CausalLM):
+    config_class = ModelConfig
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, plan: ShardPlan | None = None,
+                 comm: Communicator | None = None) -> None:
+        super().__init__(cfg, plan, comm)
+        self.model = LlamaModel(cfg, self.plan, self.comm)
+        self.lm_head = Linear(cfg.hidden_size, self.plan.vocab_shard_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta)
 
     @property
-    def kv_cache_config(self) -> ModelConfig:
-        """The config to size and allocate this rank's KV pool from: only its KV heads."""
-        return dataclasses.replace(self.config, num_kv_heads=self.plan.num_local_kv_heads)
+    def max_model_len(self) -> int:
+        return self.rotary.cos.shape[0]  # the rotary table's positions
+
+    @property
+    def input_embeddings(self) -> "VocabEmbedding":
+        return self.model.embed_tokens
+
+    @staticmethod
+    def hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in state.items() if "rotary_emb" not in k}  # computed, not loaded
+
+    def build_buffers(self, max_model_len: int, device: torch.device) -> None:
+        # float32 whatever the weights are (``RotaryEmbedding.at`` casts per pass)
+        self.rotary = RotaryEmbedding(self.config.head_dim, max_model_len, self.config.rope_theta).to(device)
 
     @torch.inference_mode()
     def forward(
@@ -196,14 +261,3 @@ class LlamaForCausalLM(Module):
             delta, residual = layer(delta, residual, rope, self.rotary, kv_cache, meta, backend)
         return self.model.norm(delta, residual, backend)[0]
 
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab]
-        """Every rank must call it; rank 0 gets the logits, the other ranks ``None``. The logits
-        stay in the model's dtype, as transformers' LM head returns them: their readers widen them
-        to float32 where they compute with them (an exact cast), and greedy sampling needs no copy
-        (at 64 rows of SmolLM2 in bfloat16 the cast took 0.5 ms, a fresh 12.6 MB)."""
-        logits = self.lm_head(hidden)  # [N, vocab_shard_size]
-        if self.comm.world_size == 1:
-            return logits
-        shards = self.comm.gather(logits, dst=0)
-        return None if shards is None else torch.cat(shards, dim=-1)[:, : self.config.vocab_size]

@@ -17,7 +17,7 @@ from shared.messages import Step, StepResult
 
 from .attention import AttentionMetadata
 from .histories import TokenHistories
-from .model import LlamaForCausalLM
+from .model import CausalLM
 from .placeholders import SampledTokens
 from .prompt_logprobs import score_prompts
 from .sampler import Sampler
@@ -39,7 +39,7 @@ def allocate_kv_cache(cfg, num_blocks: int, block_size: int, dtype, device):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_caches, backend, device: torch.device, seed: int = 0,
+    def __init__(self, model: CausalLM, kv_caches, backend, device: torch.device, seed: int = 0,
                  cpu_kv_caches=None):
         self.model = model
         self.kv_caches = kv_caches
@@ -69,8 +69,8 @@ class ModelRunner:
 
     @property
     def max_model_len(self) -> int:
-        """Positions the model was built for (its rotary table's length)."""
-        return self.model.rotary.cos.shape[0]
+        """Positions the model was built for."""
+        return self.model.max_model_len
 
     def forget_sequences(self) -> None:
         """Drop every sequence's sampling state and token history (a new scheduler knows none of

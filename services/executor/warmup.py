@@ -28,6 +28,8 @@ import torch
 
 from shared.messages import NewSequence, SamplingParams, Step
 
+from .model import LlamaForCausalLM
+
 WARMUP_SEQ_IDS = (-1, -2)  # never a scheduler's (its ids count up from 0)
 WARMUP_PROMPT_LENS = (96, 16)  # tokens: a prefill long enough for the attention kernel's parallel path
 # rows of warm_layer_ops: from this many the numba backend runs every per-layer op in parallel
@@ -79,7 +81,10 @@ def warm_layer_ops(model, backend, rows: int = WARMUP_ROWS) -> None:
     """The first decoder layer's residual add + norm, rotary embedding and (where the model uses
     it) fused activation, each once on ``rows`` rows of zeros: the row counts of a long prompt's
     chunk, at which a backend may take other kernels than at the warm-up prefill's. Writes only
-    the scratch tensors made here; the model's weights and caches are not touched."""
+    the scratch tensors made here; the model's weights and caches are not touched. Llama-family
+    models only: OPT's layers run torch's ops, which take no other path at these rows."""
+    if not isinstance(model, LlamaForCausalLM):
+        return
     layer = model.model.layers[0]
     attn, mlp, weight = layer.self_attn, layer.mlp, layer.input_layernorm.weight
 

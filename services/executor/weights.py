@@ -16,7 +16,8 @@ from shared.cpu_features import choose_cpu_dtype, read_cpu_features
 from shared.model_check import load_hf_config as checked_hf_config
 from shared.model_source import ModelSource
 
-from .model import LlamaForCausalLM, ModelConfig, fuse_projections
+from .architectures import model_class
+from .model import CausalLM, fuse_projections
 from .parallel.sharding import ShardPlan, shard_state_dict
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,21 +71,22 @@ def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
 def build_model(
     hf_config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
     max_model_len: int, plan: ShardPlan | None = None, comm=None,
-) -> LlamaForCausalLM:
-    """Instantiate our model from a transformers config and load ``state_dict`` into it.
+) -> CausalLM:
+    """Instantiate our model for a transformers config (its family's class, ``architectures.py``)
+    and load ``state_dict`` into it.
 
     With a ``plan`` (and its rank's communicator), the model is that rank's shard and loads only
     its slices of the full ``state_dict``.
     """
-    cfg = ModelConfig.from_hf(hf_config)
+    cls = model_class(hf_config)
+    cfg = cls.config_class.from_hf(hf_config)
     plan = plan or ShardPlan.for_model(cfg)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_model_len, plan, comm)
+        model = cls(cfg, max_model_len, plan, comm)
     # Module.to_empty's empty_like on meta tensors runs torch's Python reference ops, whose first
     # use imports torch._decomp and sympy (about 0.4 s of each start): torch.empty by shape instead.
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    model.rotary = type(model.rotary)(cfg.head_dim, max_model_len, cfg.rope_theta).to(device)
-    state = {k: v for k, v in state_dict.items() if "rotary_emb" not in k}
+    state = cls.hf_state_dict(state_dict)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     state = fuse_projections(shard_state_dict(state, plan))  # each rank's q, k, v cut, then joined
@@ -93,7 +95,7 @@ def build_model(
     if missing or unexpected:
         raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        model.lm_head.weight = model.input_embeddings.weight
     model = model.to(dtype=dtype).eval()
-    model.rotary.float()  # rope tables stay fp32 whatever the weights are
+    model.build_buffers(max_model_len, device)  # e.g. the rotary table, float32 whatever the weights are
     return model

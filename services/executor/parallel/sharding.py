@@ -1,4 +1,5 @@
-"""Megatron-style sharding of a Llama-family model over ``world_size`` ranks: who holds what.
+"""Megatron-style sharding of a Llama-family or OPT model over ``world_size`` ranks: who holds what
+(OPT's out_proj, fc1 and fc2 split as o_proj, gate/up and down do).
 
 - q_proj: column-parallel by attention heads; rank r holds heads
   ``[r * H/N, (r + 1) * H/N)`` (N must divide H).
@@ -13,8 +14,8 @@
 - embed_tokens and lm_head: split by vocabulary in equal shards of ``ceil(V / N)`` rows, the last
   one padded with zero rows. The embedding looks up the ids in its shard (zeros elsewhere) and
   all-reduces; the LM head's logits shards are gathered on rank 0 and the padding dropped.
-- norms: replicated. Biases follow their weight's output rows (row-parallel layers have none in
-  these models).
+- norms (and OPT's position embeddings and width projections): replicated. Biases follow their
+  weight's output rows; a row-parallel layer's bias (OPT's) is added by rank 0 alone.
 """
 
 from __future__ import annotations
@@ -97,30 +98,41 @@ def _vocab_rows(t: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
     return out
 
 
+# Hugging Face parameter kinds (the module name before ``.weight``/``.bias``) by how they split
+_HEAD_ROWS = ("q_proj",)
+_KV_HEAD_ROWS = ("k_proj", "v_proj")
+_INTERMEDIATE_ROWS = ("gate_proj", "up_proj", "fc1")  # column-parallel MLP input (OPT: fc1)
+_HEAD_COLUMNS = ("o_proj", "out_proj")  # row-parallel: attention output (OPT: out_proj)
+_INTERMEDIATE_COLUMNS = ("down_proj", "fc2")  # row-parallel: MLP output (OPT: fc2)
+_VOCAB_ROWS = ("model.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight")
+
+
 def shard_tensor(name: str, t: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
-    """Rank ``plan.rank``'s slice of the Hugging Face parameter ``name`` (a copy, or ``t`` itself)."""
+    """Rank ``plan.rank``'s slice of the Hugging Face parameter ``name`` (a copy, or ``t`` itself).
+    A row-parallel layer's bias (OPT's out_proj and fc2) stays whole on rank 0 and is zeros on the
+    others: the all-reduce after the layer then adds it once."""
     if plan.world_size == 1:
         return t
     d = plan.head_dim
     kind = name.split(".")[-2] if "." in name else name  # "q_proj" of "model.layers.0.self_attn.q_proj.weight"
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+    if name in _VOCAB_ROWS:
         return _vocab_rows(t, plan)
-    if kind == "q_proj":
+    if kind in _HEAD_ROWS:
         start = plan.rank * plan.num_local_heads * d
         return _rows(t, start, start + plan.num_local_heads * d)
-    if kind in ("k_proj", "v_proj"):
+    if kind in _KV_HEAD_ROWS:
         start = plan.kv_head_start * d
         return _rows(t, start, start + plan.num_local_kv_heads * d)
-    if kind in ("gate_proj", "up_proj"):
+    if kind in _INTERMEDIATE_ROWS:
         return _rows(t, *plan.intermediate_range)
-    if kind == "o_proj" and name.endswith(".weight"):
+    if kind in _HEAD_COLUMNS + _INTERMEDIATE_COLUMNS and not name.endswith(".weight"):
+        return t.clone() if plan.rank == 0 else torch.zeros_like(t)
+    if kind in _HEAD_COLUMNS:
         start = plan.rank * plan.num_local_heads * d
         return _columns(t, start, start + plan.num_local_heads * d)
-    if kind == "down_proj" and name.endswith(".weight"):
+    if kind in _INTERMEDIATE_COLUMNS:
         return _columns(t, *plan.intermediate_range)
-    if kind in ("o_proj", "down_proj"):
-        raise ValueError(f"{name}: a bias on a row-parallel layer is not supported")
-    return t  # norms: replicated
+    return t  # norms, OPT's position embeddings and width projections: replicated
 
 
 def shard_state_dict(state: dict[str, torch.Tensor], plan: ShardPlan) -> dict[str, torch.Tensor]:
