@@ -146,3 +146,18 @@ def test_transformers_never_runs_model_code(monkeypatch, tmp_path):
     weights.load_hf_config(gguf)
     weights.load_state_dict(gguf)
     assert len(calls) == 4 and all(kwargs.get("trust_remote_code") is False for kwargs in calls), calls
+
+
+def test_pickled_weights_are_refused_with_the_reason(tmp_path):
+    """A directory with only ``pytorch_model.bin`` (the older Hugging Face checkpoints) is refused in
+    one line that says why and what to do; nothing unpickles it."""
+    from services.executor.weights import load_state_dict
+    from shared.model_source import ModelSource
+
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(ValueError, match=r"has no \*\.safetensors files \(pytorch_model\.bin: pickle files are "
+                                         r"never read.*save the model as safetensors first"):
+        load_state_dict(ModelSource("m", str(tmp_path)))
+    (tmp_path / "pytorch_model.bin").unlink()
+    with pytest.raises(ValueError, match=r"has no \*\.safetensors files$"):
+        load_state_dict(ModelSource("m", str(tmp_path)))

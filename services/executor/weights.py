@@ -61,7 +61,11 @@ def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
 
     files = sorted(glob.glob(os.path.join(source.directory, "*.safetensors")))
     if not files:
-        raise ValueError(f"{source.directory} has no *.safetensors files")
+        pickled = sorted(os.path.basename(f) for pattern in ("*.bin", "*.pt", "*.pth")
+                         for f in glob.glob(os.path.join(source.directory, pattern)))
+        hint = (f" ({', '.join(pickled[:3])}: pickle files are never read, since loading one runs code; "
+                "save the model as safetensors first, e.g. transformers' save_pretrained)") if pickled else ""
+        raise ValueError(f"{source.directory} has no *.safetensors files{hint}")
     state: dict[str, torch.Tensor] = {}
     for path in files:
         state.update(load_file(path))
