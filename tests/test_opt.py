@@ -168,8 +168,13 @@ def test_memory_estimate_counts_opt_weights():
 
 @pytest.mark.slow  # starts the whole server
 def test_served_tiny_opt_completes_as_transformers(tmp_path):
-    """``pagedserve serve`` on a tiny random OPT saved as a model directory (with SmolLM2's tokenizer):
-    the official client's greedy completion is transformers' text, streamed or not."""
+    """``pagedserve serve`` on a tiny random OPT saved as a model directory, with SmolLM2's tokenizer
+    less its chat template (OPT's has none): the official client's greedy completion is
+    transformers' text, streamed or not, and a chat request is a clear 400."""
+    import json
+
+    import openai
+
     from tests.frontend_doubles import cached_tokenizer
     from tests.test_server import _openai, _start, stop
 
@@ -178,6 +183,11 @@ def test_served_tiny_opt_completes_as_transformers(tmp_path):
     model_dir = tmp_path / "tiny-opt"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
+    for path in model_dir.glob("*chat_template*"):
+        path.unlink()
+    settings = json.loads((model_dir / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(settings))
     prompt = tokenizer("The capital of France is")["input_ids"]
     want = tokenizer.decode(hf_greedy(model, prompt, 16))
     proc, url = _start(tmp_path, "--model", str(model_dir), "--served-model-name", "tiny-opt", "--dtype", "float32",
@@ -190,6 +200,8 @@ def test_served_tiny_opt_completes_as_transformers(tmp_path):
         stream = client.completions.create(model="tiny-opt", prompt=prompt, max_tokens=16, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
         assert "".join(c.choices[0].text for c in stream if c.choices) == want
+        with pytest.raises(openai.BadRequestError, match="cannot apply the chat template"):
+            client.chat.completions.create(model="tiny-opt", messages=[{"role": "user", "content": "Hi"}])
     finally:
         stop(proc)
     assert '"architecture": "OPTForCausalLM"' in (tmp_path / "serve.log").read_text()
