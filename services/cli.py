@@ -124,14 +124,15 @@ def _add_serve_http_arguments(g) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", default=None)
+    from services.frontend.flags import add_chat_template_argument, add_http_limit_arguments, add_playground_argument
+
+    add_chat_template_argument(g)
     g.add_argument("--max-queue-len", type=int, default=None,
                    help="most requests waiting for their first token; more get a 503 (default: no limit)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (or set "
                         "PAGEDSERVE_API_KEY or PAGEDSERVE_API_KEY_FILE, which keep the key off the command "
                         "lines; the frontend gets it in its environment)")
-    from services.frontend.flags import add_http_limit_arguments, add_playground_argument
-
     add_http_limit_arguments(g)
     add_playground_argument(g)
 

@@ -26,6 +26,8 @@ class FrontendConfig:
     ``playground``: serve the chat page at / and /v1/kv/events (``--no-playground``: not).
     ``zmq_curve``: the ``--zmq-curve`` key directory (``shared.zmq_auth``; None: plain ZeroMQ).
     ``restarts_file``: the launcher's restart counts (``shared.restart_counts``; None: no launcher).
+    ``chat_template``: the Jinja text chat requests are rendered with instead of the tokenizer's
+    (``--chat-template``, resolved by ``chat_template.resolve_chat_template``; None: the tokenizer's).
     Keyword arguments only.
     """
 
@@ -43,6 +45,7 @@ class FrontendConfig:
     playground: bool = True
     zmq_curve: str | None = None
     restarts_file: str | None = None
+    chat_template: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.served_model_name is not None and not self.served_model_name.strip():

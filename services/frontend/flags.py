@@ -88,6 +88,13 @@ def add_playground_argument(group: argparse._ActionsContainer) -> None:
                        help="do not serve the chat playground at / nor the block-pool events at /v1/kv/events")
 
 
+def add_chat_template_argument(group: argparse._ActionsContainer) -> None:
+    group.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template for /v1/chat/completions, instead of the tokenizer's own: a "
+                            "file's path, or the template inline (default: the tokenizer's; a model without "
+                            "one answers chat requests 400)")
+
+
 def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: bool = True) -> None:
     """Add the frontend's flags. ``endpoint_flags=False`` leaves out --request-endpoint, for a
     launcher that creates the endpoints itself."""
@@ -100,6 +107,7 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: b
     group.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="most prompt + completion tokens per request (default: the model's context length)")
+    add_chat_template_argument(group)
     group.add_argument("--max-queue-len", type=int, default=None,
                        help="most requests waiting for their first token; more get a 503 (default: no limit)")
     group.add_argument("--api-key", default=None,

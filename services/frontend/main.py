@@ -13,6 +13,7 @@ import uvloop
 from aiohttp import web
 
 from services.frontend.app import create_app
+from services.frontend.chat_template import resolve_chat_template
 from services.frontend.config import FrontendConfig
 from services.frontend.connection_guard import ConnectionGuard, GuardedSite
 from services.frontend.engine_client import EngineClient
@@ -122,6 +123,7 @@ def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | N
         playground=getattr(args, "playground", True),
         zmq_curve=curve_dir(args),
         restarts_file=os.environ.get(RESTARTS_ENV_VAR) or None,
+        chat_template=resolve_chat_template(getattr(args, "chat_template", None)),
         **({"heartbeat_timeout": args.heartbeat_timeout} if getattr(args, "heartbeat_timeout", None) else {}),
     )
 

@@ -65,6 +65,10 @@ def load_served_model(config: FrontendConfig) -> ServedModel:
     log.info("loading tokenizer", model=source.name, directory=source.directory, gguf_file=source.gguf_file)
     tokenizer = load_tokenizer(source)
     log.info("tokenizer loaded", seconds=round(time.monotonic() - started, 2), vocab_size=len(tokenizer))
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template  # --chat-template: the one chat requests render with
+    log.info("chat template", source="--chat-template" if config.chat_template is not None
+             else "tokenizer" if getattr(tokenizer, "chat_template", None) else "none (chat requests answer 400)")
     max_model_len = config.max_model_len
     if max_model_len is None:
         log.info("reading the model config for max_model_len")
