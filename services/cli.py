@@ -124,9 +124,12 @@ def _add_serve_http_arguments(g) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", default=None)
-    from services.frontend.flags import add_chat_template_argument, add_http_limit_arguments, add_playground_argument
+    from services.frontend.flags import (
+        add_chat_template_argument, add_generation_config_argument, add_http_limit_arguments, add_playground_argument,
+    )
 
     add_chat_template_argument(g)
+    add_generation_config_argument(g)
     g.add_argument("--max-queue-len", type=int, default=None,
                    help="most requests waiting for their first token; more get a 503 (default: no limit)")
     g.add_argument("--api-key", default=None,

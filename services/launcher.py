@@ -38,6 +38,7 @@ import zmq
 
 from services.children import Child, stop_all
 from services.frontend.chat_template import resolve_chat_template
+from services.frontend.generation_defaults import check_setting
 from services.frontend.flags import HTTP_LIMIT_DESTS
 from services.group_layout import GroupLayout, check_model_split, layout_from_args
 from services.restarts import RestartBudget
@@ -59,6 +60,7 @@ def serve(args) -> int:
         if layout.world_size > 1:
             check_model_split(args.model, layout.world_size)
         resolve_chat_template(getattr(args, "chat_template", None))  # the frontend reads it again
+        check_setting(getattr(args, "generation_config", None) or "auto")
         curve = zmq_curve_dir(args, layout, sock_dir)
     except BaseException:
         shutil.rmtree(sock_dir, ignore_errors=True)
@@ -316,7 +318,7 @@ def executor_argv(args) -> list[str]:
 
 
 def frontend_argv(args) -> list[str]:
-    argv = _flags(args, ["model", "served_model_name", "chat_template", "host", "port", "max_model_len", "max_queue_len",
+    argv = _flags(args, ["model", "served_model_name", "chat_template", "generation_config", "host", "port", "max_model_len", "max_queue_len",
                          "heartbeat_timeout", *HTTP_LIMIT_DESTS])
     return argv + ([] if getattr(args, "playground", True) else ["--no-playground"])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.frontend.flags import HttpLimits
+from services.frontend.generation_defaults import check_setting
 from shared.endpoints import Endpoints
 
 _ENDPOINT_SCHEMES = ("ipc://", "tcp://", "inproc://")
@@ -28,6 +29,8 @@ class FrontendConfig:
     ``restarts_file``: the launcher's restart counts (``shared.restart_counts``; None: no launcher).
     ``chat_template``: the Jinja text chat requests are rendered with instead of the tokenizer's
     (``--chat-template``, resolved by ``chat_template.resolve_chat_template``; None: the tokenizer's).
+    ``generation_config``: where requests' sampling defaults come from (``--generation-config``:
+    auto, vllm or a directory; ``generation_defaults``).
     Keyword arguments only.
     """
 
@@ -46,6 +49,7 @@ class FrontendConfig:
     zmq_curve: str | None = None
     restarts_file: str | None = None
     chat_template: str | None = field(default=None, repr=False)
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.served_model_name is not None and not self.served_model_name.strip():
@@ -66,6 +70,7 @@ class FrontendConfig:
                 or not self.heartbeat_timeout > 0:
             raise ValueError(f"--heartbeat-timeout must be a positive number of seconds, "
                              f"got {self.heartbeat_timeout!r}")
+        check_setting(self.generation_config)
         value = self.endpoints.request
         if not value:
             raise ValueError("--request-endpoint is required (or set PAGEDSERVE_REQUEST_ENDPOINT)")

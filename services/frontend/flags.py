@@ -95,6 +95,14 @@ def add_chat_template_argument(group: argparse._ActionsContainer) -> None:
                             "one answers chat requests 400)")
 
 
+def add_generation_config_argument(group: argparse._ActionsContainer) -> None:
+    group.add_argument("--generation-config", default=None,
+                       help="sampling defaults for requests that leave them out (temperature, top_p, top_k, min_p, "
+                            "repetition_penalty, max_tokens): 'auto' the model's generation_config.json, as "
+                            "vLLM; 'vllm' none (OpenAI's defaults); or a directory holding that file "
+                            "(default: auto)")
+
+
 def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: bool = True) -> None:
     """Add the frontend's flags. ``endpoint_flags=False`` leaves out --request-endpoint, for a
     launcher that creates the endpoints itself."""
@@ -108,6 +116,7 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: b
     group.add_argument("--max-model-len", type=int, default=None,
                        help="most prompt + completion tokens per request (default: the model's context length)")
     add_chat_template_argument(group)
+    add_generation_config_argument(group)
     group.add_argument("--max-queue-len", type=int, default=None,
                        help="most requests waiting for their first token; more get a 503 (default: no limit)")
     group.add_argument("--api-key", default=None,

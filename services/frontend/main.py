@@ -124,6 +124,7 @@ def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | N
         zmq_curve=curve_dir(args),
         restarts_file=os.environ.get(RESTARTS_ENV_VAR) or None,
         chat_template=resolve_chat_template(getattr(args, "chat_template", None)),
+        generation_config=getattr(args, "generation_config", None) or "auto",
         **({"heartbeat_timeout": args.heartbeat_timeout} if getattr(args, "heartbeat_timeout", None) else {}),
     )
 

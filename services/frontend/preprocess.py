@@ -12,6 +12,7 @@ from typing import Any
 
 from services.frontend.errors import bad_request
 from services.frontend.fields import sampling_values
+from services.frontend.generation_defaults import with_generation_defaults
 from services.frontend.input_limits import chat_chars
 from services.frontend.options import GenerationOptions
 from services.frontend.request_body import ChatBody, CompletionBody
@@ -79,9 +80,13 @@ def sampling_params(
     echo: bool = False,
 ) -> SamplingParams:
     """The engine's parameters: every field ``options`` declares for the engine (``FieldSpec.sampling``),
-    checked against the model, with ``max_tokens`` settled (``settle_max_tokens``), the EOS ids, and
+    the model's recommended defaults where the client gave none (``generation_defaults``), checked
+    against the model, with ``max_tokens`` settled (``settle_max_tokens``), the EOS ids, and
     the prompt scored when the response shows its logprobs (``scored_prompt_top``; ``echo``: the
     prompt is echoed)."""
+    # the model's recommended defaults (--generation-config) for what the client left out
+    options = with_generation_defaults(options, model.generation_defaults)
+    default_max_tokens = model.generation_defaults.get("max_tokens", default_max_tokens)
     max_tokens = settle_max_tokens(options, num_prompt_tokens, model, default_max_tokens, prompt_param)
     if options.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({options.min_tokens}) exceeds the {max_tokens} tokens left", "min_tokens")

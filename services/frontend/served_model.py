@@ -9,6 +9,7 @@ from typing import Any
 import structlog
 
 from services.frontend.config import FrontendConfig
+from services.frontend.generation_defaults import read_generation_defaults
 from services.frontend.input_limits import body_limit_bytes, longest_token_chars, max_prompt_chars
 from shared.model_check import load_hf_config, model_shape, read_config_json
 from shared.model_source import ModelSource, eos_token_ids, load_tokenizer, resolve_model
@@ -27,6 +28,8 @@ class ServedModel:
     eos_token_ids: list[int]
     created: int = field(default_factory=lambda: int(time.time()))
     max_token_chars: int = 0
+    # request field -> the model's recommended default (``generation_defaults``; {}: OpenAI's)
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.max_token_chars:
@@ -69,6 +72,10 @@ def load_served_model(config: FrontendConfig) -> ServedModel:
         tokenizer.chat_template = config.chat_template  # --chat-template: the one chat requests render with
     log.info("chat template", source="--chat-template" if config.chat_template is not None
              else "tokenizer" if getattr(tokenizer, "chat_template", None) else "none (chat requests answer 400)")
+    generation_defaults = read_generation_defaults(config.generation_config, source.directory)
+    if generation_defaults:
+        log.warning("sampling defaults from the model's generation config: requests that leave these out get "
+                    "them (--generation-config vllm: OpenAI's defaults instead)", **generation_defaults)
     max_model_len = config.max_model_len
     if max_model_len is None:
         log.info("reading the model config for max_model_len")
@@ -78,4 +85,5 @@ def load_served_model(config: FrontendConfig) -> ServedModel:
         tokenizer=tokenizer,
         max_model_len=max_model_len,
         eos_token_ids=eos_token_ids(tokenizer, source),
+        generation_defaults=generation_defaults,
     )

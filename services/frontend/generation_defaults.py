@@ -1,0 +1,93 @@
+"""The model creator's sampling defaults (``--generation-config``), applied as vLLM applies them: a
+request that leaves out ``temperature``, ``top_p``, ``top_k``, ``min_p`` or ``repetition_penalty``
+gets the value the model's ``generation_config.json`` recommends, and one without ``max_tokens``
+gets its ``max_new_tokens`` (still shrunk to the context left). Only values that differ from
+transformers' own defaults count (its ``to_diff_dict``: a file's ``top_k: 50`` is transformers'
+default, not a recommendation). A field the request gives always wins, and beam search requests
+take none of them (beam search decides its own temperature and refuses the sampling fields).
+
+``--generation-config``: ``auto`` (the default, as vLLM's): the model directory's file; ``vllm``:
+none, the OpenAI defaults; or a directory holding a ``generation_config.json``. A value in the file
+outside the range the API accepts for its field is left out, with a warning in the log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable
+
+import structlog
+
+log = structlog.get_logger()
+
+FILE_NAME = "generation_config.json"
+SETTINGS = ("auto", "vllm")  # or a directory
+
+# generation_config.json key -> (request field, transformers' default, the values the API accepts)
+_KEYS: dict[str, tuple[str, Any, Callable[[Any], bool]]] = {
+    "temperature": ("temperature", 1.0, lambda v: _number(v) and 0.0 <= v <= 2.0),
+    "top_p": ("top_p", 1.0, lambda v: _number(v) and 0.0 < v <= 1.0),
+    "top_k": ("top_k", 50, lambda v: _integer(v) and v >= 1),
+    "min_p": ("min_p", None, lambda v: _number(v) and 0.0 <= v <= 1.0),
+    "repetition_penalty": ("repetition_penalty", 1.0, lambda v: _number(v) and 0.0 < v <= 2.0),
+    "max_new_tokens": ("max_tokens", None, lambda v: _integer(v) and v >= 1),
+}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_setting(setting: str) -> None:
+    """``ValueError`` (one line) unless ``setting`` is auto, vllm or a directory with the file."""
+    if setting in SETTINGS:
+        return
+    if not os.path.isfile(os.path.join(os.path.expanduser(setting), FILE_NAME)):
+        raise ValueError(f"--generation-config {setting}: not auto, vllm, or a directory holding {FILE_NAME}")
+
+
+def read_generation_defaults(setting: str, model_directory: str) -> dict[str, Any]:
+    """Request field -> default, from ``setting``'s file (see the module's docstring); {} for
+    ``vllm`` and for ``auto`` where the model has no such file or one that cannot be read."""
+    if setting == "vllm":
+        return {}
+    check_setting(setting)
+    explicit = setting != "auto"
+    path = os.path.join(os.path.expanduser(setting) if explicit else model_directory, FILE_NAME)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+    except (OSError, ValueError) as exc:
+        if explicit:
+            raise ValueError(f"--generation-config: cannot read {path}: {exc}") from None
+        log.warning("generation config not read", path=path, error=str(exc))
+        return {}
+    defaults: dict[str, Any] = {}
+    for key, (name, hf_default, accepts) in _KEYS.items():
+        value = config.get(key)
+        if value is None or value == hf_default or (key == "top_k" and value == 0):  # (top_k 0: off)
+            continue
+        if accepts(value):
+            defaults[name] = value
+        else:
+            log.warning("generation config value left out", path=path, key=key, value=value)
+    return defaults
+
+
+def with_generation_defaults(options, defaults: dict[str, Any]):
+    """``options`` (``GenerationOptions``) with ``defaults``' sampling fields where the request gave
+    none: a copy, or ``options`` itself when nothing applies (beam search, no defaults)."""
+    fields = {name: value for name, value in defaults.items() if name != "max_tokens" and name not in options.given}
+    if not fields or options.use_beam_search:
+        return options
+    return dataclasses.replace(options, **fields)
