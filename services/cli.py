@@ -126,8 +126,10 @@ def _add_serve_http_arguments(g) -> None:
     g.add_argument("--served-model-name", default=None)
     from services.frontend.flags import (
         add_chat_template_argument, add_generation_config_argument, add_http_limit_arguments, add_playground_argument,
+        add_tokenizer_argument,
     )
 
+    add_tokenizer_argument(g)
     add_chat_template_argument(g)
     add_generation_config_argument(g)
     g.add_argument("--max-queue-len", type=int, default=None,

@@ -44,6 +44,7 @@ from services.group_layout import GroupLayout, check_model_split, layout_from_ar
 from services.restarts import RestartBudget
 from shared.endpoints import Endpoints, make_private_socket_dir
 from shared.logging import configure_logging
+from shared.model_source import resolve_tokenizer
 from shared.messages import DecodeError, ProcessLost, decode
 from shared.restart_counts import ENV_VAR as RESTARTS_ENV_VAR, restarts_path, write_restart_counts
 from shared.zmq_auth import ENV_VAR as CURVE_ENV_VAR, EPHEMERAL, create_keys, curve_dir, load_keys
@@ -61,6 +62,8 @@ def serve(args) -> int:
             check_model_split(args.model, layout.world_size)
         resolve_chat_template(getattr(args, "chat_template", None))  # the frontend reads it again
         check_setting(getattr(args, "generation_config", None) or "auto")
+        if getattr(args, "tokenizer", None):
+            resolve_tokenizer(args.tokenizer, None)
         curve = zmq_curve_dir(args, layout, sock_dir)
     except BaseException:
         shutil.rmtree(sock_dir, ignore_errors=True)
@@ -318,8 +321,8 @@ def executor_argv(args) -> list[str]:
 
 
 def frontend_argv(args) -> list[str]:
-    argv = _flags(args, ["model", "served_model_name", "chat_template", "generation_config", "host", "port", "max_model_len", "max_queue_len",
-                         "heartbeat_timeout", *HTTP_LIMIT_DESTS])
+    argv = _flags(args, ["model", "tokenizer", "served_model_name", "chat_template", "generation_config", "host",
+                         "port", "max_model_len", "max_queue_len", "heartbeat_timeout", *HTTP_LIMIT_DESTS])
     return argv + ([] if getattr(args, "playground", True) else ["--no-playground"])
 
 

@@ -32,7 +32,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.contiguous import ContiguousBlockManager
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.messages import AddRequest, RequestOutput, SamplingParams, Step, StepResult
-from shared.model_source import eos_token_ids, load_tokenizer, resolve_model
+from shared.model_source import eos_token_ids, load_tokenizer, resolve_model, resolve_tokenizer
 
 _RUNNER_OPTIONS = {f.name for f in dataclasses.fields(RunnerOptions)}
 
@@ -150,17 +150,19 @@ class PromptOutput:
 
 
 class LLM:
-    """Generate offline. ``model``: as ``--model`` (None: the embedded SmolLM2-135M-Instruct).
+    """Generate offline. ``model``: as ``--model`` (None: the embedded SmolLM2-135M-Instruct);
+    ``tokenizer``: as ``--tokenizer`` (None: the model's).
     ``engine_kwargs``: the flags of ``RunnerOptions`` (``dtype``, ``num_kv_blocks``, ``block_size``...)
     and ``SchedulingOptions`` (``max_num_seqs``, ``preemption_mode``...), by their Python names."""
 
-    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, **engine_kwargs: Any) -> None:
         from services.executor.weights import load_hf_config, load_state_dict
 
         source = resolve_model(model)
+        tokenizer_source = resolve_tokenizer(tokenizer, source)  # before the slow part: a bad path is one line
         runner_options, scheduling = _split_options(engine_kwargs)
         runner = build_runner(load_hf_config(source), load_state_dict(source), runner_options)
-        tokenizer = load_tokenizer(source)
+        tokenizer = load_tokenizer(tokenizer_source, "--tokenizer" if tokenizer is not None else "--model")
         self._start(EngineCore(runner, scheduling), tokenizer, eos_token_ids(tokenizer, source))
 
     @classmethod

@@ -75,9 +75,24 @@ def _from_gguf(name: str, directory: str, gguf_file: str, convert: bool) -> Mode
     return ModelSource(name, converted, converted_from=os.path.join(directory, gguf_file))
 
 
-def load_tokenizer(source: ModelSource) -> Any:
+def resolve_tokenizer(tokenizer: str | None, model: ModelSource | None) -> ModelSource | None:
+    """Where the tokenizer comes from: ``--tokenizer`` (a directory holding a tokenizer's files, with
+    or without a model, a ``.gguf`` file, or ``default`` for the embedded SmolLM2's), else the model
+    itself; raises ``ValueError`` naming the flag."""
+    if tokenizer is None:
+        return model
+    path = os.path.abspath(os.path.expanduser(tokenizer))
+    if os.path.isdir(path):
+        return ModelSource(os.path.basename(path.rstrip("/")), path)
+    try:
+        return resolve_model(tokenizer, convert_gguf=False)
+    except ValueError:
+        raise ValueError(f"--tokenizer {tokenizer}: not a directory or a .gguf file") from None
+
+
+def load_tokenizer(source: ModelSource, flag: str = "--model") -> Any:
     """The model's Hugging Face tokenizer, never its own code (slow: seconds); a ``ValueError`` in
-    one line when it cannot load.
+    one line, naming ``flag``, when it cannot load.
 
     ``AutoTokenizer`` imports torch (through transformers' config classes), about 1.5 s of the
     frontend's start here. Where it would only hand the files to the generic ``tokenizers``
@@ -92,7 +107,7 @@ def load_tokenizer(source: ModelSource) -> Any:
         return AutoTokenizer.from_pretrained(source.directory, trust_remote_code=False, **source.pretrained_kwargs())
     except Exception as exc:  # transformers raises anything (OSError, ValueError, KeyError...)
         text = " ".join(str(exc).split())[:300]
-        raise ValueError(f"--model {source.where}: cannot load the tokenizer: "
+        raise ValueError(f"{flag} {source.where}: cannot load the tokenizer: "
                          f"{type(exc).__name__}: {text}{kernels_clash_hint(exc)}") from None
 
 

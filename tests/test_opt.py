@@ -169,8 +169,9 @@ def test_memory_estimate_counts_opt_weights():
 @pytest.mark.slow  # starts the whole server
 def test_served_tiny_opt_completes_as_transformers(tmp_path):
     """``pagedserve serve`` on a tiny random OPT saved as a model directory, with SmolLM2's tokenizer
-    less its chat template (OPT's has none): the official client's greedy completion is
-    transformers' text, streamed or not, and a chat request is a clear 400."""
+    less its chat template (OPT's has none) from a directory of its own (``--tokenizer``): the
+    official client's greedy completion is transformers' text, streamed or not, and a chat request
+    is a clear 400."""
     import json
 
     import openai
@@ -180,18 +181,18 @@ def test_served_tiny_opt_completes_as_transformers(tmp_path):
 
     tokenizer = cached_tokenizer()
     model = tiny_opt(seed=7, vocab_size=len(tokenizer), max_position_embeddings=256)
-    model_dir = tmp_path / "tiny-opt"
+    model_dir, tokenizer_dir = tmp_path / "tiny-opt", tmp_path / "tokenizer"
     model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    for path in model_dir.glob("*chat_template*"):
+    tokenizer.save_pretrained(tokenizer_dir)
+    for path in tokenizer_dir.glob("*chat_template*"):
         path.unlink()
-    settings = json.loads((model_dir / "tokenizer_config.json").read_text())
+    settings = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
     settings.pop("chat_template", None)
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(settings))
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(settings))
     prompt = tokenizer("The capital of France is")["input_ids"]
     want = tokenizer.decode(hf_greedy(model, prompt, 16))
-    proc, url = _start(tmp_path, "--model", str(model_dir), "--served-model-name", "tiny-opt", "--dtype", "float32",
-                       "--kv-cache-memory", "16MiB")
+    proc, url = _start(tmp_path, "--model", str(model_dir), "--tokenizer", str(tokenizer_dir), "--served-model-name",
+                       "tiny-opt", "--dtype", "float32", "--kv-cache-memory", "16MiB")
     try:
         client = _openai(url)
         resp = client.completions.create(model="tiny-opt", prompt=prompt, max_tokens=16, temperature=0,

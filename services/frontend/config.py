@@ -30,7 +30,8 @@ class FrontendConfig:
     ``chat_template``: the Jinja text chat requests are rendered with instead of the tokenizer's
     (``--chat-template``, resolved by ``chat_template.resolve_chat_template``; None: the tokenizer's).
     ``generation_config``: where requests' sampling defaults come from (``--generation-config``:
-    auto, vllm or a directory; ``generation_defaults``).
+    auto, vllm or a directory; ``generation_defaults``). ``tokenizer``: ``--tokenizer``, where the
+    tokenizer comes from when not from the model (``shared.model_source.resolve_tokenizer``).
     Keyword arguments only.
     """
 
@@ -50,6 +51,7 @@ class FrontendConfig:
     restarts_file: str | None = None
     chat_template: str | None = field(default=None, repr=False)
     generation_config: str = "auto"
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.served_model_name is not None and not self.served_model_name.strip():

@@ -95,6 +95,12 @@ def add_chat_template_argument(group: argparse._ActionsContainer) -> None:
                             "one answers chat requests 400)")
 
 
+def add_tokenizer_argument(group: argparse._ActionsContainer) -> None:
+    group.add_argument("--tokenizer", default=None,
+                       help="where the tokenizer comes from, if not from --model: a directory with a tokenizer's "
+                            "files, or a .gguf file (default: the model's)")
+
+
 def add_generation_config_argument(group: argparse._ActionsContainer) -> None:
     group.add_argument("--generation-config", default=None,
                        help="sampling defaults for requests that leave them out (temperature, top_p, top_k, min_p, "
@@ -115,6 +121,7 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: b
     group.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
     group.add_argument("--max-model-len", type=int, default=None,
                        help="most prompt + completion tokens per request (default: the model's context length)")
+    add_tokenizer_argument(group)
     add_chat_template_argument(group)
     add_generation_config_argument(group)
     group.add_argument("--max-queue-len", type=int, default=None,

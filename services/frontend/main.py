@@ -125,6 +125,7 @@ def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | N
         restarts_file=os.environ.get(RESTARTS_ENV_VAR) or None,
         chat_template=resolve_chat_template(getattr(args, "chat_template", None)),
         generation_config=getattr(args, "generation_config", None) or "auto",
+        tokenizer=getattr(args, "tokenizer", None) or None,
         **({"heartbeat_timeout": args.heartbeat_timeout} if getattr(args, "heartbeat_timeout", None) else {}),
     )
 

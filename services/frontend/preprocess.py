@@ -37,6 +37,7 @@ def completion_inputs(body: CompletionBody, model: ServedModel) -> list[PromptIn
     for prompt in body.prompts:
         if isinstance(prompt, str):
             ids = list(model.tokenizer.encode(prompt))
+            _check_tokenized(ids, model, "prompt")
             text = prompt
         else:
             _check_token_ids(prompt, model.vocab_size, "prompt")
@@ -68,7 +69,9 @@ def chat_prompt_ids(body: ChatBody, model: ServedModel, add_generation_prompt: b
         )
     except Exception as exc:  # a Jinja template may raise anything (TemplateError, ValueError...)
         raise bad_request(f"cannot apply the chat template to these messages: {exc}", "messages") from None
-    return _as_id_list(ids)
+    ids = _as_id_list(ids)
+    _check_tokenized(ids, model, "messages")
+    return ids
 
 
 def sampling_params(
@@ -142,6 +145,14 @@ def settle_max_tokens(
             "context_length_exceeded",
         )
     return options.max_tokens
+
+
+def _check_tokenized(ids: list[int], model: ServedModel, param: str) -> None:
+    """A text's tokens must be ids the model embeds: only a tokenizer with more tokens than the
+    model's vocabulary (``--tokenizer`` of another model) can make one that is not."""
+    if model.vocab_size < len(model.tokenizer) and ids and max(ids) >= model.vocab_size:
+        raise bad_request(f"{param}: the text tokenizes to id {max(ids)}, beyond the model's vocabulary of "
+                          f"{model.vocab_size} (the tokenizer has {len(model.tokenizer)} tokens)", param)
 
 
 def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:

@@ -12,7 +12,7 @@ from services.frontend.config import FrontendConfig
 from services.frontend.generation_defaults import read_generation_defaults
 from services.frontend.input_limits import body_limit_bytes, longest_token_chars, max_prompt_chars
 from shared.model_check import load_hf_config, model_shape, read_config_json
-from shared.model_source import ModelSource, eos_token_ids, load_tokenizer, resolve_model
+from shared.model_source import ModelSource, eos_token_ids, load_tokenizer, resolve_model, resolve_tokenizer
 
 log = structlog.get_logger()
 
@@ -30,6 +30,8 @@ class ServedModel:
     max_token_chars: int = 0
     # request field -> the model's recommended default (``generation_defaults``; {}: OpenAI's)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    # rows of the model's embedding (its config's vocab_size; None: not known, as for a GGUF file)
+    model_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if not self.max_token_chars:
@@ -37,7 +39,12 @@ class ServedModel:
 
     @property
     def vocab_size(self) -> int:
-        return len(self.tokenizer)
+        """Token ids a request may hold: the tokenizer's, and no more than the model embeds (a
+        ``--tokenizer`` of another model may have more; a model's padded vocabulary has more rows
+        than its tokenizer has tokens)."""
+        if self.model_vocab_size is None:
+            return len(self.tokenizer)
+        return min(len(self.tokenizer), self.model_vocab_size)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -62,11 +69,14 @@ def model_max_len(source: ModelSource) -> int:
 def load_served_model(config: FrontendConfig) -> ServedModel:
     """Resolve ``config.model``, load its tokenizer and settle the context length (slow: seconds)."""
     source = resolve_model(config.model, convert_gguf=False)  # the executors convert a GGUF file's weights
+    model_vocab_size = None
     if source.gguf_file is None:  # a broken config.json is one line, before the tokenizer trips on it
-        model_shape(read_config_json(source.directory), f"--model {source.directory}")
+        model_vocab_size = model_shape(read_config_json(source.directory), f"--model {source.directory}").vocab_size
+    tokenizer_source = resolve_tokenizer(config.tokenizer, source)
     started = time.monotonic()
-    log.info("loading tokenizer", model=source.name, directory=source.directory, gguf_file=source.gguf_file)
-    tokenizer = load_tokenizer(source)
+    log.info("loading tokenizer", model=source.name, directory=tokenizer_source.directory,
+             gguf_file=tokenizer_source.gguf_file, from_flag=config.tokenizer is not None)
+    tokenizer = load_tokenizer(tokenizer_source, "--tokenizer" if config.tokenizer is not None else "--model")
     log.info("tokenizer loaded", seconds=round(time.monotonic() - started, 2), vocab_size=len(tokenizer))
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template  # --chat-template: the one chat requests render with
@@ -86,4 +96,5 @@ def load_served_model(config: FrontendConfig) -> ServedModel:
         max_model_len=max_model_len,
         eos_token_ids=eos_token_ids(tokenizer, source),
         generation_defaults=generation_defaults,
+        model_vocab_size=model_vocab_size,
     )
