@@ -221,6 +221,32 @@ class LLM:
                 choice.text = self._detokenize(choice.token_ids)
         return list(results.values())
 
+    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[PromptOutput]:
+        """``generate`` on conversations (one, a list of ``{"role", "content"}`` messages, or a list of
+        them) rendered by the tokenizer's chat template, or by ``chat_template`` (Jinja text) in its
+        place, as vLLM's ``LLM.chat``; the outputs' ``prompt`` is the rendered text. Raises
+        ``ValueError`` when there is no template or it cannot render these messages."""
+        if self.tokenizer is None:
+            raise ValueError("this LLM has no tokenizer to apply a chat template with")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            try:
+                prompts.append(self.tokenizer.apply_chat_template(
+                    list(conversation), chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                    tokenize=False))
+            except Exception as exc:  # a Jinja template may raise anything; no template is a ValueError
+                raise ValueError(f"cannot apply the chat template: {type(exc).__name__}: {exc}") from None
+        # the rendered text holds the template's special tokens: tokenized without adding any (as chat
+        # requests are), never re-tokenized into another BOS
+        outputs = self.generate([list(self.tokenizer.encode(p, add_special_tokens=False)) for p in prompts],
+                                sampling_params)
+        for out, text in zip(outputs, prompts):
+            out.prompt = text
+        return outputs
+
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> str:
         """Queue one prompt and return its request id; ``engine.step()`` runs it and returns its
         ``RequestOutput`` deltas (``generate`` does both)."""

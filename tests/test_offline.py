@@ -72,3 +72,31 @@ def test_llm_generate_equals_the_servers_greedy_output(served):
     assert [len(o.choices[0].token_ids) for o in outs] == [r.usage.completion_tokens for r in replies]
     assert [o.choices[0].finish_reason for o in outs] == [r.choices[0].finish_reason for r in replies]
     assert len({o.choices[0].text for o in outs}) == len(prompts)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    [chat] = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=16))
+    assert chat.choices[0].text == reply.choices[0].message.content
+    assert len(chat.prompt_token_ids) == reply.usage.prompt_tokens
+
+
+def test_chat_renders_conversations_with_the_template():
+    """``LLM.chat``: the tokenizer's template or one given, one conversation or several; the prompt
+    ids are the rendered text's without special tokens added, as a chat request's."""
+    from tests.frontend_doubles import cached_tokenizer
+
+    tokenizer = cached_tokenizer()
+    llm = LLM.from_hf_model(tiny_llama(seed=32, vocab_size=len(tokenizer)), tokenizer, dtype=torch.float32,
+                            num_kv_blocks=64, block_size=4)
+    messages = [{"role": "user", "content": "Hi"}]
+    [out] = llm.chat(messages, GREEDY)
+    want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert out.prompt_token_ids == list(want) and out.prompt.endswith("assistant\n")
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    both = llm.chat([messages, [{"role": "user", "content": "Bye"}]], GREEDY, chat_template=template)
+    assert [o.prompt for o in both] == ["[user] Hi\n", "[user] Bye\n"]
+    assert both[0].prompt_token_ids == tokenizer("[user] Hi\n", add_special_tokens=False)["input_ids"]
+    assert all(len(o.choices[0].token_ids) == 10 for o in both)
+    with pytest.raises(ValueError, match="cannot apply the chat template"):
+        llm.chat(messages, GREEDY, chat_template="{{ messages[0].missing.deeper }}")
+    with pytest.raises(ValueError, match="no tokenizer"):
+        LLM.from_hf_model(tiny_llama(), num_kv_blocks=8, block_size=4).chat(messages)
