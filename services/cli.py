@@ -22,8 +22,12 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt plus output tokens per sequence (default: the model's)")
     g.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"],
                    help="when KV blocks run out: re-prefill later (default) or swap to CPU memory")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
-                   help="do not reuse the KV blocks of earlier requests' identical prefixes")
+    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", default=None,
+                   help="do not reuse the KV blocks of earlier requests' identical prefixes (the second "
+                        "name is vLLM's)")
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None,
+                   help="reuse them (the default; vLLM's name)")
     g.add_argument("--kv-policy", default=None, choices=["paged", "contiguous"],
                    help="paged (default) or the contiguous baseline that reserves prompt + max_tokens")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

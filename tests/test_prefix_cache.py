@@ -116,3 +116,17 @@ def test_greedy_outputs_equal_with_prefix_caching_on_and_off():
     assert cached_on["5"] == 12  # identical prompt of 16 tokens: all but the last block
     assert cached_on["6"] == 8  # 12-token prefix of an earlier prompt: the last token is recomputed
     assert blocks.num_hit_tokens > 0
+
+
+def test_serve_flags_turn_prefix_caching_off_under_either_name():
+    """``--no-prefix-caching`` and vLLM's ``--no-enable-prefix-caching`` reach the scheduler;
+    ``--enable-prefix-caching`` (vLLM's) is the default."""
+    from services.cli import build_parser
+    from services.launcher import scheduler_argv
+
+    parse = build_parser().parse_args
+    for flags, off in [([], False), (["--no-prefix-caching"], True), (["--no-enable-prefix-caching"], True),
+                       (["--enable-prefix-caching"], False)]:
+        args = parse(["serve", *flags])
+        assert args.enable_prefix_caching is (False if off else (True if flags else None))
+        assert ("--no-prefix-caching" in scheduler_argv(args)) is off
