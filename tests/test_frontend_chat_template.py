@@ -38,6 +38,11 @@ def test_a_file_or_an_inline_template(tmp_path):
     ]:
         with pytest.raises(ValueError, match=message):
             resolve_chat_template(value)
+    # what transformers' environment adds: loop controls and the {% generation %} block
+    extended = ("{% for m in messages %}{% if m.role == 'tool' %}{% continue %}{% endif %}"
+                "{% generation %}{{ m.content }}{% endgeneration %}{% if loop.index > 8 %}{% break %}{% endif %}"
+                "{% endfor %}")
+    assert resolve_chat_template(extended) == extended
     (tmp_path / "bad.jinja").write_bytes(b"\xff\xfe{{ x }}")
     with pytest.raises(ValueError, match="cannot read"):
         resolve_chat_template(str(tmp_path / "bad.jinja"))

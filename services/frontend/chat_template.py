@@ -38,12 +38,22 @@ def resolve_chat_template(value: str | None) -> str | None:
 
 
 def check_chat_template(template: str) -> None:
-    """Raise ``ValueError`` (one line) unless Jinja, sandboxed as transformers renders templates,
-    parses ``template``."""
-    from jinja2 import TemplateSyntaxError
+    """Raise ``ValueError`` (one line) unless Jinja parses ``template`` as transformers will render it:
+    sandboxed, with the loop controls (``{% break %}``, ``{% continue %}``) and the
+    ``{% generation %}`` block that transformers' chat templates may use. Only the syntax is
+    checked here; filters and names are looked up when a request renders it."""
+    from jinja2 import TemplateSyntaxError, nodes
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    class GenerationBlock(Extension):  # transformers' {% generation %} ... {% endgeneration %}, parsed only
+        tags = {"generation"}
+
+        def parse(self, parser) -> list[nodes.Node]:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
     try:
-        ImmutableSandboxedEnvironment().parse(template)
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols", GenerationBlock]).parse(template)
     except TemplateSyntaxError as exc:
         raise ValueError(f"--chat-template: not a valid Jinja template: {exc.message} (line {exc.lineno})") from None

@@ -104,9 +104,9 @@ def add_tokenizer_argument(group: argparse._ActionsContainer) -> None:
 def add_generation_config_argument(group: argparse._ActionsContainer) -> None:
     group.add_argument("--generation-config", default=None,
                        help="sampling defaults for requests that leave them out (temperature, top_p, top_k, min_p, "
-                            "repetition_penalty, max_tokens): 'auto' the model's generation_config.json, as "
-                            "vLLM; 'vllm' none (OpenAI's defaults); or a directory holding that file "
-                            "(default: auto)")
+                            "the penalties; max_new_tokens as chat's max_tokens): 'auto' the model's "
+                            "generation_config.json, as vLLM; 'vllm' none (OpenAI's defaults); or a directory "
+                            "holding that file, whose max_new_tokens also limits every request (default: auto)")
 
 
 def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: bool = True) -> None:

@@ -1,14 +1,17 @@
-"""The model creator's sampling defaults (``--generation-config``), applied as vLLM applies them: a
-request that leaves out ``temperature``, ``top_p``, ``top_k``, ``min_p`` or ``repetition_penalty``
-gets the value the model's ``generation_config.json`` recommends, and one without ``max_tokens``
-gets its ``max_new_tokens`` (still shrunk to the context left). Only values that differ from
+"""The model creator's sampling defaults (``--generation-config``), applied as vLLM 0.32 applies them:
+a request that leaves out ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
+``presence_penalty`` or ``frequency_penalty`` gets the value the model's ``generation_config.json``
+recommends, and a chat request without ``max_tokens`` gets its ``max_new_tokens`` (where it would
+have had the whole context left; completions keep the API's 16). Only values that differ from
 transformers' own defaults count (its ``to_diff_dict``: a file's ``top_k: 50`` is transformers'
 default, not a recommendation). A field the request gives always wins, and beam search requests
-take none of them (beam search decides its own temperature and refuses the sampling fields).
+take no sampling default (beam search decides its own temperature and refuses the sampling fields).
 
 ``--generation-config``: ``auto`` (the default, as vLLM's): the model directory's file; ``vllm``:
-none, the OpenAI defaults; or a directory holding a ``generation_config.json``. A value in the file
-outside the range the API accepts for its field is left out, with a warning in the log.
+none, the OpenAI defaults; or a directory holding a ``generation_config.json``, whose
+``max_new_tokens`` is then also a limit on every request's ``max_tokens`` (vLLM's "server-wide
+limit"). A value in the file outside the range the API accepts for its field is left out, with a
+warning in the log.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ _KEYS: dict[str, tuple[str, Any, Callable[[Any], bool]]] = {
     "top_k": ("top_k", 50, lambda v: _integer(v) and v >= 1),
     "min_p": ("min_p", None, lambda v: _number(v) and 0.0 <= v <= 1.0),
     "repetition_penalty": ("repetition_penalty", 1.0, lambda v: _number(v) and 0.0 < v <= 2.0),
+    "presence_penalty": ("presence_penalty", None, lambda v: _number(v) and -2.0 <= v <= 2.0),
+    "frequency_penalty": ("frequency_penalty", None, lambda v: _number(v) and -2.0 <= v <= 2.0),
     "max_new_tokens": ("max_tokens", None, lambda v: _integer(v) and v >= 1),
 }
 
@@ -82,6 +87,12 @@ def read_generation_defaults(setting: str, model_directory: str) -> dict[str, An
         else:
             log.warning("generation config value left out", path=path, key=key, value=value)
     return defaults
+
+
+def max_tokens_limit(setting: str, defaults: dict[str, Any]) -> int | None:
+    """The limit on every request's ``max_tokens``: a directory's ``max_new_tokens`` (None for auto
+    and vllm, where the model's value is only chat's default)."""
+    return None if setting in SETTINGS else defaults.get("max_tokens")
 
 
 def with_generation_defaults(options, defaults: dict[str, Any]):

@@ -133,8 +133,9 @@ class GenerationOptions:
     max_tokens: int | None = declare(
         Integer(minimum=1), route_kinds={_COMPLETIONS: Integer(minimum=0, rule="must be at least 1")}, nullable=True,
         aliases=("max_completion_tokens",), alias_routes=_CHAT,
-        description="Most tokens to generate; left out: 16 on completions, the context left on chat. 0 only on "
-                    "completions with echo (the prompt alone, for scoring).")
+        description="Most tokens to generate; left out: 16 on completions, the context left on chat (or the "
+                    "model's recommended length, --generation-config). 0 only on completions with echo (the prompt "
+                    "alone, for scoring).")
     temperature: float = declare(Number(0.0, 2.0), 1.0, sampling=True)
     top_p: float = declare(Number(0.0, 1.0, exclusive_minimum=True), 1.0, sampling=True, beam_search=_REFUSED)
     top_k: int | None = declare(

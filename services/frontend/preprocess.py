@@ -87,10 +87,14 @@ def sampling_params(
     against the model, with ``max_tokens`` settled (``settle_max_tokens``), the EOS ids, and
     the prompt scored when the response shows its logprobs (``scored_prompt_top``; ``echo``: the
     prompt is echoed)."""
-    # the model's recommended defaults (--generation-config) for what the client left out
+    # the model's recommended defaults (--generation-config) for what the client left out; its length
+    # replaces only chat's default (the context left), as in vLLM, and a directory's caps every request
     options = with_generation_defaults(options, model.generation_defaults)
-    default_max_tokens = model.generation_defaults.get("max_tokens", default_max_tokens)
+    if default_max_tokens is None:
+        default_max_tokens = model.generation_defaults.get("max_tokens")
     max_tokens = settle_max_tokens(options, num_prompt_tokens, model, default_max_tokens, prompt_param)
+    if model.max_tokens_limit is not None:
+        max_tokens = min(max_tokens, model.max_tokens_limit)
     if options.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({options.min_tokens}) exceeds the {max_tokens} tokens left", "min_tokens")
     _check_token_ids(options.stop_token_ids, model.vocab_size, "stop_token_ids")

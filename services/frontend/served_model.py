@@ -9,7 +9,7 @@ from typing import Any
 import structlog
 
 from services.frontend.config import FrontendConfig
-from services.frontend.generation_defaults import read_generation_defaults
+from services.frontend.generation_defaults import max_tokens_limit, read_generation_defaults
 from services.frontend.input_limits import body_limit_bytes, longest_token_chars, max_prompt_chars
 from shared.model_check import load_hf_config, model_shape, read_config_json
 from shared.model_source import ModelSource, eos_token_ids, load_tokenizer, resolve_model, resolve_tokenizer
@@ -32,6 +32,8 @@ class ServedModel:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     # rows of the model's embedding (its config's vocab_size; None: not known, as for a GGUF file)
     model_vocab_size: int | None = None
+    # the most tokens any request generates (``generation_defaults.max_tokens_limit``; None: no limit)
+    max_tokens_limit: int | None = None
 
     def __post_init__(self) -> None:
         if not self.max_token_chars:
@@ -97,4 +99,5 @@ def load_served_model(config: FrontendConfig) -> ServedModel:
         eos_token_ids=eos_token_ids(tokenizer, source),
         generation_defaults=generation_defaults,
         model_vocab_size=model_vocab_size,
+        max_tokens_limit=max_tokens_limit(config.generation_config, generation_defaults),
     )
