@@ -50,7 +50,7 @@ class _NoMaths:
     def __init__(self, model) -> None:
         import torch
 
-        self._torch, self.rotary = torch, model.rotary
+        self._torch, self.max_model_len = torch, model.max_model_len
         self._hidden, self._vocab = model.config.hidden_size, model.config.vocab_size
 
     def __call__(self, input_ids, positions, kv_caches, meta, backend):

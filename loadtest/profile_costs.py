@@ -52,10 +52,12 @@ class MatmulRoofline:
 
 
 def layer_shapes(cfg) -> list[tuple[int, int]]:
-    """(in_features, out_features) of one decoder layer's matmuls, in Hugging Face's order."""
+    """(in_features, out_features) of one decoder layer's matmuls, in Hugging Face's order: q, k, v,
+    o, then gate, up, down (OPT's MLP: fc1, fc2; ``ModelShape.mlp_matrices``)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+    mlp = [(h, i)] * (cfg.mlp_matrices - 1) + [(i, h)]
+    return [(h, q), (h, kv), (h, kv), (q, h), *mlp]
 
 
 class RooflinePasses:
@@ -79,8 +81,8 @@ class RooflinePasses:
             self._layers = [[make(in_f, out_f) for in_f, out_f in layer_shapes(cfg)]
                             for _ in range(cfg.num_layers)]
             self._inputs = {n: torch.randn(num_tokens, n, dtype=dtype) for n in {s[0] for s in layer_shapes(cfg)}}
-            self._head = make(cfg.hidden_size, cfg.vocab_size)
-            self._head_in = torch.randn(num_sampled, cfg.hidden_size, dtype=dtype)
+            self._head = make(cfg.embedding_dim, cfg.vocab_size)
+            self._head_in = torch.randn(num_sampled, cfg.embedding_dim, dtype=dtype)
         self.time_pass(time.perf_counter_ns)  # warm-up
 
     def time_pass(self, clock=time.perf_counter_ns) -> tuple[int, int]:

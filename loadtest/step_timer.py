@@ -8,12 +8,14 @@ well under a microsecond; a SmolLM2 step makes a few hundred wrapped calls.
 
 Categories (ns, summed over the steps timed; ``breakdown`` derives the rest):
 
-- ``matmul``: the linear layers of the decoder layers (q/k/v/o, gate/up/down, fused or not; also
-  the MLP's ``separate_gate_up``, its two matmuls in the float32 exactness mode);
+- ``matmul``: the linear layers of the forward pass (q/k/v/o, gate/up/down, fused or not; also
+  the MLP's ``separate_gate_up``, its two matmuls in the float32 exactness mode; OPT's out_proj,
+  fc1, fc2 and width projections), not the LM head;
 - ``attention``: the backend's ``write_kv``, ``decode`` and ``prefill`` (the paged kernels), and
   ``decode_qkv`` (a decode-only step's rotary embedding, cache write and attention in one kernel:
   there ``rotary`` counts nothing; the numba backend's is its view of the pass, ``for_pass``);
-- ``norm``, ``rotary``: the RMSNorm modules (also the final one) and the rotary embedding;
+- ``norm``, ``rotary``: the RMSNorm modules (also the final one; OPT's LayerNorms) and the rotary
+  embedding (Llama's; OPT's learned positions are in ``other_layer``);
 - ``forward``: the whole forward pass; ``lm_head``: ``compute_logits``; ``sampling``: the
   sampler; ``execute``: the runner's whole step.
 """
@@ -29,7 +31,7 @@ from torch import nn
 EXECUTOR_PARTS = (
     ("matmul", "matmuls q/k/v/o, gate/up/down"),
     ("attention", "attention (paged kernels, cache write; decode: and rotary)"),
-    ("norm", "RMS norms"),
+    ("norm", "norms (RMSNorm; OPT's LayerNorm)"),
     ("rotary", "rotary embedding"),
     ("other_layer", "other per-layer ops (activation, residuals, embedding, glue)"),
     ("lm_head", "LM head"),
@@ -102,15 +104,17 @@ def install(runner, timer: RegionTimer) -> Callable[[], None]:
     from services.executor.layers import MLP, RMSNorm
 
     model = runner.model
-    for module in model.model.layers.modules():
+    for module in model.modules():
+        if module is model.lm_head:  # timed as compute_logits, outside the forward pass
+            continue
         if isinstance(module, (nn.Linear, PackedLinear, PairLinear)):
             timer.wrap(module, "forward", "matmul")
         if isinstance(module, MLP):  # float32 on nn.Linear: gate and up as two F.linear calls
             timer.wrap(module, "separate_gate_up", "matmul")
-    for module in model.modules():
-        if isinstance(module, RMSNorm):
+        if isinstance(module, (RMSNorm, nn.LayerNorm)):  # (OPT's LayerNorms)
             timer.wrap(module, "forward", "norm")
-    timer.wrap(model.rotary, "forward", "rotary")
+    if hasattr(model, "rotary"):  # Llama's (OPT has learned positions, in "other")
+        timer.wrap(model.rotary, "forward", "rotary")
     # a backend with a view per forward pass (the numba backend's ``for_pass``): its fused decode is
     # the view's, whose calls that the view does not take itself reach the backend's (counted once)
     view_methods = ("decode_qkv",) if hasattr(runner.backend, "for_pass") else ()

@@ -197,9 +197,9 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        all_ids = [self._token_ids(prompt) for prompt in prompts]  # every prompt checked before any is queued
         results: dict[str, PromptOutput] = {}
-        for prompt, p in zip(prompts, params):
-            token_ids = self._token_ids(prompt)
+        for prompt, token_ids, p in zip(prompts, all_ids, params):
             results[self.add_request(token_ids, p)] = PromptOutput(prompt if isinstance(prompt, str) else None,
                                                                    token_ids)
         pending = set(results)
@@ -258,11 +258,19 @@ class LLM:
         return request_id
 
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's ids, each one the model embeds (a ``ValueError`` names the first that is not:
+        a tokenizer of another model may have more tokens than the model's vocabulary)."""
         if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
-        if self.tokenizer is None:
+            ids = [int(t) for t in prompt]
+        elif self.tokenizer is None:
             raise ValueError("this LLM has no tokenizer: give prompts as token ids")
-        return list(self.tokenizer.encode(prompt))
+        else:
+            ids = list(self.tokenizer.encode(prompt))
+        vocab = self.engine.runner.model.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is out of range [0, {vocab}) (the model's vocabulary)")
+        return ids
 
     def _detokenize(self, token_ids: list[int]) -> str | None:
         if self.tokenizer is None:

@@ -44,10 +44,13 @@ def test_one_prompt_several_choices_and_per_prompt_params(model, llm):
 
 def test_refused_prompt_raises_and_leaves_nothing_behind(llm):
     with pytest.raises(ValueError, match="prompt 1: the prompt has 300 tokens; the limit is 255"):
-        llm.generate([[1, 2], list(range(1, 301))], GREEDY)
+        llm.generate([[1, 2], [1 + i % 100 for i in range(300)]], GREEDY)
     assert not llm.engine.has_work() and llm.engine.blocks.num_used_blocks == 0
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("text needs a tokenizer")
+    with pytest.raises(ValueError, match=r"prompt: token id 128 is out of range \[0, 128\) \(the model's vocabulary\)"):
+        llm.generate([[1, 2], [5, 128]], GREEDY)  # the tiny model embeds 128 ids
+    assert not llm.engine.has_work() and llm.engine.blocks.num_used_blocks == 0
     with pytest.raises(TypeError, match="unknown options \\['num_gpus'\\]"):
         LLM.from_hf_model(tiny_llama(), num_gpus=1)
 

@@ -159,3 +159,26 @@ def test_header_names_the_dtype_reason_and_the_matmul_kernel():
     first = profile_report.header(facts, args, (0.5, 0.5, 0.5)).splitlines()[0]
     assert "tiny in bfloat16 (auto: AVX-512 BF16 matmuls (vdpbf16ps))" in first
     assert "matmuls numba, attention backend numba" in first
+
+
+def test_an_opt_model_is_profiled_too():
+    """OPT (no rotary table, LayerNorms, two MLP matrices, narrower embeddings): its step's parts
+    are timed, the prefill without maths runs, and the roofline has its shapes."""
+    from loadtest.profile_costs import layer_shapes
+    from tests.test_opt import tiny_opt
+
+    hf = tiny_opt(seed=3, word_embed_proj_dim=32)
+    runner = build_runner(hf.config, hf.state_dict(), RunnerOptions(
+        dtype=torch.float32, num_kv_blocks=64, num_cpu_blocks=0, max_model_len=100))
+    bench = profile.StepBench(runner, max_num_seqs=8, max_num_batched_tokens=256)
+    try:
+        mixed = profile.run_scenario(bench, "mixed", 3, 20, (30,), warmup=0, steps=2)
+    finally:
+        bench.close()
+    for parts in mixed:
+        assert all(parts[key] > 0 for key in ("matmul", "attention", "norm", "lm_head", "sampling"))
+        assert parts["rotary"] == 0
+    cfg = runner.model.config
+    assert layer_shapes(cfg) == [(64, 64), (64, 64), (64, 64), (64, 64), (64, 96), (96, 64)]
+    passes = RooflinePasses(cfg, torch.float32, num_tokens=3, num_sampled=3)
+    assert all(t > 0 for t in passes.time_pass())

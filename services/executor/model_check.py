@@ -50,6 +50,7 @@ def plan_memory(
         "weights": -(-weight_bytes(shape, dtype_bytes) // world_size),
         "KV pool": num_blocks * block_bytes,
         "swap space": num_cpu_blocks * block_bytes,
-        "rope tables": 2 * 4 * max_len * shape.head_dim,  # cos and sin, float32
+        # cos and sin, float32 (none for OPT, whose learned positions are weights)
+        "rope tables": 0 if shape.position_rows else 2 * 4 * max_len * shape.head_dim,
     }, where)
     return MemoryPlan(max_len, block_bytes, num_blocks, num_cpu_blocks)

@@ -74,6 +74,8 @@ def load_served_model(config: FrontendConfig) -> ServedModel:
     model_vocab_size = None
     if source.gguf_file is None:  # a broken config.json is one line, before the tokenizer trips on it
         model_vocab_size = model_shape(read_config_json(source.directory), f"--model {source.directory}").vocab_size
+    elif config.tokenizer is not None:  # a GGUF model with another tokenizer: its vocabulary bounds the ids
+        model_vocab_size = model_shape(load_hf_config(source).to_dict(), f"--model {source.where}").vocab_size
     tokenizer_source = resolve_tokenizer(config.tokenizer, source)
     started = time.monotonic()
     log.info("loading tokenizer", model=source.name, directory=tokenizer_source.directory,
