@@ -163,7 +163,12 @@ class LLM:
         runner_options, scheduling = _split_options(engine_kwargs)
         runner = build_runner(load_hf_config(source), load_state_dict(source), runner_options)
         tokenizer = load_tokenizer(tokenizer_source, "--tokenizer" if tokenizer is not None else "--model")
-        self._start(EngineCore(runner, scheduling), tokenizer, eos_token_ids(tokenizer, source))
+        from services.frontend.generation_defaults import read_generation_defaults
+
+        # as vLLM's LLM: generate(prompts) without sampling params samples as the model recommends
+        recommended = read_generation_defaults("auto", source.directory)
+        self._start(EngineCore(runner, scheduling), tokenizer, eos_token_ids(tokenizer, source),
+                    SamplingParams(**recommended))
 
     @classmethod
     def from_hf_model(cls, hf_model: Any, tokenizer: Any = None, eos_token_ids: list[int] | None = None,
@@ -180,8 +185,12 @@ class LLM:
         llm._start(EngineCore(runner, scheduling), tokenizer, eos_token_ids)
         return llm
 
-    def _start(self, engine: EngineCore, tokenizer: Any, eos_token_ids: list[int]) -> None:
+    def _start(self, engine: EngineCore, tokenizer: Any, eos_token_ids: list[int],
+               default_params: SamplingParams | None = None) -> None:
         self.engine = engine
+        # what a prompt given no SamplingParams gets: the model's generation_config.json
+        # recommendations (``services/frontend/generation_defaults.py``) over SamplingParams()'s
+        self.default_sampling_params = default_params or SamplingParams()
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         self._request_ids = itertools.count()
@@ -190,7 +199,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[PromptOutput]:
         """Run every prompt (text, tokenized here, or token ids) to the end, batched together;
         returns one ``PromptOutput`` per prompt, in order. ``sampling_params``: one for all prompts
-        or one each (default: ``SamplingParams()``). Raises ``ValueError`` if the engine refuses a
+        or one each (default: ``default_sampling_params``, the model's recommendations). Raises ``ValueError`` if the engine refuses a
         prompt (too long for the model or the KV pool)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -251,7 +260,7 @@ class LLM:
         """Queue one prompt and return its request id; ``engine.step()`` runs it and returns its
         ``RequestOutput`` deltas (``generate`` does both)."""
         request_id = f"offline-{next(self._request_ids)}"
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.default_sampling_params
         params = dataclasses.replace(params, eos_token_ids=list(params.eos_token_ids or self.eos_token_ids))
         self.engine.add_request(AddRequest(request_id, np.asarray(self._token_ids(prompt), np.int32), params,
                                            list(self.eos_token_ids), time.time()))

@@ -103,3 +103,22 @@ def test_chat_renders_conversations_with_the_template():
         llm.chat(messages, GREEDY, chat_template="{{ messages[0].missing.deeper }}")
     with pytest.raises(ValueError, match="no tokenizer"):
         LLM.from_hf_model(tiny_llama(), num_kv_blocks=8, block_size=4).chat(messages)
+
+
+def test_prompts_without_sampling_params_sample_as_the_model_recommends(tmp_path, tiny_model_dir):
+    """As vLLM's ``LLM``: the model's generation_config.json recommendations (``--generation-config
+    auto``'s) are what ``generate`` uses when given no ``SamplingParams``."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    config.update(temperature=0.0, top_k=7, max_new_tokens=5)
+    (model_dir / "generation_config.json").write_text(json.dumps(config))
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=32, block_size=4)
+    assert llm.default_sampling_params == SamplingParams(temperature=0.0, top_k=7, max_tokens=5)
+    [out] = llm.generate("The capital of France is")
+    [greedy] = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=5))
+    assert out.choices[0].token_ids == greedy.choices[0].token_ids and len(out.choices[0].token_ids) <= 5
+    assert LLM.from_hf_model(tiny_llama(), num_kv_blocks=8, block_size=4).default_sampling_params == SamplingParams()
