@@ -62,7 +62,7 @@ def test_big_prompts_do_not_hold_up_small_requests(frontend, fake, model):
                 {"role": "user", "content": huge}]}))
             big_task = asyncio.ensure_future(_timed_post(session, url, {"messages": [
                 {"role": "user", "content": big}]}))
-            # The huge one is refused once its body is parsed (on the event loop: 0.3 s here when quiet,
+            # The huge one is refused once its body is parsed (on the event loop: 0.18 s here when quiet,
             # 1.2 s beside a busy neighbour, when a small request sent then waited as long); the small
             # requests are timed from then on, while the big one is tokenized on its thread.
             huge_result = await huge_task
