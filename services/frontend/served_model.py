@@ -58,9 +58,10 @@ class ServedModel:
         return body_limit_bytes(self.max_model_len, self.max_token_chars)
 
 
-def model_max_len(source: ModelSource) -> int:
-    """``max_position_embeddings`` from the model's config (GGUF metadata for a .gguf file)."""
-    config = load_hf_config(source)
+def model_max_len(source: ModelSource, config: Any = None) -> int:
+    """``max_position_embeddings`` from the model's config (GGUF metadata for a .gguf file), read
+    here unless the caller has ``config`` already."""
+    config = load_hf_config(source) if config is None else config
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
@@ -71,11 +72,12 @@ def model_max_len(source: ModelSource) -> int:
 def load_served_model(config: FrontendConfig) -> ServedModel:
     """Resolve ``config.model``, load its tokenizer and settle the context length (slow: seconds)."""
     source = resolve_model(config.model, convert_gguf=False)  # the executors convert a GGUF file's weights
-    model_vocab_size = None
+    model_vocab_size, hf_config = None, None
     if source.gguf_file is None:  # a broken config.json is one line, before the tokenizer trips on it
         model_vocab_size = model_shape(read_config_json(source.directory), f"--model {source.directory}").vocab_size
     elif config.tokenizer is not None:  # a GGUF model with another tokenizer: its vocabulary bounds the ids
-        model_vocab_size = model_shape(load_hf_config(source).to_dict(), f"--model {source.where}").vocab_size
+        hf_config = load_hf_config(source)  # (GGUF metadata: parsed once, for the context length too)
+        model_vocab_size = model_shape(hf_config.to_dict(), f"--model {source.where}").vocab_size
     tokenizer_source = resolve_tokenizer(config.tokenizer, source)
     started = time.monotonic()
     log.info("loading tokenizer", model=source.name, directory=tokenizer_source.directory,
@@ -93,7 +95,7 @@ def load_served_model(config: FrontendConfig) -> ServedModel:
     max_model_len = config.max_model_len
     if max_model_len is None:
         log.info("reading the model config for max_model_len")
-        max_model_len = model_max_len(source)
+        max_model_len = model_max_len(source, hf_config)
     return ServedModel(
         name=config.served_model_name or source.name,
         tokenizer=tokenizer,
