@@ -4,6 +4,7 @@
     python -m loadtest.throughput --peer-url http://127.0.0.1:8100 --skip-hf [--server-flags "--dtype float32"]
     python -m loadtest.throughput --peer-url http://127.0.0.1:8100 --skip-hf --rounds 4 --seed 100
     python -m loadtest.throughput --tensor-parallel-size 2 --skip-hf
+    python -m loadtest.throughput --data-parallel-size 2 --skip-hf
 
 Starts ``pagedserve serve`` on SmolLM2 (or uses ``--url``), sends every request at once (token-id
 prompts of varied length, varied ``max_tokens``, ``ignore_eos`` so lengths are exact), and measures
@@ -27,6 +28,7 @@ is quiet (``wait_for_quiet``: a server may keep a core busy after its last respo
 ``generate`` then runs with static batches (left-padded, each batch decoding until its longest
 request is done) on the same requests (the first round's), in the same thread settings. Prints all with the ratios to
 the first, and the CPU's model and the instruction-set flags that decide the fast paths.
+``--data-parallel-size N`` serves ``-dp N`` replicas, the ``--threads`` shared among all their ranks.
 ``--tensor-parallel-size N`` serves with ``-tp N``, the ``--threads`` shared among the N ranks; when
 SmolLM2's 9 heads do not split N ways (``-tp 2``), it serves a random model of SmolLM2's sizes
 with narrower heads instead (``shaped_model``: same matmuls and KV bytes per token), and says so.
@@ -241,6 +243,8 @@ def main() -> None:
     ap.add_argument("--server-flags", default="", help="extra flags for pagedserve serve")
     ap.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                     help="executor ranks of the pagedserve started here (its -tp); --threads are shared among them")
+    ap.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                    help="replicas of the pagedserve started here (its -dp); --threads are shared among all their ranks")
     ap.add_argument("--url", default=None, help="measure a pagedserve already running there instead of starting one")
     ap.add_argument("--peer-url", default=None,
                     help="also send the same requests to this OpenAI-compatible server (e.g. vLLM-CPU)")
@@ -366,9 +370,10 @@ def pagedserve_server(args):
     proc = None
     try:
         say("starting pagedserve ...")
-        threads_per_rank = max(1, args.threads // args.tensor_parallel_size)
+        threads_per_rank = max(1, args.threads // (args.tensor_parallel_size * args.data_parallel_size))
         flags = ["--max-num-seqs", str(max(64, args.num_requests)), "--num-threads", str(threads_per_rank),
-                 "-tp", str(args.tensor_parallel_size), *_model_flags(args.tensor_parallel_size, model_dir.name),
+                 "-tp", str(args.tensor_parallel_size), "-dp", str(args.data_parallel_size),
+                 *_model_flags(args.tensor_parallel_size, model_dir.name),
                  *args.server_flags.split()]
         proc, url = start_server(flags)
         yield url

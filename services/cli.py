@@ -87,6 +87,11 @@ def _add_group_arguments(p: argparse.ArgumentParser, *, serve: bool) -> None:
                        help="executor ranks, each holding 1/N of every layer's heads (default 1)")
         g.add_argument("--node-rank", type=int, default=0,
                        help="this host's index among --nnodes hosts; node 0 runs the scheduler and frontend")
+        d = p.add_argument_group("data parallelism")
+        d.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                       help="whole engines on this host, each with its own scheduler, executors (-tp ranks) and "
+                            "KV pool (--kv-cache-memory each); the frontend sends each request to the one whose "
+                            "prefix cache likely holds its prompt's beginning, else the least loaded (default 1)")
     else:
         g.add_argument("--rank", type=int, default=0, help="this executor's rank in the group")
         g.add_argument("--world-size", type=int, default=1, help="ranks in the group (-tp of serve)")

@@ -90,15 +90,16 @@ class GroupLayout:
                 "--result-endpoint", f"tcp://{host}:{port + RESULT_PORT_OFFSET}"]
 
 
-def layout_from_args(args, sock_dir: str) -> GroupLayout:
-    """Serve's group flags, validated (``ValueError`` naming the flag) before anything starts."""
+def layout_from_args(args, sock_dir: str, store_name: str = "group-store") -> GroupLayout:
+    """Serve's group flags, validated (``ValueError`` naming the flag) before anything starts;
+    ``store_name``: the handle store's file in ``sock_dir`` (one per data-parallel replica)."""
     world_size, num_nodes = args.tensor_parallel_size, args.num_nodes or 1
     if world_size < 1:
         raise ValueError(f"-tp/--tensor-parallel-size must be at least 1, got {world_size}")
     if not 0 <= args.node_rank < num_nodes:
         raise ValueError(f"--node-rank {args.node_rank} must be in [0, --nnodes {num_nodes})")
     layout = GroupLayout(world_size, num_nodes, args.node_rank, args.all_reduce or "auto", args.dist_init_addr,
-                         secrets.token_hex(6), os.path.join(sock_dir, "group-store"), args.group_timeout_s)
+                         secrets.token_hex(6), os.path.join(sock_dir, store_name), args.group_timeout_s)
     if world_size == 1 and num_nodes == 1:
         return layout
     if layout.all_reduce == "torch" and num_nodes == 1 and not layout.dist_init_addr:

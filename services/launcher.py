@@ -2,7 +2,10 @@
 
 Each service is its own process (``python -m services.cli <service> ...``, a ``children.Child``)
 wired by ``ipc://`` sockets in a private directory. With ``-tp N`` there are N executor ranks
-(``group_layout`` says which run on this host and with which flags).
+(``group_layout`` says which run on this host and with which flags). With ``-dp N`` there are N
+replicas, each a scheduler and its executor ranks on sockets of their own, and one frontend that
+routes requests among them (``data_parallel``); each replica's processes restart on their own
+(its scheduler group "scheduler i", its ranks "executor i"), the others serving meanwhile.
 
 A process that dies is started again, its cause logged (how it ended and its last error line) and
 counted (``shared.restart_counts``). The executor ranks restart together, as a new group:
@@ -26,6 +29,7 @@ socket directory, which goes with it (one host only: across hosts every host nee
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -40,9 +44,12 @@ from services.children import Child, stop_all
 from services.frontend.chat_template import resolve_chat_template
 from services.frontend.generation_defaults import check_setting
 from services.frontend.flags import HTTP_LIMIT_DESTS
+from services.data_parallel import (
+    ReplicaPlan, data_parallel_size, frontend_request_endpoint, group_kind, longest_socket_name, plan_replicas,
+)
 from services.group_layout import GroupLayout, check_model_split, layout_from_args
 from services.restarts import RestartBudget
-from shared.endpoints import Endpoints, make_private_socket_dir
+from shared.endpoints import make_private_socket_dir
 from shared.logging import configure_logging
 from shared.model_source import resolve_tokenizer
 from shared.messages import DecodeError, ProcessLost, decode
@@ -55,9 +62,10 @@ CONFIG_ERROR_EXIT_CODE = 2  # the command line's code for a bad flag or model: r
 
 def serve(args) -> int:
     """Run the services until a signal or a failure that restarts cannot mend; returns the exit code."""
-    sock_dir = make_private_socket_dir()
+    sock_dir = make_private_socket_dir(longest_socket_name(data_parallel_size(args)))
     try:  # bad group flags, or heads that do not split: a one-line error before anything starts
-        layout = layout_from_args(args, sock_dir)
+        plans = plan_replicas(args, sock_dir)
+        layout = plans[0].layout
         if layout.world_size > 1:
             check_model_split(args.model, layout.world_size)
         resolve_chat_template(getattr(args, "chat_template", None))  # the frontend reads it again
@@ -69,11 +77,15 @@ def serve(args) -> int:
         shutil.rmtree(sock_dir, ignore_errors=True)
         raise
     log = configure_logging("launcher")
-    _log_group(layout, log)
+    for plan in plans:
+        _log_group(plan, log)
+    if len(plans) > 1:
+        log.info("data-parallel replicas", num_replicas=len(plans), tensor_parallel_size=layout.world_size,
+                 num_threads_per_rank=plans[0].args.num_threads, seeds=[p.args.seed for p in plans])
     log.info("zmq security", mode="curve" if curve else "plain", key_dir=curve,
              ephemeral_keys=curve is not None and curve.startswith(sock_dir))
     supervisor_endpoint = f"ipc://{os.path.join(sock_dir, 'supervisor.sock')}"
-    env = {**os.environ, **Endpoints.in_directory(sock_dir).to_env(), "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PAGEDSERVE_SUPERVISOR_ENDPOINT": supervisor_endpoint, RESTARTS_ENV_VAR: restarts_path(sock_dir),
            **({CURVE_ENV_VAR: curve} if curve else {})}
     env.setdefault("PAGEDSERVE_LOG_FORMAT", "console" if sys.stderr.isatty() else "json")
@@ -90,7 +102,7 @@ def serve(args) -> int:
     reports = context.socket(zmq.PULL)
     reports.setsockopt(zmq.LINGER, 0)
     reports.bind(supervisor_endpoint)
-    supervisor = _Supervisor(args, layout, sock_dir, env, reports, log)
+    supervisor = _Supervisor(args, plans, sock_dir, env, reports, log)
     code, failure = 0, None
     try:
         supervisor.start_all()
@@ -101,7 +113,8 @@ def serve(args) -> int:
         stop_all(list(supervisor.children()))
         context.destroy(linger=0)
         shutil.rmtree(sock_dir, ignore_errors=True)
-        _remove_group_segments(supervisor.layout, log)
+        for plan in supervisor.plans.values():
+            _remove_group_segments(plan.layout, log)
     if failure is not None:
         log.error("stopped", why=failure)
         print(f"pagedserve: {failure}; stopped the others", file=sys.stderr)
@@ -112,11 +125,14 @@ class _Supervisor:
     """This host's processes by group (``scheduler``, ``executor``: the local ranks, ``frontend``),
     and what to do when one ends."""
 
-    def __init__(self, args, layout: GroupLayout, sock_dir: str, env: dict[str, str], reports: zmq.Socket,
+    def __init__(self, args, plans: list[ReplicaPlan], sock_dir: str, env: dict[str, str], reports: zmq.Socket,
                  log) -> None:
-        self.args, self.layout, self.sock_dir, self.reports, self.log = args, layout, sock_dir, reports, log
+        self.args, self.sock_dir, self.reports, self.log = args, sock_dir, reports, log
+        self.runs_scheduler = plans[0].layout.runs_scheduler
         self.budget = RestartBudget(_given(args, "max_restarts", 5), _given(args, "restart_window_s", 600.0))
-        self.groups = _build_groups(args, layout, env)
+        self.groups = _build_groups(args, plans, env)
+        # the executor group of each replica, by its supervisor group's name
+        self.plans = {plan.group("executor"): plan for plan in plans}
         self._followers_seen: dict[str, float] = {}  # group -> when a follower was first seen ended
 
     def children(self):
@@ -137,13 +153,15 @@ class _Supervisor:
 
     def _write_restart_counts(self) -> None:
         """For /metrics and /health: only the launcher sees a process killed before others heard of it."""
-        counts = {name: self.budget.num_restarts[name] for name in self.groups}
+        counts: dict[str, int] = {}  # by kind of process: the replicas' summed
+        for name in self.groups:
+            counts[group_kind(name)] = counts.get(group_kind(name), 0) + self.budget.num_restarts[name]
         write_restart_counts(restarts_path(self.sock_dir), counts)
 
     def run(self, stop: threading.Event) -> tuple[int, str | None]:
         """Restart what ends until ``stop``; returns (exit code, why it gave up or None)."""
         url = f"http://{self.args.host}:{self.args.port}"
-        announced = not self.layout.runs_scheduler
+        announced = not self.runs_scheduler
         while not stop.is_set():
             self._kill_reported()
             for name, children in self.groups.items():
@@ -162,7 +180,7 @@ class _Supervisor:
         """Restart ``ended``'s group whole; or, when that cannot help, (exit code, why)."""
         why = ended.why()
         code = ended.proc.returncode
-        if code == 0 and not ended.lost_cause and not self.layout.runs_scheduler:
+        if code == 0 and not ended.lost_cause and not self.runs_scheduler:
             self.log.info("the scheduler stopped the group", rank=ended.name)  # its Shutdown reached this host
             return 0, None
         if code == CONFIG_ERROR_EXIT_CODE and not ended.lost_cause:
@@ -174,26 +192,28 @@ class _Supervisor:
                          num_restarts=self.budget.num_restarts[name])
         self._write_restart_counts()
         stop_all([c for c in children if c.running])  # a group restarts whole
-        if name == "executor":
-            self._renew_group(children)
+        if name in self.plans:
+            self._renew_group(name, children)
         for child in children:
             child.start(self.log)
         return None
 
-    def _renew_group(self, ranks: list[Child]) -> None:
+    def _renew_group(self, name: str, ranks: list[Child]) -> None:
         """The stopped ranks' leftovers go (segments of killed ranks, the handle store); the new
         ranks meet as a new group, so nothing of the old one can be mistaken for theirs."""
-        if self.layout.world_size == 1:
+        plan = self.plans[name]
+        if plan.layout.world_size == 1:
             return
-        _remove_group_segments(self.layout, self.log)
+        _remove_group_segments(plan.layout, self.log)
         try:
-            os.unlink(self.layout.store_path)
+            os.unlink(plan.layout.store_path)
         except FileNotFoundError:
             pass
-        self.layout = layout_from_args(self.args, self.sock_dir)
-        _log_group(self.layout, self.log)
+        layout = layout_from_args(plan.args, self.sock_dir, os.path.basename(plan.layout.store_path))
+        plan = self.plans[name] = dataclasses.replace(plan, layout=layout)
+        _log_group(plan, self.log)
         for child in ranks:
-            child.argv = executor_argv(self.args) + self.layout.executor_argv(child.rank, self.args.num_threads)
+            child.argv = executor_argv(plan.args) + layout.executor_argv(child.rank, plan.args.num_threads)
 
     def _kill_reported(self) -> None:
         """Kill the processes the scheduler reported lost (hung), if they still run; ``run`` then
@@ -205,9 +225,10 @@ class _Supervisor:
                 return
             except DecodeError:
                 continue
-            if not isinstance(msg, ProcessLost) or msg.process not in self.groups:
+            if not isinstance(msg, ProcessLost):
                 continue
-            for child in self.groups[msg.process]:
+            for child in (c for name, children in self.groups.items() if group_kind(name) == msg.process
+                          for c in children):  # the pid tells the replicas apart
                 if child.rank == msg.rank and child.running and child.proc.pid == msg.pid:
                     self.log.warning("killing a lost process", service=child.name, rank=msg.rank, child_pid=msg.pid,
                                      cause=msg.cause)
@@ -230,19 +251,27 @@ def zmq_curve_dir(args, layout: GroupLayout, sock_dir: str) -> str | None:
     return directory
 
 
-def _build_groups(args, layout: GroupLayout, env: dict[str, str]) -> dict[str, list[Child]]:
-    """This host's processes, not yet started. Only the frontend sees the API key (in its
-    environment); the engine processes get none of the secrets."""
+def _build_groups(args, plans: list[ReplicaPlan], env: dict[str, str]) -> dict[str, list[Child]]:
+    """This host's processes by supervisor group, not yet started: each replica's scheduler and
+    executor ranks, then the frontend. Only the frontend sees the API key (in its environment);
+    the engine processes get none of the secrets."""
     engine_env = {k: v for k, v in env.items() if k not in _SECRET_ENV}
-    ranks = [Child("executor" if layout.world_size == 1 else f"executor rank {rank}",
-                   executor_argv(args) + layout.executor_argv(rank, args.num_threads), engine_env,
-                   command="executor", rank=rank)
-             for rank in layout.local_ranks]
-    if not layout.runs_scheduler:
-        return {"executor": ranks}
-    return {"scheduler": [Child("scheduler", scheduler_argv(args) + layout.scheduler_argv(), engine_env)],
-            "executor": ranks,
-            "frontend": [Child("frontend", frontend_argv(args), frontend_env(args, env))]}
+    groups: dict[str, list[Child]] = {}
+    for plan in plans:
+        layout, own_env = plan.layout, {**engine_env, **plan.endpoints.to_env()}
+        ranks = [Child(plan.child_name("executor" if layout.world_size == 1 else f"executor rank {rank}"),
+                       executor_argv(plan.args) + layout.executor_argv(rank, plan.args.num_threads), own_env,
+                       command="executor", rank=rank)
+                 for rank in layout.local_ranks]
+        if layout.runs_scheduler:
+            groups[plan.group("scheduler")] = [Child(plan.child_name("scheduler"),
+                                                     scheduler_argv(args) + layout.scheduler_argv(), own_env,
+                                                     command="scheduler")]
+        groups[plan.group("executor")] = ranks
+    if plans[0].layout.runs_scheduler:
+        endpoints = {**plans[0].endpoints.to_env(), "PAGEDSERVE_REQUEST_ENDPOINT": frontend_request_endpoint(plans)}
+        groups["frontend"] = [Child("frontend", frontend_argv(args), frontend_env(args, {**env, **endpoints}))]
+    return groups
 
 
 # seconds a group whose only ended ranks stopped for another's failure waits for that one to be
@@ -264,9 +293,11 @@ def first_ended(children: list[Child], grace_over: bool = True) -> Child | None:
     return ended[0]
 
 
-def _log_group(layout: GroupLayout, log) -> None:
+def _log_group(plan: ReplicaPlan, log) -> None:
+    layout = plan.layout
     if layout.world_size > 1:
-        log.info("executor group", world_size=layout.world_size, all_reduce=layout.all_reduce,
+        replica = {"replica": plan.index} if plan.count > 1 else {}
+        log.info("executor group", **replica, world_size=layout.world_size, all_reduce=layout.all_reduce,
                  num_nodes=layout.num_nodes, node_rank=layout.node_rank, ranks=list(layout.local_ranks),
                  group_id=layout.group_id, dist_init_addr=layout.dist_init_addr)
 

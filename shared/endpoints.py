@@ -21,8 +21,9 @@ class Endpoints:
     result: str  # executors PUSH -> scheduler PULL (StepResult, ExecutorReady, Heartbeat)
 
     @classmethod
-    def in_directory(cls, directory: str) -> "Endpoints":
-        return cls(**{name: f"ipc://{os.path.join(directory, name)}.sock" for name in cls.names()})
+    def in_directory(cls, directory: str, prefix: str = "") -> "Endpoints":
+        """``ipc://`` files in ``directory``, their names after ``prefix`` (a data-parallel replica's)."""
+        return cls(**{name: f"ipc://{os.path.join(directory, prefix + name)}.sock" for name in cls.names()})
 
     @classmethod
     def from_env(cls, fallback: "Endpoints | None" = None) -> "Endpoints | None":
@@ -41,19 +42,21 @@ class Endpoints:
         return ("request", "step", "result")
 
 
-# the longest socket file name the launcher puts in its directory
+# the longest socket file name the launcher puts in its directory (with one replica)
 LONGEST_SOCKET_NAME = "supervisor.sock"
 
 
-def make_private_socket_dir() -> str:
+def make_private_socket_dir(longest_name: str = LONGEST_SOCKET_NAME) -> str:
     """A fresh 0700 directory for ipc:// socket files (mkdtemp creates it with mode 0700): in the
     temporary directory ($TMPDIR), or in /tmp when a deep $TMPDIR would make the socket paths
-    longer than a Unix socket's path may be."""
+    longer than a Unix socket's path may be; ``longest_name``: the longest file name to fit, if
+    longer than ``LONGEST_SOCKET_NAME`` (data-parallel replicas' sockets)."""
     import zmq  # here: `pagedserve health` imports this module and must stay light
 
     ipc_path_max = getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 107  # sockaddr_un.sun_path less its NUL
     path = tempfile.mkdtemp(prefix="pagedserve-")
-    if len(os.path.join(path, LONGEST_SOCKET_NAME)) <= ipc_path_max:
+    longest = max(LONGEST_SOCKET_NAME, longest_name, key=len)
+    if len(os.path.join(path, longest)) <= ipc_path_max:
         return path
     os.rmdir(path)
     return tempfile.mkdtemp(prefix="pagedserve-", dir="/tmp")

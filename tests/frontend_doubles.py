@@ -108,6 +108,7 @@ class FakeScheduler:
     tokenizer: Any
     tokens_per_output: int = 3
     ready: bool = True
+    epoch: int = 0  # a fake started where another stood gives a new one: the frontend sees a restart
     added: list[AddRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     kv_watches: list[bool] = field(default_factory=list)
@@ -176,7 +177,7 @@ class FakeScheduler:
                 if now >= active.next_time:
                     self._emit(rid, active, now)
             if now >= next_stats:
-                self._send(encode(EngineStats(len(self._active), 0, 100, 0, 0, 0, self.ready)))
+                self._send(encode(EngineStats(len(self._active), 0, 100, 0, 0, 0, self.ready, epoch=self.epoch)))
                 next_stats = now + 0.05
 
     def _receive(self, identity: bytes, frame: bytes) -> None:

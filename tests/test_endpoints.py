@@ -44,3 +44,27 @@ def test_a_short_tmpdir_is_used(tmp_path, monkeypatch):
     directory = make_private_socket_dir()
     assert os.path.dirname(directory) == str(short)
     _bind_all(directory)
+
+
+def test_replica_sockets_fit_too(monkeypatch):
+    """A TMPDIR where one engine's sockets fit and the twelfth replica's would not: -dp 12's
+    directory goes to /tmp, -dp 1's stays."""
+    from services.data_parallel import longest_socket_name, replica_prefix
+
+    longest = longest_socket_name(12)
+    assert longest == "r11-request.sock" and len(longest) == len(LONGEST_SOCKET_NAME) + 1
+    assert longest_socket_name(1) == "" and replica_prefix(3) == "r3-"
+    limit = getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 107
+    base = f"/tmp/{'b' * (limit - len(LONGEST_SOCKET_NAME) - len('/tmp/') - len('/pagedserve-12345678/'))}"
+    os.makedirs(base, exist_ok=True)
+    monkeypatch.setenv("TMPDIR", base)
+    monkeypatch.setattr("tempfile.tempdir", None)
+    try:
+        one = make_private_socket_dir()
+        many = make_private_socket_dir(longest)
+        assert len(os.path.join(one, LONGEST_SOCKET_NAME)) == limit and os.path.dirname(one) == base
+        assert os.path.dirname(many) == "/tmp" and len(os.path.join(many, longest)) <= limit
+        for directory in (one, many):
+            shutil.rmtree(directory)
+    finally:
+        shutil.rmtree(base)

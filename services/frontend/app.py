@@ -18,6 +18,7 @@ from aiohttp import web
 
 from services.frontend import routes_info, serving
 from services.frontend.engine_client import EngineClient
+from services.frontend.replicas import Replicas
 from services.frontend.errors import APIError
 from services.frontend.flags import HttpLimits
 from services.frontend.http_limits import HTTP_LIMITS, connection_middleware
@@ -36,7 +37,7 @@ OPEN_PATHS = frozenset({"/health"})  # answered without an API key (load balance
 
 def create_app(
     model: ServedModel,
-    client: EngineClient,
+    client: EngineClient | Replicas,
     *,
     max_body_bytes: int | None = None,
     shutdown_grace_s: float = 5.0,
@@ -67,6 +68,8 @@ def create_app(
         return supervised_or_observed(client.process_restarts(), restarts_file)
 
     metrics = FrontendMetrics(lambda: client.latest_stats, process_restarts)
+    if isinstance(client, Replicas):
+        client.register_metrics(metrics.registry)
     app[STATE] = FrontendState(
         model, client, TokenizerPools(), metrics, TokenFormatter(model.tokenizer), process_restarts,
         max_queue_len=max_queue_len, api_key=api_key or None, shutdown_grace_s=shutdown_grace_s,

@@ -18,7 +18,8 @@ class FrontendConfig:
     ``model`` is a ``--model`` value for ``shared.model_source.resolve_model`` (``None``: the
     embedded SmolLM2). ``served_model_name`` is what clients must put in ``"model"`` (default: the
     model's own name). ``max_model_len`` caps prompt + completion tokens (default: the model's
-    ``max_position_embeddings``). Only ``endpoints.request`` is used.
+    ``max_position_embeddings``). Only ``endpoints.request`` is used: one scheduler's endpoint, or
+    several separated by commas (data-parallel replicas; ``request_endpoints``).
     ``max_body_bytes`` caps a request body (a larger one gets a 413; ``None``: sized from
     ``max_model_len``, see ``input_limits.body_limit_bytes``). ``http_limits``: the HTTP server's
     timeouts and connection cap. ``max_queue_len`` caps the
@@ -73,12 +74,20 @@ class FrontendConfig:
             raise ValueError(f"--heartbeat-timeout must be a positive number of seconds, "
                              f"got {self.heartbeat_timeout!r}")
         check_setting(self.generation_config)
-        value = self.endpoints.request
-        if not value:
+        if not self.endpoints.request:
             raise ValueError("--request-endpoint is required (or set PAGEDSERVE_REQUEST_ENDPOINT)")
-        if not value.startswith(_ENDPOINT_SCHEMES):
-            raise ValueError(f"--request-endpoint must start with one of {', '.join(_ENDPOINT_SCHEMES)}, "
-                             f"got {value!r}")
+        for value in self.request_endpoints:
+            if not value.startswith(_ENDPOINT_SCHEMES):
+                raise ValueError(f"--request-endpoint must start with one of {', '.join(_ENDPOINT_SCHEMES)}, "
+                                 f"got {value!r}")
+        if len(set(self.request_endpoints)) != len(self.request_endpoints):
+            raise ValueError(f"--request-endpoint names a scheduler twice: {self.endpoints.request!r}")
+
+    @property
+    def request_endpoints(self) -> list[str]:
+        """One scheduler's endpoint, or several separated by commas: data-parallel replicas, each
+        request going to one of them (``replicas``)."""
+        return [part.strip() for part in self.endpoints.request.split(",")]
 
 
 def _is_int(value: object) -> bool:

@@ -137,5 +137,6 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: b
     if endpoint_flags:
         group.add_argument("--request-endpoint", default=os.environ.get("PAGEDSERVE_REQUEST_ENDPOINT"),
                            help="the scheduler's ZMQ endpoint for frontends: requests go there, their outputs "
-                                "come back from it (env PAGEDSERVE_REQUEST_ENDPOINT)")
+                                "come back from it; several separated by commas: data-parallel replicas, each "
+                                "request routed to one (env PAGEDSERVE_REQUEST_ENDPOINT)")
         add_curve_argument(group)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import signal
 import sys
@@ -17,6 +18,7 @@ from services.frontend.chat_template import resolve_chat_template
 from services.frontend.config import FrontendConfig
 from services.frontend.connection_guard import ConnectionGuard, GuardedSite
 from services.frontend.engine_client import EngineClient
+from services.frontend.replicas import Replicas
 from services.frontend.flags import add_frontend_arguments, http_limits_from_args
 from services.frontend.served_model import ServedModel, load_served_model
 from shared.endpoints import Endpoints
@@ -39,7 +41,7 @@ class FrontendServer:
                  curve: CurveKeys | None = None) -> None:
         self.config = config
         self.model = model
-        self.client = EngineClient(config.endpoints, heartbeat_timeout_s=config.heartbeat_timeout, curve=curve)
+        self.client = engine_link(config, curve)
         self.app = create_app(
             model, self.client, max_body_bytes=config.max_body_bytes, shutdown_grace_s=shutdown_grace_s,
             max_queue_len=config.max_queue_len, api_key=config.api_key, http_limits=config.http_limits,
@@ -70,6 +72,15 @@ class FrontendServer:
         finally:
             if self._watchdog is not None:
                 self._watchdog.cancel()
+
+
+def engine_link(config: FrontendConfig, curve: CurveKeys | None = None) -> EngineClient | Replicas:
+    """The client of the scheduler, or with several request endpoints (data-parallel replicas)
+    one client per scheduler behind a router."""
+    clients = [EngineClient(dataclasses.replace(config.endpoints, request=endpoint),
+                            heartbeat_timeout_s=config.heartbeat_timeout, curve=curve)
+               for endpoint in config.request_endpoints]
+    return clients[0] if len(clients) == 1 else Replicas(clients)
 
 
 async def serve_until_signal(config: FrontendConfig, model: ServedModel, curve: CurveKeys | None = None) -> None:

@@ -1,0 +1,82 @@
+"""How serve lays out ``-dp N`` replicas (no processes): sockets, executor groups, threads, seeds,
+supervisor groups and what the frontend is given; and the flag errors before anything starts."""
+
+import pytest
+
+from services.cli import build_parser, main
+from services.data_parallel import frontend_request_endpoint, group_kind, plan_replicas
+from services.launcher import _build_groups
+from shared.threads import ThreadChoice
+
+
+def _plans(*flags: str):
+    return plan_replicas(build_parser().parse_args(["serve", *flags]), "/run/psv")
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_one_replica_is_serve_as_always():
+    (plan,) = _plans()
+    assert plan.endpoints.request == "ipc:///run/psv/request.sock" and plan.group("executor") == "executor"
+    assert plan.child_name("scheduler") == "scheduler" and plan.layout.store_path == "/run/psv/group-store"
+    groups = _build_groups(plan.args, [plan], {})
+    assert list(groups) == ["scheduler", "executor", "frontend"]
+    assert groups["frontend"][0].env["PAGEDSERVE_REQUEST_ENDPOINT"] == "ipc:///run/psv/request.sock"
+    assert "--num-threads" not in groups["executor"][0].argv  # the executor chooses
+
+
+def test_replicas_get_their_own_sockets_groups_threads_and_seeds(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_NUM_THREADS", raising=False)
+    monkeypatch.setattr("shared.threads.choose_threads", lambda n: ThreadChoice(6, "test"))
+    plans = _plans("-dp", "3", "--seed", "10")
+    assert [p.endpoints.step for p in plans] == [f"ipc:///run/psv/r{i}-step.sock" for i in range(3)]
+    assert frontend_request_endpoint(plans) == ",".join(f"ipc:///run/psv/r{i}-request.sock" for i in range(3))
+    assert [p.args.seed for p in plans] == [10, 11, 12] and [p.args.num_threads for p in plans] == [2, 2, 2]
+    assert len({p.layout.store_path for p in plans}) == 3
+    groups = _build_groups(plans[0].args, plans, {"X": "1"})
+    assert list(groups) == ["scheduler 0", "executor 0", "scheduler 1", "executor 1", "scheduler 2", "executor 2",
+                            "frontend"]
+    assert {group_kind(name) for name in groups} == {"scheduler", "executor", "frontend"}
+    for i in range(3):
+        (executor,), (scheduler,) = groups[f"executor {i}"], groups[f"scheduler {i}"]
+        assert executor.name == f"replica {i} executor" and scheduler.name == f"replica {i} scheduler"
+        assert executor.command == "executor" and scheduler.command == "scheduler"
+        assert _flag(executor.argv, "--seed") == str(10 + i) and _flag(executor.argv, "--num-threads") == "2"
+        for child in (executor, scheduler):
+            assert child.env["PAGEDSERVE_RESULT_ENDPOINT"] == f"ipc:///run/psv/r{i}-result.sock"
+            assert child.env["X"] == "1"
+    frontend = groups["frontend"][0]
+    assert frontend.env["PAGEDSERVE_REQUEST_ENDPOINT"] == frontend_request_endpoint(plans)
+
+
+def test_replicas_of_ranks_share_the_cores_and_meet_apart(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_NUM_THREADS", raising=False)
+    monkeypatch.setattr("shared.threads.choose_threads", lambda n: ThreadChoice(7, "test"))
+    plans = _plans("-dp", "2", "-tp", "2")
+    groups = _build_groups(plans[0].args, plans, {})
+    for i, plan in enumerate(plans):
+        ranks = groups[f"executor {i}"]
+        assert [r.name for r in ranks] == [f"replica {i} executor rank 0", f"replica {i} executor rank 1"]
+        assert {_flag(r.argv, "--group-id") for r in ranks} == {plan.layout.group_id}
+        assert all(_flag(r.argv, "--num-threads") == "1" for r in ranks)  # 7 // (2 replicas x 2 ranks)
+    assert plans[0].layout.group_id != plans[1].layout.group_id
+
+
+def test_threads_given_are_each_rank_s(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_NUM_THREADS", raising=False)
+    assert [p.args.num_threads for p in _plans("-dp", "2", "--num-threads", "3")] == [3, 3]
+    monkeypatch.setenv("PAGEDSERVE_NUM_THREADS", "5")
+    assert [p.args.num_threads for p in _plans("-dp", "2")] == [None, None]  # the executors read it
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["-dp", "0"], "-dp/--data-parallel-size must be at least 1"),
+    (["-dp", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:29500"], "does not combine with --nnodes"),
+    (["-dp", "2", "-tp", "2", "--all-reduce", "torch", "--dist-init-addr", "127.0.0.1:29500"],
+     "leave it out"),
+])
+def test_bad_data_parallel_flags_exit_2_before_starting(flags, message, capsys):
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err
