@@ -340,9 +340,10 @@ def measure_rounds(servers: list[Server], workloads: list[list[Request]], warmup
 def _health_of(url: str) -> float:
     """pagedserve's KV slot utilization (its /health), and its group, said once per run."""
     health = _get_json(f"{url}/health")
-    group = health.get("group", {})
-    say(f"pagedserve group: {group.get('world_size', 1)} rank(s), all-reduce {group.get('all_reduce', 'single')}, "
-        f"KV blocks per rank {group.get('num_kv_blocks_per_rank')}")
+    replicas = health.get("replicas") or [health]  # -dp: each replica's own report
+    group = replicas[0].get("group", {})
+    say(f"pagedserve: {len(replicas)} replica(s) of {group.get('world_size', 1)} rank(s), all-reduce "
+        f"{group.get('all_reduce', 'single')}, KV blocks per rank {group.get('num_kv_blocks_per_rank')}")
     util = health.get("kv_slot_utilization")
     return float("nan") if util is None else util
 
