@@ -8,9 +8,9 @@ launcher's private directory). The one frontend is given every replica's request
 each request to one of them (``services.frontend.replicas``). With one replica the names are the
 ones serve always used (``scheduler``, ``executor``, the directory's ``request.sock``...).
 
-Threads: without ``--num-threads`` (or ``PAGEDSERVE_NUM_THREADS``) the executor threads serve
-would give one group are shared among the replicas (``shared.threads.choose_threads``, then split
-over replicas and ranks), at least one each. Seeds: replica ``i`` draws the random numbers of
+Threads: without ``--num-threads`` (or ``PAGEDSERVE_NUM_THREADS``, each rank's) the executor
+threads serve would give one group are shared among the replicas (``shared.threads.choose_threads``,
+then split over replicas and ranks, rounded down), at least one each. Seeds: replica ``i`` draws the random numbers of
 requests that give no seed from ``--seed + i`` (two replicas must not sample alike).
 """
 
@@ -41,6 +41,14 @@ class ReplicaPlan:
     def child_name(self, what: str) -> str:
         """A process's name in logs and errors."""
         return what if self.count == 1 else f"replica {self.index} {what}"
+
+    def health_env(self, env: dict[str, str]) -> dict[str, str]:
+        """Heartbeat files (``$PAGEDSERVE_HEALTH_DIR``, set in the image): each replica's in a
+        directory of its own, ``replica-<i>`` (every replica has a scheduler and a rank 0)."""
+        directory = env.get("PAGEDSERVE_HEALTH_DIR")
+        if self.count == 1 or not directory:
+            return {}
+        return {"PAGEDSERVE_HEALTH_DIR": os.path.join(directory, f"replica-{self.index}")}
 
 
 def group_kind(group: str) -> str:
@@ -96,9 +104,14 @@ def frontend_request_endpoint(plans: list[ReplicaPlan]) -> str:
 
 
 def _threads_per_rank(args, count: int) -> int | None:
-    """Each rank's threads when serve chooses them (None: the operator did)."""
-    if args.num_threads or os.environ.get("PAGEDSERVE_NUM_THREADS"):
+    """Each rank's threads: ``PAGEDSERVE_NUM_THREADS`` when set (passed on as the flag, which
+    ``group_layout`` would otherwise set from the cores), else serve's choice shared among every
+    rank of every replica, rounded down (the ranks of a group must have equal shares); None when
+    ``--num-threads`` was given."""
+    if args.num_threads:
         return None
+    if os.environ.get("PAGEDSERVE_NUM_THREADS"):
+        return int(os.environ["PAGEDSERVE_NUM_THREADS"])
     from shared.threads import choose_threads
 
     return max(1, choose_threads(None).num_threads // (count * args.tensor_parallel_size))

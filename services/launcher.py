@@ -258,7 +258,7 @@ def _build_groups(args, plans: list[ReplicaPlan], env: dict[str, str]) -> dict[s
     engine_env = {k: v for k, v in env.items() if k not in _SECRET_ENV}
     groups: dict[str, list[Child]] = {}
     for plan in plans:
-        layout, own_env = plan.layout, {**engine_env, **plan.endpoints.to_env()}
+        layout, own_env = plan.layout, {**engine_env, **plan.endpoints.to_env(), **plan.health_env(engine_env)}
         ranks = [Child(plan.child_name("executor" if layout.world_size == 1 else f"executor rank {rank}"),
                        executor_argv(plan.args) + layout.executor_argv(rank, plan.args.num_threads), own_env,
                        command="executor", rank=rank)

@@ -25,6 +25,7 @@ def test_one_replica_is_serve_as_always():
     assert list(groups) == ["scheduler", "executor", "frontend"]
     assert groups["frontend"][0].env["PAGEDSERVE_REQUEST_ENDPOINT"] == "ipc:///run/psv/request.sock"
     assert "--num-threads" not in groups["executor"][0].argv  # the executor chooses
+    assert plan.health_env({"PAGEDSERVE_HEALTH_DIR": "/tmp/h"}) == {}
 
 
 def test_replicas_get_their_own_sockets_groups_threads_and_seeds(monkeypatch):
@@ -35,7 +36,7 @@ def test_replicas_get_their_own_sockets_groups_threads_and_seeds(monkeypatch):
     assert frontend_request_endpoint(plans) == ",".join(f"ipc:///run/psv/r{i}-request.sock" for i in range(3))
     assert [p.args.seed for p in plans] == [10, 11, 12] and [p.args.num_threads for p in plans] == [2, 2, 2]
     assert len({p.layout.store_path for p in plans}) == 3
-    groups = _build_groups(plans[0].args, plans, {"X": "1"})
+    groups = _build_groups(plans[0].args, plans, {"X": "1", "PAGEDSERVE_HEALTH_DIR": "/tmp/h"})
     assert list(groups) == ["scheduler 0", "executor 0", "scheduler 1", "executor 1", "scheduler 2", "executor 2",
                             "frontend"]
     assert {group_kind(name) for name in groups} == {"scheduler", "executor", "frontend"}
@@ -46,7 +47,7 @@ def test_replicas_get_their_own_sockets_groups_threads_and_seeds(monkeypatch):
         assert _flag(executor.argv, "--seed") == str(10 + i) and _flag(executor.argv, "--num-threads") == "2"
         for child in (executor, scheduler):
             assert child.env["PAGEDSERVE_RESULT_ENDPOINT"] == f"ipc:///run/psv/r{i}-result.sock"
-            assert child.env["X"] == "1"
+            assert child.env["X"] == "1" and child.env["PAGEDSERVE_HEALTH_DIR"] == f"/tmp/h/replica-{i}"
     frontend = groups["frontend"][0]
     assert frontend.env["PAGEDSERVE_REQUEST_ENDPOINT"] == frontend_request_endpoint(plans)
 
@@ -68,7 +69,9 @@ def test_threads_given_are_each_rank_s(monkeypatch):
     monkeypatch.delenv("PAGEDSERVE_NUM_THREADS", raising=False)
     assert [p.args.num_threads for p in _plans("-dp", "2", "--num-threads", "3")] == [3, 3]
     monkeypatch.setenv("PAGEDSERVE_NUM_THREADS", "5")
-    assert [p.args.num_threads for p in _plans("-dp", "2")] == [None, None]  # the executors read it
+    plans = _plans("-dp", "2", "-tp", "2")
+    groups = _build_groups(plans[0].args, plans, {})
+    assert all(_flag(rank.argv, "--num-threads") == "5" for i in range(2) for rank in groups[f"executor {i}"])
 
 
 @pytest.mark.parametrize("flags, message", [

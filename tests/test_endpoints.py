@@ -3,6 +3,7 @@
 import os
 import shutil
 import stat
+import tempfile
 
 import zmq
 
@@ -55,8 +56,9 @@ def test_replica_sockets_fit_too(monkeypatch):
     assert longest == "r11-request.sock" and len(longest) == len(LONGEST_SOCKET_NAME) + 1
     assert longest_socket_name(1) == "" and replica_prefix(3) == "r3-"
     limit = getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 107
-    base = f"/tmp/{'b' * (limit - len(LONGEST_SOCKET_NAME) - len('/tmp/') - len('/pagedserve-12345678/'))}"
-    os.makedirs(base, exist_ok=True)
+    parent = tempfile.mkdtemp(dir="/tmp")
+    base = os.path.join(parent, "b" * (limit - len(LONGEST_SOCKET_NAME) - len(parent) - len("//pagedserve-12345678/")))
+    os.makedirs(base)
     monkeypatch.setenv("TMPDIR", base)
     monkeypatch.setattr("tempfile.tempdir", None)
     try:
@@ -67,4 +69,4 @@ def test_replica_sockets_fit_too(monkeypatch):
         for directory in (one, many):
             shutil.rmtree(directory)
     finally:
-        shutil.rmtree(base)
+        shutil.rmtree(parent)

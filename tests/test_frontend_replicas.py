@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from services.frontend.config import FrontendConfig
+from services.frontend.engine_client import COUNTERS
 from services.frontend.replicas import sum_stats
 from shared.endpoints import Endpoints
 from shared.messages import EngineStats
@@ -44,22 +45,29 @@ def _until(predicate, what: str, timeout: float = HANG_GUARD_S) -> None:
         time.sleep(0.02)
 
 
-@pytest.fixture
-def replicas(tmp_path):
-    """Two fake schedulers and a frontend given both request endpoints (heartbeat timeout 1 s)."""
+def _start_replicas(tmp_path, **config):
+    """Two fake schedulers and a frontend given both request endpoints, once /health says 200."""
     tokenizer = cached_tokenizer()
     eps = [Endpoints.in_directory(str(tmp_path), prefix=f"r{i}-") for i in range(2)]
     fakes = [FakeScheduler(e, tokenizer).start() for e in eps]
     endpoints = dataclasses.replace(eps[0], request=f"{eps[0].request},{eps[1].request}")
-    front = FrontendThread(default_served_model(), endpoints, heartbeat_timeout=1.0).start()
+    front = FrontendThread(default_served_model(), endpoints, **config).start()
     _until(lambda: _get(front.base_url + "/health")[0] == 200, "both replicas healthy")
-    yield front, fakes, eps
+    return front, fakes, eps
+
+
+def _stop(front, fakes) -> None:
     front.stop()
     for fake in fakes:
-        try:
+        if not fake._stop.is_set():
             fake.stop()
-        except Exception:  # noqa: BLE001 - stopped by the test already
-            pass
+
+
+@pytest.fixture
+def replicas(tmp_path):
+    front, fakes, eps = _start_replicas(tmp_path)  # the default heartbeat timeout (10 s)
+    yield front, fakes, eps
+    _stop(front, fakes)
 
 
 def _chat(url: str, user: str) -> str:
@@ -116,8 +124,27 @@ def test_an_abort_goes_to_the_replica_holding_the_request(replicas):
         assert [r.request_id for r in fake.added] == fake.aborted
 
 
-def test_a_lost_replica_leaves_the_other_serving_then_none(replicas):
+def test_a_silent_replica_takes_no_requests_before_it_counts_as_lost(replicas):
     front, fakes, _ = replicas
+    fakes[1].stop()
+    time.sleep(2.5)  # silent 2 s longer than the other: no more requests (lost only after 10 s)
+    status, health = _get(front.base_url + "/health")
+    assert status == 200 and "degraded" not in health
+    before = len(fakes[0].added)
+    for i in range(4):
+        assert _chat(front.base_url, f"while one is silent {i}") == REPLY_TEXT
+    assert len(fakes[0].added) == before + 4
+
+
+def test_a_lost_replica_leaves_the_other_serving_then_none(tmp_path):
+    front, fakes, _ = _start_replicas(tmp_path, heartbeat_timeout=1.0)
+    try:
+        _lose_one_then_both(front, fakes)
+    finally:
+        _stop(front, fakes)
+
+
+def _lose_one_then_both(front, fakes) -> None:
     fakes[1].stop()
     _until(lambda: "degraded" in _get(front.base_url + "/health")[1], "/health to say degraded")
     status, health = _get(front.base_url + "/health")
@@ -133,6 +160,22 @@ def test_a_lost_replica_leaves_the_other_serving_then_none(replicas):
     assert "replica 0" in health["reason"] and "replica 1" in health["reason"]
     with pytest.raises(openai.InternalServerError, match="engine_unavailable|unavailable"):
         _chat(front.base_url, "nobody home")
+
+
+def test_an_engine_client_s_counters_and_readiness_outlive_its_schedulers():
+    from services.frontend.engine_client import EngineClient
+
+    client = EngineClient(Endpoints("ipc:///nowhere.sock", "", ""))
+    try:
+        client._on_stats(EngineStats(0, 0, 10, 0, 0, 0, False, num_prefix_cache_hits=4, epoch=1))
+        assert not client.ever_ready and client.counters()["num_prefix_cache_hits"] == 4
+        client._on_stats(EngineStats(0, 0, 10, 0, 0, 0, True, num_prefix_cache_hits=9, num_steps=3, epoch=1))
+        client._on_stats(EngineStats(0, 0, 10, 0, 0, 0, False, num_prefix_cache_hits=2, num_steps=1, epoch=2))
+        counters = client.counters()
+        assert client.ever_ready and client.num_scheduler_restarts == 1
+        assert counters["num_prefix_cache_hits"] == 11 and counters["num_steps"] == 4
+    finally:
+        asyncio.run(client.close())
 
 
 def test_a_restarted_replica_is_counted_and_gets_its_requests_back(replicas):
@@ -186,6 +229,12 @@ def test_summed_stats_and_the_endpoint_list():
     assert (total.num_running, total.num_waiting, total.num_blocks_total, total.num_blocks_used) == (5, 1, 200, 30)
     assert total.num_prefix_cache_hits == 48 and total.ready and total.world_size == 2 and total.pid == 11
     assert sum_stats([]) is None
+    # the group's shape from a ready replica (a restarting scheduler's stats have none yet)
+    bare = EngineStats(0, 0, 0, 0, 0, 0, False, epoch=3, pid=13)
+    assert sum_stats([bare, a]).pid == 11 and sum_stats([bare, a]).world_size == 2
+    # counters over each replica's every scheduler, when given
+    counters = [dict.fromkeys(COUNTERS, 1), dict.fromkeys(COUNTERS, 100)]
+    assert sum_stats([a, b], counters).num_prefix_cache_hits == 101
     config = FrontendConfig(endpoints=Endpoints("ipc:///a.sock, tcp://h:5", "", ""))
     assert config.request_endpoints == ["ipc:///a.sock", "tcp://h:5"]
     with pytest.raises(ValueError, match="must start with"):

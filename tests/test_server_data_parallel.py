@@ -4,7 +4,8 @@
   sharing a 32-token beginning meet at the replica that has it cached (the second of each pair
   reports those tokens cached; sent at random, half of the pairs would miss); unrelated prompts
   spread over both; ``/health`` and ``/metrics`` show the two replicas.
-- One replica's scheduler killed while streams run on both: serve restarts it, every stream ends
+- One replica's scheduler killed while streams run on both (checked: requests in flight there at
+  the kill): serve restarts it, every stream ends
   exactly as transformers' greedy text (those on the lost replica handed to its new scheduler),
   a request sent meanwhile is answered, and the restart is counted for that replica.
 """
@@ -113,13 +114,15 @@ def test_a_replica_s_scheduler_killed_mid_stream_loses_nothing(dp_server, tiny_d
     client, model = _openai(url), tiny_dir.name
     tokenizer = cached_tokenizer()
     prompts = [_prompt(500 + i, 12 + i) for i in range(4)]
-    streams = [_Stream(client, model, p, 150) for p in prompts]
+    streams = [_Stream(client, model, p, 230) for p in prompts]
     for stream in streams:
         stream.start()
     for stream in streams:
         assert stream.first.wait(120) and stream.error is None, stream.error
     victim = _get(url + "/health")["replicas"][1]["processes"]["scheduler"]["pid"]
+    in_flight = _in_flight(url)  # read right before the kill: streams of 230 tokens are still running
     os.kill(victim, signal.SIGKILL)
+    assert in_flight[1] >= 1, f"no stream was running on replica 1: {in_flight}"
     meanwhile = _prompt(900, 20)
     reply = client.completions.create(model=model, prompt=meanwhile, max_tokens=8, temperature=0,
                                       extra_body={"ignore_eos": True})
@@ -127,7 +130,7 @@ def test_a_replica_s_scheduler_killed_mid_stream_loses_nothing(dp_server, tiny_d
     for stream, prompt in zip(streams, prompts):
         stream.join(300)
         assert not stream.is_alive() and stream.error is None, stream.error
-        assert stream.text == tokenizer.decode(hf_greedy(hf_model, prompt, 150), skip_special_tokens=True)
+        assert stream.text == tokenizer.decode(hf_greedy(hf_model, prompt, 230), skip_special_tokens=True)
     deadline = time.monotonic() + 120
     while True:
         health = _get(url + "/health")
@@ -141,4 +144,11 @@ def test_a_replica_s_scheduler_killed_mid_stream_loses_nothing(dp_server, tiny_d
     assert 'pagedserve:process_restarts_total{process="scheduler"} 1.0' in _get(url + "/metrics").splitlines()
     handed = [json.loads(line) for line in (tmp / "serve.log").read_text().splitlines()
               if '"requests handed to the new scheduler"' in line]
-    assert handed and handed[0]["num_requests"] >= 1, "no stream was running on the killed replica"
+    assert handed and handed[0]["num_requests"] >= in_flight[1], "the killed replica's streams were not handed on"
+
+
+def _in_flight(url: str) -> list[float]:
+    """Requests the frontend has in flight at each replica (its /metrics)."""
+    lines = [line for line in _get(url + "/metrics").splitlines()
+             if line.startswith("pagedserve:replica_requests_in_flight{")]
+    return [float(line.rsplit(" ", 1)[1]) for line in sorted(lines)]

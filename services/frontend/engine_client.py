@@ -44,6 +44,10 @@ from shared.messages import (
 
 log = structlog.get_logger()
 
+# EngineStats fields that only grow while one scheduler lives (it starts them at 0)
+COUNTERS = ("num_steps", "sum_slots_used", "sum_slots_allocated", "num_preemptions", "num_prefix_cache_queries",
+            "num_prefix_cache_hits", "num_swap_outs", "num_recomputes", "num_kv_snapshots")
+
 HELLO_INTERVAL_S = 1.0  # the scheduler sends stats every 0.5 s to the frontends it knows, even mid-step
 HEARTBEAT_TIMEOUT_S = 10.0  # silent this long, the scheduler is lost (restarting, we hope)
 SILENCE_TIMEOUT_S = 60.0  # silent this long, the requests waiting for it fail
@@ -82,6 +86,9 @@ class EngineClient:
         self._resubmit: set[str] | None = None  # a new scheduler: the requests to hand it once it is ready
         self.num_scheduler_restarts = 0
         self._executor_restarts_before = 0  # reported by the schedulers before this one
+        self.ever_ready = False  # a scheduler of this link has said ready (one not ready since is being mended)
+        # the monotonic counters of the schedulers before this one, summed (``counters``)
+        self.counters_before: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.on_kv_snapshot: Callable[[KvSnapshot], None] | None = None
 
     @property
@@ -98,6 +105,11 @@ class EngineClient:
         lost_frontends = self.latest_stats.num_frontends_lost if self.latest_stats else 0
         return {"executor": self.num_executor_restarts, "scheduler": self.num_scheduler_restarts,
                 "frontend": lost_frontends}
+
+    def counters(self) -> dict[str, int]:
+        """``COUNTERS`` over every scheduler this link has known: they keep growing across restarts."""
+        latest = self.latest_stats
+        return {name: self.counters_before[name] + (getattr(latest, name) if latest else 0) for name in COUNTERS}
 
     def scheduler_silence_s(self) -> float | None:
         """Seconds since the scheduler was last heard from (None: never)."""
@@ -248,6 +260,8 @@ class EngineClient:
         if self.scheduler_epoch is not None and stats.epoch != self.scheduler_epoch:
             self.num_scheduler_restarts += 1
             self._executor_restarts_before = self.num_executor_restarts
+            for name in COUNTERS:
+                self.counters_before[name] += getattr(self.latest_stats, name)
             # Requests sent from now on reach the new scheduler; those before may have been lost.
             self._resubmit = (self._resubmit or set()) | self.routes.request_ids()
             log.warning("the scheduler restarted", epoch=stats.epoch, scheduler_pid=stats.pid,
@@ -255,6 +269,7 @@ class EngineClient:
                         num_restarts=self.num_scheduler_restarts)
         self.scheduler_epoch = stats.epoch
         self.latest_stats = stats
+        self.ever_ready = self.ever_ready or stats.ready
         self.latest_stats_time = time.monotonic()
         if self._resubmit is not None and stats.ready:
             messages = self.routes.resubmissions(self._resubmit)

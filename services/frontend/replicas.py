@@ -8,10 +8,12 @@ within their heartbeat timeout and ready; while none is, those not lost, else an
 sent during start-up or a restart wait at a scheduler as they do with one replica); it stays there: its outputs,
 its abort, and its resubmission when that replica's scheduler restarts (``EngineClient``). A
 replica whose scheduler restarted starts with an empty cache, so the router forgets what it sent
-there. Its load is the number of requests this frontend has in flight there.
+there (or its executors did: their KV pool is gone). Its load is the number of requests this
+frontend has in flight there.
 
-The stats are summed over the replicas heard from (``sum_stats``); the executor group's shape
-(tensor-parallel size, KV blocks per rank) is the first replica's, every replica having the same.
+The stats are summed over the replicas heard from (``sum_stats``), the counters over every
+scheduler each replica has had; the executor group's shape (tensor-parallel size, KV blocks per
+rank) is the first ready replica's, every replica having the same.
 The playground's block pool is replica 0's.
 """
 
@@ -26,25 +28,31 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.frontend.engine_client import EngineClient
+from services.frontend.engine_client import COUNTERS, EngineClient
 from services.frontend.replica_router import ReplicaRouter
 from shared.messages import AddRequest, EngineStats, KvSnapshot, RequestOutput
 
 log = structlog.get_logger()
 
+ROUTE_SILENCE_S = 2.0
+
 _SUMMED = ("num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_slots_used",
-           "num_slots_allocated", "num_steps", "sum_slots_used", "sum_slots_allocated", "num_preemptions",
-           "num_swapped", "max_num_running", "num_prefix_cache_queries", "num_prefix_cache_hits",
-           "num_cached_blocks", "num_swap_outs", "num_recomputes", "num_frontends_lost", "num_kv_snapshots")
+           "num_slots_allocated", "num_swapped", "max_num_running", "num_cached_blocks", "num_frontends_lost",
+           *COUNTERS)
 
 
-def sum_stats(stats: list[EngineStats]) -> EngineStats | None:
+def sum_stats(stats: list[EngineStats], counters: list[dict[str, int]] | None = None) -> EngineStats | None:
     """One ``EngineStats`` for several replicas: counts summed, ready if any is, the group's shape
-    and the liveness fields (epoch, pid, executors) of the first."""
+    and the liveness fields (epoch, pid, executors) of the first ready one (else the first: a
+    restarting scheduler's stats have no group yet). ``counters``: each replica's ``COUNTERS`` over
+    all its schedulers (``EngineClient.counters``), summed instead of the latest stats' own, so that
+    a replica's restart does not take the sums back (Prometheus would see a reset of them all)."""
     if not stats:
         return None
-    first = stats[0]
+    first = next((s for s in stats if s.ready), stats[0])
     sums = {name: sum(getattr(s, name) for s in stats) for name in _SUMMED}
+    if counters is not None:
+        sums.update({name: sum(c[name] for c in counters) for name in COUNTERS})
     return dataclasses.replace(first, ready=any(s.ready for s in stats), **sums)
 
 
@@ -56,8 +64,7 @@ class Replicas:
             raise ValueError("Replicas needs at least two clients; use the EngineClient itself")
         self.clients = clients
         self.router = router or ReplicaRouter(len(clients))
-        self._epochs: list[int | None] = [None] * len(clients)
-        self._ever_ready = [False] * len(clients)
+        self._incarnations: list[tuple | None] = [None] * len(clients)  # what a restart changes, per replica
         self.num_routed = [[0, 0] for _ in clients]  # per replica: [by prefix, by load]
         self.num_routed_tokens = [0] * len(clients)  # prompt tokens routed to a replica that had seen them
         self.on_kv_snapshot: Callable[[KvSnapshot], None] | None = None
@@ -111,7 +118,8 @@ class Replicas:
 
     @property
     def latest_stats(self) -> EngineStats | None:
-        return sum_stats([c.latest_stats for c in self.clients if c.latest_stats is not None])
+        heard = [c for c in self.clients if c.latest_stats is not None]
+        return sum_stats([c.latest_stats for c in heard], [c.counters() for c in heard])
 
     def process_restarts(self) -> dict[str, int]:
         """Summed over the replicas, but for the frontends lost: every scheduler counts the same ones."""
@@ -123,9 +131,7 @@ class Replicas:
     def ever_ready(self) -> list[bool]:
         """Per replica, whether it has been ready since this frontend started (one that has not is
         still starting; one that has and is not now is being mended)."""
-        for i, client in enumerate(self.clients):
-            self._ever_ready[i] = self._ever_ready[i] or bool(client.latest_stats and client.latest_stats.ready)
-        return list(self._ever_ready)
+        return [c.ever_ready for c in self.clients]
 
     def watch_kv(self, on: bool) -> None:
         self.clients[0].watch_kv(on)
@@ -133,21 +139,29 @@ class Replicas:
     # ---------------------------------------------------------------- routing
 
     def _available(self) -> list[bool]:
-        """The replicas ready now; else those not lost; else all (a request sent to a lost scheduler
-        waits for its successor, as with one replica)."""
-        ready = [c.latest_stats is not None and c.latest_stats.ready and not c.scheduler_lost for c in self.clients]
+        """The replicas ready now and not falling silent; else those not lost; else all (a request
+        sent to a lost scheduler waits for its successor, as with one replica). Falling silent: not
+        heard from for ``ROUTE_SILENCE_S`` longer than the most recently heard replica (stats come
+        every 0.5 s; a scheduler killed a moment ago takes no more requests well before its
+        heartbeat timeout says it is lost, while a pause of this frontend delays all alike)."""
+        silences = [c.scheduler_silence_s() for c in self.clients]
+        freshest = min((s for s in silences if s is not None), default=0.0)
+        ready = [c.latest_stats is not None and c.latest_stats.ready and not c.scheduler_lost
+                 and (silence is None or silence - freshest <= ROUTE_SILENCE_S)
+                 for c, silence in zip(self.clients, silences)]
         if any(ready):
             return ready
         alive = [not c.scheduler_lost for c in self.clients]
         return alive if any(alive) else [True] * len(self.clients)
 
     def _forget_restarted(self) -> None:
+        """A replica whose scheduler or executors restarted has an empty cache: forget what went there."""
         for i, client in enumerate(self.clients):
-            epoch = client.scheduler_epoch
-            if self._epochs[i] is not None and epoch != self._epochs[i]:
+            incarnation = (client.scheduler_epoch, client.num_executor_restarts)
+            if self._incarnations[i] is not None and incarnation != self._incarnations[i]:
                 self.router.forget(i)
                 log.info("replica restarted: its prefix routes forgotten", replica=i)
-            self._epochs[i] = epoch
+            self._incarnations[i] = incarnation
 
     def _on_kv_snapshot(self, snapshot: KvSnapshot) -> None:
         if self.on_kv_snapshot is not None:
