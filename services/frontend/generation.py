@@ -12,6 +12,7 @@ import structlog
 
 from services.frontend.detokenizer import IncrementalDetokenizer
 from services.frontend.engine_client import EngineClient
+from services.frontend.replicas import Replicas
 from services.frontend.logprobs import TokenLogprob, prompt_entries, token_entries
 from shared.messages import AddRequest, RequestOutput, SamplingParams
 
@@ -82,7 +83,7 @@ class Generation:
 
     def __init__(
         self,
-        client: EngineClient,
+        client: EngineClient | Replicas,
         request_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams,

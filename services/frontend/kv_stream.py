@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from services.frontend.engine_client import EngineClient
+from services.frontend.replicas import Replicas
 from services.frontend.http_limits import HTTP_LIMITS
 from services.frontend.responses import sse_event
 from shared.kv_json import kv_snapshot_json
@@ -78,7 +79,7 @@ class Mailbox:
 class KvHub:
     """The clients of ``/v1/kv/events`` on this frontend, and its watch at the scheduler."""
 
-    def __init__(self, client: EngineClient, renew_s: float = RENEW_S) -> None:
+    def __init__(self, client: EngineClient | Replicas, renew_s: float = RENEW_S) -> None:
         self.client = client
         self.renew_s = renew_s
         self.mailboxes: set[Mailbox] = set()

@@ -9,6 +9,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from services.frontend.engine_client import EngineClient
+from services.frontend.replicas import Replicas
 from services.frontend.logprobs import TokenFormatter
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.served_model import ServedModel
@@ -20,7 +21,7 @@ class FrontendState:
     """One application's model, engine link, metrics and limits (see ``app.create_app``)."""
 
     model: ServedModel
-    client: EngineClient
+    client: EngineClient | Replicas  # one scheduler, or several (-dp)
     # Tokenization runs off the event loop, big inputs apart from small ones.
     tokenizer_pools: TokenizerPools
     metrics: FrontendMetrics
