@@ -3,13 +3,13 @@
 
 ``Replicas`` answers what the rest of the frontend asks of an ``EngineClient`` (``add_request``,
 ``abort``, ``latest_stats``, ``scheduler_lost``...), so routes, health and metrics take either.
-A request goes to the replica the router picks among those that can take work now (heard from
-within their heartbeat timeout and ready; while none is, those not lost, else any, so that requests
-sent during start-up or a restart wait at a scheduler as they do with one replica); it stays there: its outputs,
-its abort, and its resubmission when that replica's scheduler restarts (``EngineClient``). A
-replica whose scheduler restarted starts with an empty cache, so the router forgets what it sent
-there (or its executors did: their KV pool is gone). Its load is the number of requests this
-frontend has in flight there.
+A request goes to the replica the router picks among those that can take work now (ready, and
+heard from lately: ``_available``; while none is, those not lost, else any, so that requests sent
+during start-up or a restart wait at a scheduler as they do with one replica); it stays there:
+its outputs, its abort, and its resubmission when that replica's scheduler restarts
+(``EngineClient``). A replica whose scheduler or executors restarted starts with an empty cache,
+so the router forgets what it sent there. Its load is the number of requests this frontend has in
+flight there.
 
 The stats are summed over the replicas heard from (``sum_stats``), the counters over every
 scheduler each replica has had; the executor group's shape (tensor-parallel size, KV blocks per
