@@ -108,10 +108,8 @@ def _threads_per_rank(args, count: int) -> int | None:
     ``group_layout`` would otherwise set from the cores), else serve's choice shared among every
     rank of every replica, rounded down (the ranks of a group must have equal shares); None when
     ``--num-threads`` was given."""
+    from shared.threads import asked_threads, choose_threads
+
     if args.num_threads:
         return None
-    if os.environ.get("PAGEDSERVE_NUM_THREADS"):
-        return int(os.environ["PAGEDSERVE_NUM_THREADS"])
-    from shared.threads import choose_threads
-
-    return max(1, choose_threads(None).num_threads // (count * args.tensor_parallel_size))
+    return asked_threads() or max(1, choose_threads(None).num_threads // (count * args.tensor_parallel_size))

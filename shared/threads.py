@@ -139,11 +139,17 @@ def usable_cores() -> tuple[int, str]:
     return cores, how
 
 
+def asked_threads(num_threads: int | None = None) -> int:
+    """The thread count the operator asked for: ``num_threads`` (``--num-threads``), else
+    ``PAGEDSERVE_NUM_THREADS``; 0 when neither (or 0) was given."""
+    return num_threads or int(os.environ.get("PAGEDSERVE_NUM_THREADS", 0) or 0)
+
+
 def choose_threads(num_threads: int | None, colocated: bool = True, cores: tuple[int, str] | None = None) -> ThreadChoice:
     """The executor's thread count: ``num_threads`` (or ``PAGEDSERVE_NUM_THREADS``) when given,
     else the rule of this module's docstring. ``colocated``: the frontend and scheduler share
     the machine (they do under ``pagedserve serve``)."""
-    asked = num_threads or int(os.environ.get("PAGEDSERVE_NUM_THREADS", 0) or 0)
+    asked = asked_threads(num_threads)
     if asked:
         return ThreadChoice(asked, "--num-threads / PAGEDSERVE_NUM_THREADS")
     count, how = cores or usable_cores()

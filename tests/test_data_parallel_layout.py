@@ -72,6 +72,9 @@ def test_threads_given_are_each_rank_s(monkeypatch):
     plans = _plans("-dp", "2", "-tp", "2")
     groups = _build_groups(plans[0].args, plans, {})
     assert all(_flag(rank.argv, "--num-threads") == "5" for i in range(2) for rank in groups[f"executor {i}"])
+    monkeypatch.setenv("PAGEDSERVE_NUM_THREADS", "0")  # 0: not asked (as the executor reads it)
+    monkeypatch.setattr("shared.threads.choose_threads", lambda n: ThreadChoice(6, "test"))
+    assert [p.args.num_threads for p in _plans("-dp", "2")] == [3, 3]
 
 
 @pytest.mark.parametrize("flags, message", [
