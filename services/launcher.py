@@ -47,6 +47,7 @@ from services.frontend.flags import HTTP_LIMIT_DESTS
 from services.data_parallel import (
     ReplicaPlan, data_parallel_size, frontend_request_endpoint, group_kind, longest_socket_name, plan_replicas,
 )
+from services.executor.device import check_device_name
 from services.group_layout import GroupLayout, check_model_split, layout_from_args
 from services.restarts import RestartBudget
 from shared.endpoints import make_private_socket_dir
@@ -64,6 +65,8 @@ def serve(args) -> int:
     """Run the services until a signal or a failure that restarts cannot mend; returns the exit code."""
     sock_dir = make_private_socket_dir(longest_socket_name(data_parallel_size(args)))
     try:  # bad group flags, or heads that do not split: a one-line error before anything starts
+        if getattr(args, "device", None) is not None:
+            check_device_name(args.device)
         plans = plan_replicas(args, sock_dir)
         layout = plans[0].layout
         if layout.world_size > 1:
@@ -346,7 +349,7 @@ def scheduler_argv(args) -> list[str]:
 
 
 def executor_argv(args) -> list[str]:
-    return _flags(args, ["model", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory",
+    return _flags(args, ["model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory",
                          "swap_space", "max_model_len", "attention_backend", "linear_kernel", "num_threads",
                          "adaptive_threads", "seed"])
 

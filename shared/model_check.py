@@ -204,15 +204,17 @@ def available_memory_bytes() -> int | None:
         return None
 
 
-def check_memory(parts: Mapping[str, int], where: str, available_bytes: int | None = None) -> None:
-    """Refuse when the sum of ``parts`` (name -> bytes) exceeds the available memory."""
+def check_memory(parts: Mapping[str, int], where: str, available_bytes: int | None = None,
+                 holder: str = "this machine has") -> None:
+    """Refuse when the sum of ``parts`` (name -> bytes) exceeds the available memory (the host's,
+    or ``available_bytes`` that ``holder`` has: a GPU's free memory)."""
     available = available_memory_bytes() if available_bytes is None else available_bytes
     needed = sum(parts.values())
     if available is None or needed <= available:
         return
     detail = " + ".join(f"{name} {value / GIB:,.1f} GiB" for name, value in parts.items())
     raise ModelCheckError(
-        f"{where} needs {needed / GIB:,.1f} GiB ({detail}) but this machine has {available / GIB:,.1f} GiB "
+        f"{where} needs {needed / GIB:,.1f} GiB ({detail}) but {holder} {available / GIB:,.1f} GiB "
         f"available; lower --kv-cache-memory / --num-kv-blocks, --swap-space or --max-model-len, or use a "
         f"smaller model"
     )

@@ -82,6 +82,16 @@ def test_absurd_sizes_are_refused_before_allocating(tmp_path):
         plan(tiny, num_kv_blocks=10**12)  # a pool of petabytes
     with pytest.raises(ModelCheckError, match="holds no block"):
         plan(tiny, kv_cache_memory_bytes=10, kv_cache_memory="10")
+
+
+def test_a_gpu_pool_is_checked_against_the_gpu_and_swap_against_the_host(tmp_path):
+    """On a GPU (``device_free_bytes``): weights, KV pool and rope tables must fit its free memory;
+    the swap space is host memory, so a swap larger than the GPU is not refused for it."""
+    tiny = load_hf_config(ModelSource("tiny", str(model_dir(tmp_path, "tiny", json.dumps(TINY)))))
+    with pytest.raises(ModelCheckError, match=r"KV pool .* but cuda:0 has 0\.0 GiB available"):
+        plan(tiny, device_free_bytes=GIB // 1024, device_name="cuda:0", kv_cache_memory_bytes=GIB // 64)
+    memory = plan(tiny, device_free_bytes=GIB // 32, device_name="cuda:0", swap_space_gib=0.25)
+    assert memory.num_cpu_blocks == GIB // 4 // memory.block_bytes
     check_memory({"weights": 3 * GIB}, "x", available_bytes=4 * GIB)  # fits
     with pytest.raises(ModelCheckError, match=r"x needs 5\.0 GiB \(weights 3\.0 GiB \+ KV pool 2\.0 GiB\) but this "
                                               r"machine has 4\.0 GiB available"):
@@ -104,8 +114,16 @@ def test_executor_and_serve_exit_2_with_one_line(tmp_path):
     absurd = model_dir(tmp_path, "absurd", json.dumps(ABSURD))
     runs["absurd"] = _run_cli(tmp_path, "executor", "--model", str(absurd), *endpoints)
     runs["serve"] = _run_cli(tmp_path, "serve", "--model", str(tmp_path / "zero-heads"), "--port", "0")
+    runs["serve-device"] = _run_cli(tmp_path, "serve", "--device", "gpu", "--port", "0")
     needles = {"bad-json": "config.json is not valid JSON", "zero-heads": "num_attention_heads must be",
-               "absurd": "needs", "serve": "num_attention_heads must be"}
+               "absurd": "needs", "serve": "num_attention_heads must be",
+               "serve-device": "--device must be auto, cpu, cuda or cuda:N; got 'gpu'"}
+    import torch
+
+    if not torch.cuda.is_available():  # a GPU that is not there: the executor says so and exits 2
+        tiny = model_dir(tmp_path, "tiny", json.dumps(TINY))
+        runs["no-gpu"] = _run_cli(tmp_path, "executor", "--model", str(tiny), "--device", "cuda", *endpoints)
+        needles["no-gpu"] = "--device cuda: torch"
     for case, proc in runs.items():
         _, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 2, (case, stderr[-2000:])

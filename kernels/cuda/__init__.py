@@ -5,9 +5,14 @@ Importing this package needs no GPU (kernels compile lazily, on first launch);
 falls back to torch.
 
 Kernels (all module-level ``cuda.jit`` kernels, float32 in, float32 accumulation). No device
-functions, not even the library's: ``min``/``max`` and ``cuda.shfl_xor_sync`` are device functions
-in numba, which ``cuda.compile_ptx`` cannot compile without a current device, so the kernels use
-``if`` and ``cuda.shfl_sync_intrinsic``.
+functions, not even the library's: ``min``/``max`` and numba's own ``cuda.shfl_xor_sync`` are device
+functions, which ``cuda.compile_ptx`` cannot compile without a current device, so the kernels use
+``if`` and ``config.shfl_xor``: numba-cuda's ``cuda.shfl_xor_sync`` (an intrinsic there; numba-cuda
+is the CUDA target numba defers to when it is installed, as on GPU machines) or, on numba's own
+target, an intrinsic over its ``shfl_sync_intrinsic``, which numba-cuda does not have. numba-cuda
+0.30.4 cannot compile anything under numpy 2.5 (it registers the removed ``np.row_stack``):
+``NumbaCUDABackend()`` refuses it with that advice (``numpy<2.5``) instead of failing at the first
+launch.
 
 - ``config``: threads per block, warp-shuffle or shared-memory reductions (the simulator's),
   shared-memory sizes.

@@ -9,6 +9,24 @@ from kernels.cuda.config import SIMULATOR
 from kernels.cuda.launch import paged_decode_attention, paged_prefill_attention, write_kv_cache
 
 
+def _check_numba_cuda_loads() -> None:
+    """Load numba's CUDA lowering now (the first kernel compile would), so that a numba-cuda this
+    numpy breaks is an ImportError here: numba-cuda 0.30.4, the last before its maintenance mode,
+    registers ``np.row_stack``, which numpy 2.5 removed (NVIDIA/numba-cuda#907), and then fails
+    every compile with an AttributeError."""
+    try:
+        import numba.cuda.cudaimpl  # noqa: F401  (its import registers the array functions)
+    except (AttributeError, ImportError) as exc:
+        from importlib import metadata
+
+        try:
+            version = f"numba-cuda {metadata.version('numba-cuda')}"
+        except metadata.PackageNotFoundError:
+            version = "numba's CUDA target"
+        hint = "; install numpy<2.5 beside it" if "row_stack" in str(exc) else ""
+        raise ImportError(f"{version} cannot compile kernels with numpy {np.__version__} ({exc}){hint}") from exc
+
+
 class NumbaCUDABackend:
     """Numba CUDA kernels behind the dispatch's backend interface (torch CUDA tensors, in place).
 
@@ -22,6 +40,7 @@ class NumbaCUDABackend:
         if SIMULATOR or not cuda.is_available():
             raise ImportError("Numba CUDA backend: no CUDA device available to numba"
                               + (" (the CUDA simulator is enabled)" if SIMULATOR else ""))
+        _check_numba_cuda_loads()
         import torch
 
         self._torch = torch

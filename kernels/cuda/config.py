@@ -1,6 +1,6 @@
 """Launch geometry and constants of the Numba CUDA kernels, fixed when this module is imported.
 
-Reductions: on a GPU, warp shuffles (``shfl_sync_intrinsic`` in xor mode) and a shared array of
+Reductions: on a GPU, warp shuffles (``shfl_xor``, below) and a shared array of
 one value per warp; the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, read by numba when it is first
 imported) has no warp shuffles, so there the same kernels reduce through shared memory
 (``USE_SHUFFLE``), and the simulator runs 64-thread blocks, two warps, instead of 128.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba import cuda
 
 SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
 USE_SHUFFLE = not SIMULATOR
@@ -24,8 +25,6 @@ MAX_HEAD_DIM = 256
 MAX_PARTITION = 512  # tokens per partition: the logits of one partition live in shared memory
 # per-token partial dot products of the shared-memory (simulator) reduction; 1 when unused
 PARTIALS = 1 if USE_SHUFFLE else THREADS * WARP
-# warp shuffles go through the intrinsic: cuda.shfl_xor_sync is a device function, which
-# cannot be compiled ahead of time without a current device
 FULL_MASK = np.int32(-1)  # all 32 lanes
 SHFL_XOR = 3  # shfl_sync_intrinsic mode: lane ^ offset
 NEG_INF = np.float32(-np.inf)
@@ -39,3 +38,42 @@ ATTENTION_MAX_REGISTERS = 64
 def jit_options(max_registers: int | None = None) -> dict:
     """``cuda.jit`` keyword arguments; the simulator's ``cuda.jit`` takes no ``max_registers``."""
     return {} if SIMULATOR or max_registers is None else {"max_registers": max_registers}
+
+
+def _shfl_xor_from_numba_intrinsic():
+    """``shfl_xor(mask, value, lane_mask)`` -> the value of lane ``lane ^ lane_mask``, for numba's own
+    CUDA target, whose ``cuda.shfl_xor_sync`` is a device function (``cuda.compile_ptx`` cannot
+    compile one without a current device): an intrinsic over its ``shfl_sync_intrinsic``."""
+    from numba import types
+    from numba.core.extending import intrinsic
+    from numba.core.typing import signature
+
+    @intrinsic
+    def shfl_xor(typingctx, mask, value, lane_mask):
+        inner = signature(types.Tuple((value, types.boolean)), types.int32, types.int32, value, types.int32,
+                          types.int32)
+
+        def codegen(context, builder, sig, args):
+            i32 = types.int32
+            shuffle = context.get_function(cuda.shfl_sync_intrinsic, inner)
+            mask, value, lane_mask = args
+            pair = shuffle(builder, (context.cast(builder, mask, sig.args[0], i32), context.get_constant(i32, SHFL_XOR),
+                                     value, context.cast(builder, lane_mask, sig.args[2], i32),
+                                     context.get_constant(i32, 0x1F)))
+            return builder.extract_value(pair, 0)
+
+        return signature(value, mask, value, lane_mask), codegen
+
+    return shfl_xor
+
+
+# The warp shuffle the reductions use (``shfl_xor(FULL_MASK, value, lane_mask)``). numba-cuda (the
+# CUDA target that numba >= 0.61 defers to when it is installed) has an intrinsic
+# ``cuda.shfl_xor_sync`` and no ``shfl_sync_intrinsic``; numba's own target the other way round;
+# the simulator never shuffles (``USE_SHUFFLE``).
+if SIMULATOR:
+    shfl_xor = None
+elif hasattr(cuda, "shfl_sync_intrinsic"):
+    shfl_xor = _shfl_xor_from_numba_intrinsic()
+else:
+    shfl_xor = cuda.shfl_xor_sync

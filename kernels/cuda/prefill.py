@@ -14,7 +14,7 @@ from numba import cuda, float32
 
 from kernels.cuda.config import (
     ATTENTION_MAX_REGISTERS, FULL_MASK, MAX_HEAD_DIM, MAX_PARTITION, NEG_INF, NUM_WARPS, PARTIALS,
-    SHFL_XOR, THREADS, USE_SHUFFLE, WARP, jit_options,
+    THREADS, USE_SHUFFLE, WARP, jit_options, shfl_xor,
 )
 
 
@@ -84,7 +84,7 @@ def prefill_kernel(part_out, part_max, part_sum, row_lens, query, key_cache, val
                 d += WARP
             step = np.int32(WARP // 2)
             while step > 0:
-                acc += cuda.shfl_sync_intrinsic(FULL_MASK, SHFL_XOR, acc, step, 0x1F)[0]
+                acc += shfl_xor(FULL_MASK, acc, step)
                 step //= 2
             if lane == 0:
                 logits[tok - start] = acc * scale
@@ -124,7 +124,7 @@ def prefill_kernel(part_out, part_max, part_sum, row_lens, query, key_cache, val
     if USE_SHUFFLE:
         step = np.int32(WARP // 2)
         while step > 0:
-            other = cuda.shfl_sync_intrinsic(FULL_MASK, SHFL_XOR, m, step, 0x1F)[0]
+            other = shfl_xor(FULL_MASK, m, step)
             if other > m:
                 m = other
             step //= 2
@@ -134,7 +134,7 @@ def prefill_kernel(part_out, part_max, part_sum, row_lens, query, key_cache, val
         m = red[lane] if lane < NUM_WARPS else NEG_INF
         step = np.int32(WARP // 2)
         while step > 0:
-            other = cuda.shfl_sync_intrinsic(FULL_MASK, SHFL_XOR, m, step, 0x1F)[0]
+            other = shfl_xor(FULL_MASK, m, step)
             if other > m:
                 m = other
             step //= 2
@@ -160,7 +160,7 @@ def prefill_kernel(part_out, part_max, part_sum, row_lens, query, key_cache, val
     if USE_SHUFFLE:
         step = np.int32(WARP // 2)
         while step > 0:
-            total += cuda.shfl_sync_intrinsic(FULL_MASK, SHFL_XOR, total, step, 0x1F)[0]
+            total += shfl_xor(FULL_MASK, total, step)
             step //= 2
         if lane == 0:
             red[warp] = total
@@ -168,7 +168,7 @@ def prefill_kernel(part_out, part_max, part_sum, row_lens, query, key_cache, val
         total = red[lane] if lane < NUM_WARPS else float32(0.0)
         step = np.int32(WARP // 2)
         while step > 0:
-            total += cuda.shfl_sync_intrinsic(FULL_MASK, SHFL_XOR, total, step, 0x1F)[0]
+            total += shfl_xor(FULL_MASK, total, step)
             step //= 2
     else:
         red[tid] = total

@@ -96,7 +96,10 @@ def select_backend(name: str, device: torch.device):
             return TorchBackend()
     if name not in _FACTORIES:
         raise ValueError(f"--attention-backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
-    return _FACTORIES[name]()
+    try:
+        return _FACTORIES[name]()
+    except ImportError as exc:  # asked for by name: a configuration error (exit 2), not a crash to restart
+        raise ValueError(f"--attention-backend {name}: {exc}") from exc
 
 
 def paged_attention(

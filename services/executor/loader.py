@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import select_backend
+from .device import check_device_name, resolve_device
 from .linear import check_linear_kernel, choose_linear_kernel, pack_linears
 from .architectures import model_config
 from .model_check import MemoryPlan, plan_memory
@@ -41,7 +42,7 @@ class RunnerOptions:
     None: the model's own length (never more)."""
 
     dtype: str | torch.dtype = "auto"
-    device: str = "cpu"
+    device: str = "auto"  # auto, cpu, cuda or cuda:N (device.py)
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: str = "1GiB"
@@ -53,6 +54,7 @@ class RunnerOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_device_name(self.device)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"--block-size must be a power of two up to 128, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
@@ -71,6 +73,7 @@ def plan_runner(hf_config, options: RunnerOptions, where: str = "the model",
     one line) a pool of no block or a total this machine cannot hold: before anything is loaded.
     With ``shard`` (one rank of a tensor-parallel group), for that rank's KV heads and weights."""
     dtype = _dtype(options)
+    device = resolve_device(options.device)
     plan = plan_memory(
         hf_config, f"{where} in {dtype}", dtype_bytes=torch.empty((), dtype=dtype).element_size(),
         block_size=options.block_size, num_kv_blocks=options.num_kv_blocks,
@@ -79,6 +82,8 @@ def plan_runner(hf_config, options: RunnerOptions, where: str = "the model",
         max_model_len=options.max_model_len,
         num_local_kv_heads=shard.num_local_kv_heads if shard is not None else None,
         world_size=shard.world_size if shard is not None else 1,
+        device_free_bytes=torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None,
+        device_name=str(device),
     )
     if options.num_cpu_blocks is not None:
         plan = dataclasses.replace(plan, num_cpu_blocks=options.num_cpu_blocks)
@@ -102,7 +107,7 @@ def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: Runner
     ``kv_cache_memory`` and ``swap_space`` (per rank) hold more of them."""
     shard = shard_plan(hf_config, comm)
     plan = plan or plan_runner(hf_config, options, shard=shard)
-    device = torch.device(options.device)
+    device = resolve_device(options.device)
     dtype = _dtype(options)
     model = build_model(hf_config, state_dict, dtype, device, plan.max_model_len, shard, comm)
     kind = choose_linear_kernel(options.linear_kernel, device, dtype)
@@ -118,4 +123,4 @@ def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: Runner
 def _dtype(options: RunnerOptions) -> torch.dtype:
     if isinstance(options.dtype, torch.dtype):
         return options.dtype
-    return resolve_dtype(options.dtype, torch.device(options.device)).dtype
+    return resolve_dtype(options.dtype, resolve_device(options.device)).dtype

@@ -60,7 +60,7 @@ class ExecutorConfig:
     endpoints: Endpoints
     model: str | None = None
     dtype: str = "auto"
-    device: str = "cpu"
+    device: str = "auto"  # auto, cpu, cuda (rank r on GPU r % count) or cuda:N (device.py)
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: str = "1GiB"
@@ -119,6 +119,7 @@ class ExecutorProcess:
         """Join the group (every rank must), then load this rank's shard; returns (comm, runner)."""
         import torch
 
+        from .device import device_summary, resolve_device
         from .loader import build_runner, plan_runner, shard_plan
         from .parallel.group import open_group
         from .weights import load_hf_config, load_state_dict, resolve_dtype
@@ -126,12 +127,16 @@ class ExecutorProcess:
         cfg = self.config
         source = resolve_model(cfg.model)
         self._model_name = source.name
-        choice = resolve_dtype(cfg.dtype, torch.device(cfg.device))
+        device = resolve_device(cfg.device, cfg.rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # the current device of torch's allocator and streams, and numba's
+        self.log.info("device chosen", requested=cfg.device, **device_summary(device))
+        choice = resolve_dtype(cfg.dtype, device)
         self.log.info("dtype chosen", requested=cfg.dtype, dtype=str(choice.dtype), reason=choice.reason,
                       **choice.cpu)
-        options = dataclasses.replace(cfg.runner_options(), dtype=choice.dtype)
+        options = dataclasses.replace(cfg.runner_options(), dtype=choice.dtype, device=str(device))
         t0 = time.monotonic()
-        comm = open_group(cfg.group_config(), cfg.device)
+        comm = open_group(cfg.group_config(), device)
         self.log.info("loading model", model=source.name, path=source.directory, dtype=str(options.dtype),
                       world_size=comm.world_size, all_reduce=comm.kind)
         try:
