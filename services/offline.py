@@ -152,7 +152,8 @@ class PromptOutput:
 class LLM:
     """Generate offline. ``model``: as ``--model`` (None: the embedded SmolLM2-135M-Instruct);
     ``tokenizer``: as ``--tokenizer`` (None: the model's).
-    ``engine_kwargs``: the flags of ``RunnerOptions`` (``dtype``, ``num_kv_blocks``, ``block_size``...)
+    ``engine_kwargs``: the flags of ``RunnerOptions`` (``dtype``, ``device`` (default ``auto``: a GPU
+    where torch sees one, where ``dtype`` ``auto`` is then a 16-bit type), ``num_kv_blocks``, ``block_size``...)
     and ``SchedulingOptions`` (``max_num_seqs``, ``preemption_mode``...), by their Python names."""
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, **engine_kwargs: Any) -> None:
@@ -297,6 +298,7 @@ def _ranked(token_id: int, logprob: float, rank: int, top_token_ids: list[int],
 
 
 def _split_options(engine_kwargs: dict[str, Any]) -> tuple[RunnerOptions, SchedulingOptions]:
+    engine_kwargs = {"device": "auto", **engine_kwargs}  # as vLLM's LLM: the GPU where there is one
     scheduling_names = {f.name for f in dataclasses.fields(SchedulingOptions)}
     unknown = set(engine_kwargs) - _RUNNER_OPTIONS - scheduling_names
     if unknown:

@@ -86,3 +86,41 @@ def test_threads_given_are_each_rank_s(monkeypatch):
 def test_bad_data_parallel_flags_exit_2_before_starting(flags, message, capsys):
     assert main(["serve", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_device_flag_and_each_ranks_gpu_place(monkeypatch):
+    """``--device`` reaches every rank; ``--device-index`` numbers this host's ranks of every
+    replica in turn (replica 1's after replica 0's), so ``--device cuda`` spreads them over the
+    GPUs; a rank whose place is its own rank gets no flag (the executor's default)."""
+    monkeypatch.delenv("PAGEDSERVE_NUM_THREADS", raising=False)
+    plans = _plans("-dp", "2", "-tp", "2", "--device", "cuda")
+    groups = _build_groups(plans[0].args, plans, {})
+    places = {}
+    for i in range(2):
+        for child in groups[f"executor {i}"]:
+            assert _flag(child.argv, "--device") == "cuda"
+            places[(i, child.rank)] = int(_flag(child.argv, "--device-index")) if "--device-index" in child.argv \
+                else child.rank
+    assert places == {(0, 0): 0, (0, 1): 1, (1, 0): 2, (1, 1): 3}
+    assert "--device-index" not in groups["executor 0"][1].argv
+    (plan,) = _plans()
+    assert "--device" not in _build_groups(plan.args, [plan], {})["executor"][0].argv  # the executor's auto
+
+
+def test_a_second_hosts_ranks_take_its_gpus_from_the_first():
+    """``--nnodes 2``: host 1 runs ranks 2 and 3, which are GPUs 0 and 1 of that host."""
+    plans = _plans("-tp", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "127.0.0.1:29500")
+    groups = _build_groups(plans[0].args, plans, {})
+    assert [(c.rank, _flag(c.argv, "--device-index")) for c in groups["executor"]] == [(2, "0"), (3, "1")]
+
+
+def test_the_executor_takes_its_gpu_place():
+    from services.executor.main import ExecutorConfig
+    from shared.endpoints import Endpoints
+
+    endpoints = Endpoints(request="", step="ipc:///tmp/s", result="ipc:///tmp/r")
+    assert ExecutorConfig(endpoints=endpoints, device_index=3).device_index == 3
+    with pytest.raises(ValueError, match="--device-index must be >= 0"):
+        ExecutorConfig(endpoints=endpoints, device_index=-1)
+    args = build_parser().parse_args(["executor", "--device", "cuda:1", "--device-index", "2"])
+    assert (args.device, args.device_index) == ("cuda:1", 2)

@@ -75,6 +75,13 @@ def test_the_gpu_override_reserves_nvidia_gpus_for_the_executor():
     devices = gpu["executor"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": "${PAGEDSERVE_GPU_COUNT:-all}", "capabilities": ["gpu"]}]
     assert all(gpu[name]["build"]["args"]["TORCH_VARIANT"] == "cuda" for name in SERVICES)
+    # the executor puts the model on the GPU it is given: --device auto unless PAGEDSERVE_DEVICE says
+    command = _load("compose.yaml")["services"]["executor"]["command"]
+    assert command[command.index("--device") + 1] == "${PAGEDSERVE_DEVICE:-auto}"
+    from services.cli import build_parser
+
+    parsed = build_parser().parse_args([arg.split(":-")[1].rstrip("}") if "${" in arg else arg for arg in command])
+    assert (parsed.device, parsed.dtype) == ("auto", "auto")
 
 
 def _frontend_args(*argv: str) -> argparse.Namespace:

@@ -82,6 +82,10 @@ def test_absurd_sizes_are_refused_before_allocating(tmp_path):
         plan(tiny, num_kv_blocks=10**12)  # a pool of petabytes
     with pytest.raises(ModelCheckError, match="holds no block"):
         plan(tiny, kv_cache_memory_bytes=10, kv_cache_memory="10")
+    check_memory({"weights": 3 * GIB}, "x", available_bytes=4 * GIB)  # fits
+    with pytest.raises(ModelCheckError, match=r"x needs 5\.0 GiB \(weights 3\.0 GiB \+ KV pool 2\.0 GiB\) but this "
+                                              r"machine has 4\.0 GiB available"):
+        check_memory({"weights": 3 * GIB, "KV pool": 2 * GIB}, "x", available_bytes=4 * GIB)
 
 
 def test_a_gpu_pool_is_checked_against_the_gpu_and_swap_against_the_host(tmp_path):
@@ -92,10 +96,6 @@ def test_a_gpu_pool_is_checked_against_the_gpu_and_swap_against_the_host(tmp_pat
         plan(tiny, device_free_bytes=GIB // 1024, device_name="cuda:0", kv_cache_memory_bytes=GIB // 64)
     memory = plan(tiny, device_free_bytes=GIB // 32, device_name="cuda:0", swap_space_gib=0.25)
     assert memory.num_cpu_blocks == GIB // 4 // memory.block_bytes
-    check_memory({"weights": 3 * GIB}, "x", available_bytes=4 * GIB)  # fits
-    with pytest.raises(ModelCheckError, match=r"x needs 5\.0 GiB \(weights 3\.0 GiB \+ KV pool 2\.0 GiB\) but this "
-                                              r"machine has 4\.0 GiB available"):
-        check_memory({"weights": 3 * GIB, "KV pool": 2 * GIB}, "x", available_bytes=4 * GIB)
 
 
 def _run_cli(tmp_path: Path, *argv: str) -> subprocess.Popen:

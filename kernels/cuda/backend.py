@@ -45,6 +45,10 @@ class NumbaCUDABackend:
 
         self._torch = torch
 
+    def runs_for(self, dtype) -> str:
+        """What runs the attention of a model in ``dtype`` (for the executor's log)."""
+        return self.name if dtype == self._torch.float32 else "torch (the CUDA kernels take float32 caches)"
+
     def _fast(self, *tensors) -> bool:
         return all(t.is_cuda and t.dtype == self._torch.float32 for t in tensors)
 

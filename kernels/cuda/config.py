@@ -50,6 +50,8 @@ def _shfl_xor_from_numba_intrinsic():
 
     @intrinsic
     def shfl_xor(typingctx, mask, value, lane_mask):
+        if value not in (types.int32, types.int64, types.float32, types.float64):
+            return None  # a typing error: numba's shuffle takes 32- and 64-bit ints and floats
         inner = signature(types.Tuple((value, types.boolean)), types.int32, types.int32, value, types.int32,
                           types.int32)
 

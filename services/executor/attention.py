@@ -96,6 +96,10 @@ def select_backend(name: str, device: torch.device):
             return TorchBackend()
     if name not in _FACTORIES:
         raise ValueError(f"--attention-backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
+    home = {"numba": "cpu", "cuda": "cuda"}.get(name)
+    if home is not None and device.type != home:  # it would fall back to the reference on every call
+        raise ValueError(f"--attention-backend {name} runs on {'the CPU' if home == 'cpu' else 'a GPU'}, not on "
+                         f"--device {device}; use {'cuda' if home == 'cpu' else 'numba'} or torch there")
     try:
         return _FACTORIES[name]()
     except ImportError as exc:  # asked for by name: a configuration error (exit 2), not a crash to restart

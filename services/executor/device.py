@@ -1,8 +1,11 @@
 """Which torch device a rank runs on: ``--device auto|cpu|cuda|cuda:N``.
 
-``auto`` is the first CUDA device torch sees, else the CPU. ``cuda`` puts rank ``r`` of a group on
-GPU ``r % device_count`` (a group of more ranks than GPUs shares them, which the CUDA IPC all-reduce
-allows); ``cuda:N`` puts every rank on GPU ``N``. The name is checked without torch (the flags'
+``auto`` is ``cuda`` where torch sees a GPU, else the CPU. ``cuda`` puts the process of device index
+``k`` on GPU ``k % count``, where ``k`` is ``--device-index``: serve gives each executor rank its
+place among this host's ranks of every replica (``-tp`` rank ``r`` of replica ``i`` on a host of
+``n`` ranks per replica: ``i * n + r``), an executor started alone defaults to its ``--rank``. More
+ranks than GPUs share them, which the CUDA IPC all-reduce allows (NCCL, ``--all-reduce torch``,
+does not). ``cuda:N`` puts every rank on GPU ``N``. The name is checked without torch (the flags'
 checks run before torch is imported); the resolution imports it.
 """
 
@@ -18,14 +21,14 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
 
 
 def check_device_name(name: str) -> None:
-    if name in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", name):
+    if name in DEVICE_CHOICES[:3] or re.fullmatch(r"cuda:\d+", name):
         return
-    raise ValueError(f"--device must be auto, cpu, cuda or cuda:N; got {name!r}")
+    raise ValueError(f"--device must be {', '.join(DEVICE_CHOICES[:-1])} or {DEVICE_CHOICES[-1]}; got {name!r}")
 
 
-def resolve_device(name: str, rank: int = 0) -> "torch.device":
-    """The device ``name`` means for ``rank``; ``ValueError`` (one line) where it names a GPU that
-    torch does not see."""
+def resolve_device(name: str, index: int = 0) -> "torch.device":
+    """The device ``name`` means for the process of device index ``index``; ``ValueError`` (one line)
+    where it names a GPU that torch does not see."""
     check_device_name(name)
     import torch
 
@@ -36,12 +39,12 @@ def resolve_device(name: str, rank: int = 0) -> "torch.device":
                          + ("" if torch.version.cuda else " (this torch is a CPU-only build)"))
     count = torch.cuda.device_count()
     if name.startswith("cuda:"):
-        index = int(name.removeprefix("cuda:"))
-        if index >= count:
+        gpu = int(name.removeprefix("cuda:"))
+        if gpu >= count:
             raise ValueError(f"--device {name}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
     else:
-        index = rank % count
-    return torch.device("cuda", index)
+        gpu = index % count
+    return torch.device("cuda", gpu)
 
 
 def device_summary(device: "torch.device") -> dict:

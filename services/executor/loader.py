@@ -19,6 +19,11 @@ from .parallel.sharding import ShardPlan
 from .runner import ModelRunner, allocate_kv_cache
 from .weights import build_model, resolve_dtype
 
+# The share of a GPU's free memory the weights, KV pool and rope tables may take at start: the rest
+# is for activations, logits, the allocator's and cuBLAS's workspaces (vLLM's
+# --gpu-memory-utilization plays this part, as a share of the whole GPU).
+GPU_MEMORY_SHARE = 0.9
+
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
           "g": 2**30, "gb": 2**30, "gib": 2**30}
 
@@ -42,7 +47,7 @@ class RunnerOptions:
     None: the model's own length (never more)."""
 
     dtype: str | torch.dtype = "auto"
-    device: str = "auto"  # auto, cpu, cuda or cuda:N (device.py)
+    device: str = "cpu"  # auto, cpu, cuda or cuda:N (device.py); the executor and LLM default to auto
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: str = "1GiB"
@@ -82,8 +87,8 @@ def plan_runner(hf_config, options: RunnerOptions, where: str = "the model",
         max_model_len=options.max_model_len,
         num_local_kv_heads=shard.num_local_kv_heads if shard is not None else None,
         world_size=shard.world_size if shard is not None else 1,
-        device_free_bytes=torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None,
-        device_name=str(device),
+        device_free_bytes=int(torch.cuda.mem_get_info(device)[0] * GPU_MEMORY_SHARE) if device.type == "cuda" else None,
+        device_name=f"{device} ({GPU_MEMORY_SHARE:.0%} of its free memory)",
     )
     if options.num_cpu_blocks is not None:
         plan = dataclasses.replace(plan, num_cpu_blocks=options.num_cpu_blocks)

@@ -60,7 +60,8 @@ class ExecutorConfig:
     endpoints: Endpoints
     model: str | None = None
     dtype: str = "auto"
-    device: str = "auto"  # auto, cpu, cuda (rank r on GPU r % count) or cuda:N (device.py)
+    device: str = "auto"  # auto, cpu, cuda or cuda:N (device.py)
+    device_index: int | None = None  # which GPU cuda/auto takes (index % count; device.py); None: the rank
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: str = "1GiB"
@@ -83,6 +84,8 @@ class ExecutorConfig:
     zmq_curve: str | None = None  # --zmq-curve: the CURVE key directory; None: plain ZeroMQ
 
     def __post_init__(self) -> None:
+        if self.device_index is not None and self.device_index < 0:
+            raise ValueError(f"--device-index must be >= 0, got {self.device_index}")
         self.runner_options()  # validates the flags it shares with the offline engine
         self.group_config()
 
@@ -127,7 +130,7 @@ class ExecutorProcess:
         cfg = self.config
         source = resolve_model(cfg.model)
         self._model_name = source.name
-        device = resolve_device(cfg.device, cfg.rank)
+        device = resolve_device(cfg.device, cfg.rank if cfg.device_index is None else cfg.device_index)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # the current device of torch's allocator and streams, and numba's
         self.log.info("device chosen", requested=cfg.device, **device_summary(device))
@@ -151,10 +154,12 @@ class ExecutorProcess:
             raise
         from .linear import linear_kernel_name  # torch is imported by now
 
+        backend = runner.backend
         self.log.info("model loaded", architecture=type(runner.model).__name__,
                       seconds=round(time.monotonic() - t0, 1), num_blocks=runner.num_blocks,
-                      kv_cache_mib=round(runner.kv_cache_bytes / 2**20, 1), attention_backend=runner.backend.name,
-                      prefill_attention=getattr(runner.backend, "prefill_kind", lambda: runner.backend.name)(),
+                      kv_cache_mib=round(runner.kv_cache_bytes / 2**20, 1),
+                      attention_backend=getattr(backend, "runs_for", lambda _: backend.name)(options.dtype),
+                      prefill_attention=getattr(backend, "prefill_kind", lambda: backend.name)(),
                       linear_kernel=linear_kernel_name(runner.model), max_model_len=runner.max_model_len, num_cpu_blocks=runner.num_cpu_blocks,
                       world_size=comm.world_size, all_reduce=comm.kind,
                       num_kv_heads=runner.model.plan.num_local_kv_heads, num_heads=runner.model.plan.num_local_heads)
@@ -214,8 +219,13 @@ class ExecutorProcess:
         heartbeat_file = HeartbeatFile(f"executor-{cfg.rank}")  # removes a stale file; beats once loaded
         comm = None
         try:
-            comm, runner = self._load()
-            self._warm_up(runner)
+            try:
+                comm, runner = self._load()
+                self._warm_up(runner)
+            except Exception as exc:
+                if (refusal := out_of_memory_at_start(exc)) is not None:
+                    raise refusal from exc  # exit 2: restarting will not make room
+                raise
             from .thread_tuner import step_runner
 
             self._run_step = step_runner(runner, threads.num_threads, cfg.world_size, cfg.adaptive_threads, self.log)
@@ -290,6 +300,17 @@ class ExecutorProcess:
     def _on_signal(self, signum, _frame) -> None:
         self.log.info("signal received", signal=signal.Signals(signum).name)
         self.stopping = True
+
+
+def out_of_memory_at_start(exc: BaseException) -> ValueError | None:
+    """A configuration error (one line) for a GPU that ran out of memory while the model loaded or
+    warmed up (``torch.OutOfMemoryError``); None for any other exception."""
+    if type(exc).__name__ != "OutOfMemoryError":
+        return None
+    said = " ".join(str(exc).split())
+    said = said if len(said) <= 160 else said[:157] + "..."
+    return ValueError(f"out of GPU memory while loading the model or warming up ({said}); lower "
+                      "--kv-cache-memory, --max-num-batched-tokens or --max-model-len")
 
 
 def run_executor(config: ExecutorConfig) -> int:

@@ -30,12 +30,15 @@ class DtypeChoice(NamedTuple):
 
 
 def resolve_dtype(name: str, device: torch.device) -> DtypeChoice:
-    """``auto`` is bfloat16 on GPUs and on CPUs whose matmuls run bf16 natively (AMX or AVX-512
-    BF16, ``shared/cpu_features.py``), float32 on other CPUs; any other name is taken as is."""
+    """``auto`` is bfloat16 on GPUs that compute in it (compute capability 8.0 and up; float16 on
+    older ones) and on CPUs whose matmuls run bf16 natively (AMX or AVX-512 BF16,
+    ``shared/cpu_features.py``), float32 on other CPUs; any other name is taken as is."""
     if name not in ("auto", *_DTYPES):
         raise ValueError(f"--dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
     if name != "auto":
         return DtypeChoice(_DTYPES[name], f"--dtype {name}", {})
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return DtypeChoice(torch.float16, "--dtype auto on a GPU without bfloat16 arithmetic", {})
     if device.type != "cpu":
         return DtypeChoice(torch.bfloat16, f"--dtype auto on {device.type}", {})
     features = read_cpu_features()
