@@ -117,6 +117,7 @@ def test_running_out_of_gpu_memory_at_start_is_a_configuration_error():
 def test_auto_dtype_on_a_gpu_without_bfloat16_is_float16(monkeypatch):
     from services.executor.weights import resolve_dtype
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     assert resolve_dtype("auto", torch.device("cuda", 0)).dtype == torch.float16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)

@@ -37,7 +37,8 @@ def resolve_dtype(name: str, device: torch.device) -> DtypeChoice:
         raise ValueError(f"--dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
     if name != "auto":
         return DtypeChoice(_DTYPES[name], f"--dtype {name}", {})
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+    if (device.type == "cuda" and torch.cuda.is_available()
+            and not torch.cuda.is_bf16_supported(including_emulation=False)):
         return DtypeChoice(torch.float16, "--dtype auto on a GPU without bfloat16 arithmetic", {})
     if device.type != "cpu":
         return DtypeChoice(torch.bfloat16, f"--dtype auto on {device.type}", {})
