@@ -9,8 +9,8 @@ permutations of the pool (a fragmented cache). For each shape it prints the medi
 Numba CPU paged kernel, of SDPA over the contiguous cache and of the PyTorch paged reference
 (``kernels/reference.py``), with ratios; the last lines are ``paged/contiguous (DTYPE): X.XX`` for
 batch 32, context 1,024, one per dtype. With a CUDA device (``torch.cuda.is_available()``) the
-Numba CUDA kernels are measured the same way, before them (float32; 16-bit caches fall back to
-the reference there); ``--no-cpu`` measures only them.
+Numba CUDA kernels are measured the same way, before them, in the same dtypes (their own last
+lines: ``CUDA paged/contiguous (DTYPE)``); ``--no-cpu`` measures only them.
 
 Both sides run with the same thread count: ``--threads`` (default ``torch.get_num_threads()``) is
 given to ``torch.set_num_threads`` and ``numba.set_num_threads``.
@@ -173,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         from kernels.cuda import NumbaCUDABackend
 
         print(f"CUDA: {torch.cuda.get_device_name()}; compiling the Numba CUDA kernels...", flush=True)
-        _run("numba CUDA vs torch CUDA", NumbaCUDABackend(), "cuda", shapes, args.budget)
+        cuda_backend = NumbaCUDABackend()
+        cuda_ratios = {d: _run("numba CUDA vs torch CUDA", cuda_backend, "cuda", shapes, args.budget, _DTYPES[d])
+                       for d in dtypes}
+        for d, ratio in cuda_ratios.items():
+            print(f"CUDA paged/contiguous ({d}): {ratio:.2f}", flush=True)
 
     if args.no_cpu:
         return 0

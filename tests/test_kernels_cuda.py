@@ -133,21 +133,67 @@ def test_backend_needs_a_device():
 
 
 @pytest.mark.skipif(kcuda.SIMULATOR or not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_backend_on_gpu_matches_reference():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_backend_on_gpu_matches_reference(dtype):
+    """On torch CUDA tensors, as the model calls it; 16-bit: against the float32 reference over the
+    same 16-bit values, rounded once into the output's dtype as the kernels' result is."""
     backend = kcuda.NumbaCUDABackend()
+    assert backend.runs_for(dtype) == "cuda"
     lens = [1, 16, 300, 1500]
     key_cache, value_cache, tables, context_lens, g = _case(lens, 9, 3, 64, 16, seed=4)
-    key_cache, value_cache = key_cache.cuda(), value_cache.cuda()
+    key_cache, value_cache = key_cache.cuda().to(dtype), value_cache.cuda().to(dtype)
     tables, context_lens = tables.cuda(), context_lens.cuda()
-    query = torch.randn(len(lens) + 4, 9, 64, generator=g).cuda()
+    query = torch.randn(len(lens) + 4, 9, 64, generator=g).cuda().to(dtype)
     out = torch.full_like(query, float("nan"))
     backend.decode(out[:4], query[:4], key_cache, value_cache, tables, context_lens, 0.125)
-    expected = torch.empty_like(query)
-    reference.paged_decode_attention(expected[:4], query[:4], key_cache, value_cache, tables,
-                                     context_lens, 0.125)
+    expected = torch.empty(query.shape, device="cuda")
+    kc, vc, q = key_cache.float(), value_cache.float(), query.float()
+    reference.paged_decode_attention(expected[:4], q[:4], kc, vc, tables, context_lens, 0.125)
     qsl = torch.tensor([0, 1, 4, 6, 8], dtype=torch.int32, device="cuda")
     backend.prefill(out[4:], query[4:], key_cache, value_cache, tables, qsl, context_lens, 0.125)
-    reference.paged_prefill_attention(expected[4:], query[4:], key_cache, value_cache, tables, qsl,
-                                      context_lens, 0.125)
+    reference.paged_prefill_attention(expected[4:], q[4:], kc, vc, tables, qsl, context_lens, 0.125)
     torch.cuda.synchronize()
-    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+    # 16-bit: torch's tolerances for the dtype (a result on a rounding boundary may round one ulp apart)
+    tolerance = {"atol": ATOL, "rtol": RTOL} if dtype == torch.float32 else {}
+    torch.testing.assert_close(out, expected.to(dtype), **tolerance)
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """What the kernels are given for a 16-bit tensor: float16 as is, bfloat16 as its int16 bits."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_caches_match_the_reference_from_the_same_values(dtype):
+    """bf16 (int16 bits) and fp16 caches and queries: the kernels widen every element and
+    accumulate in float32, so they equal the float32 reference over the same 16-bit values as
+    closely as float32 kernels do; new keys and values are written bit for bit."""
+    lens = [37]
+    key_cache, value_cache, tables, context_lens, g = _case(lens, 2, 1, 64, 16, seed=5)
+    kc, vc = key_cache.to(dtype), value_cache.to(dtype)
+    query = torch.randn(len(lens), 2, 64, generator=g).to(dtype)
+    expected = torch.empty(query.shape)
+    reference.paged_decode_attention(expected, query.float(), kc.float(), vc.float(), tables, context_lens, 0.125)
+    out = np.full(query.shape, np.nan, np.float32)
+    kcuda.paged_decode_attention(out, _bits(query), _bits(kc), _bits(vc), tables.numpy(), context_lens.numpy(),
+                                 0.125)  # one partition: the merge reads float32 partials whatever the cache
+    np.testing.assert_allclose(out, expected.numpy(), atol=ATOL, rtol=RTOL)
+
+    query_start_loc = torch.tensor([0, 2], dtype=torch.int32)  # 2 new tokens after 12 cached
+    lens_pf = torch.tensor([14], dtype=torch.int32)
+    query = torch.randn(2, 2, 64, generator=g).to(dtype)
+    expected = torch.empty(query.shape)
+    reference.paged_prefill_attention(expected, query.float(), kc.float(), vc.float(), tables[:1], query_start_loc,
+                                      lens_pf, 0.125)
+    out = np.full(query.shape, np.nan, np.float32)
+    kcuda.paged_prefill_attention(out, _bits(query), _bits(kc), _bits(vc), tables[:1].numpy(),
+                                  query_start_loc.numpy(), lens_pf.numpy(), 0.125)
+    np.testing.assert_allclose(out, expected.numpy(), atol=ATOL, rtol=RTOL)
+
+    slots = torch.tensor([5, 17], dtype=torch.int64)
+    key, value = torch.randn(2, 1, 64, generator=g).to(dtype), torch.randn(2, 1, 64, generator=g).to(dtype)
+    want_k, want_v = kc.clone(), vc.clone()
+    reference.write_kv_cache(want_k, want_v, key, value, slots)
+    got_k, got_v = _bits(kc).copy(), _bits(vc).copy()
+    kcuda.write_kv_cache(got_k, got_v, _bits(key), _bits(value), slots.numpy())
+    assert np.array_equal(got_k, _bits(want_k)) and np.array_equal(got_v, _bits(want_v))

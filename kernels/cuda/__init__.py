@@ -4,7 +4,9 @@ Importing this package needs no GPU (kernels compile lazily, on first launch);
 ``NumbaCUDABackend()`` raises ImportError where CUDA is unavailable, so the dispatch's ``auto``
 falls back to torch.
 
-Kernels (all module-level ``cuda.jit`` kernels, float32 in, float32 accumulation). No device
+Kernels (all module-level ``cuda.jit`` kernels): float32, float16 or bfloat16 caches and queries
+(bfloat16 as int16 bits, which numba has no type for), every element read through
+``config.widen``, float32 accumulation and a float32 result. No device
 functions, not even the library's: ``min``/``max`` and numba's own ``cuda.shfl_xor_sync`` are device
 functions, which ``cuda.compile_ptx`` cannot compile without a current device, so the kernels use
 ``if`` and ``config.shfl_xor``: numba-cuda's ``cuda.shfl_xor_sync`` (an intrinsic there; numba-cuda

@@ -30,8 +30,10 @@ def _check_numba_cuda_loads() -> None:
 class NumbaCUDABackend:
     """Numba CUDA kernels behind the dispatch's backend interface (torch CUDA tensors, in place).
 
-    Launches go on torch's current stream, workspaces come from torch's caching allocator; float32
-    caches only (other dtypes fall back to the PyTorch reference).
+    Launches go on torch's current stream, workspaces come from torch's caching allocator. Caches
+    in float32, float16 or bfloat16 (handed to numba as int16 bits, which it has no type for), with
+    queries and new keys/values in the cache's dtype; the kernels accumulate in float32 and write a
+    float32 result, cast into ``out``'s dtype by torch. Anything else falls back to the reference.
     """
 
     name = "cuda"
@@ -47,14 +49,21 @@ class NumbaCUDABackend:
 
     def runs_for(self, dtype) -> str:
         """What runs the attention of a model in ``dtype`` (for the executor's log)."""
-        return self.name if dtype == self._torch.float32 else "torch (the CUDA kernels take float32 caches)"
+        torch = self._torch
+        return self.name if dtype in (torch.float32, torch.float16, torch.bfloat16) else "torch"
 
-    def _fast(self, *tensors) -> bool:
-        return all(t.is_cuda and t.dtype == self._torch.float32 for t in tensors)
+    def _fast(self, cache, *tensors) -> bool:
+        """Tensors the kernels take: on the GPU, the cache in a dtype they read, the others in the
+        cache's dtype."""
+        torch = self._torch
+        return (cache.is_cuda and cache.dtype in (torch.float32, torch.float16, torch.bfloat16)
+                and all(t.is_cuda and t.dtype == cache.dtype for t in tensors))
 
-    @staticmethod
-    def _dev(t):
-        return cuda.as_cuda_array(t.detach(), sync=False)  # ordering: same stream as torch
+    def _dev(self, t):
+        t = t.detach()
+        if t.dtype == self._torch.bfloat16:
+            t = t.view(self._torch.int16)  # its bits: the kernels widen them (config.widen)
+        return cuda.as_cuda_array(t, sync=False)  # ordering: same stream as torch
 
     def _stream(self, t):
         handle = self._torch.cuda.current_stream(t.device).cuda_stream
@@ -88,8 +97,9 @@ class NumbaCUDABackend:
     def _attention(self, kind, out, query, key_cache, value_cache, block_tables, query_start_loc,
                    context_lens, scale):
         torch = self._torch
-        target = out if out.is_contiguous() else torch.empty_like(out)
         device = query.device
+        exact = out.is_contiguous() and out.dtype == torch.float32
+        target = out if exact else torch.empty(out.shape, dtype=torch.float32, device=device)
         args = [self._dev(query.contiguous()), self._dev(key_cache), self._dev(value_cache),
                 self._dev(block_tables.to(torch.int32).contiguous())]
         if kind == "prefill":
@@ -110,7 +120,7 @@ class NumbaCUDABackend:
     def decode(self, out, query, key_cache, value_cache, block_tables, context_lens, scale) -> None:
         from kernels import reference
 
-        if not (self._fast(out, query, key_cache, value_cache)
+        if not (self._fast(key_cache, query, value_cache) and out.is_cuda
                 and key_cache.is_contiguous() and value_cache.is_contiguous()):
             return reference.paged_decode_attention(
                 out, query, key_cache, value_cache, block_tables, context_lens, scale)
@@ -122,7 +132,7 @@ class NumbaCUDABackend:
                 context_lens, scale, new_key=None, new_value=None) -> None:
         from kernels import reference
 
-        if not (self._fast(out, query, key_cache, value_cache)
+        if not (self._fast(key_cache, query, value_cache) and out.is_cuda
                 and key_cache.is_contiguous() and value_cache.is_contiguous()):
             return reference.paged_prefill_attention(
                 out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,

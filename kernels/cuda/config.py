@@ -79,3 +79,40 @@ elif hasattr(cuda, "shfl_sync_intrinsic"):
     shfl_xor = _shfl_xor_from_numba_intrinsic()
 else:
     shfl_xor = cuda.shfl_xor_sync
+
+
+def _widen_compiled():
+    """``widen(x)``: a cache or query element as float32, for float32, float16 and bfloat16 bits
+    (``int16``: numpy and numba have no bfloat16; the bits are the high half of a float32)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core.typing import signature
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def widen(typingctx, x):
+        if x not in (types.float32, types.float16, types.int16):
+            return None
+
+        def codegen(context, builder, sig, args):
+            (value,) = args
+            if sig.args[0] == types.int16:  # bfloat16 bits: shifted into a float32's high half, exact
+                bits = builder.shl(builder.zext(value, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+                return builder.bitcast(bits, ir.FloatType())
+            return context.cast(builder, value, sig.args[0], types.float32)
+
+        return signature(types.float32, x), codegen
+
+    return widen
+
+
+def _widen_simulated(x):
+    """The simulator's ``widen`` (its kernels run as Python on numpy scalars)."""
+    if isinstance(x, np.int16):
+        return np.array(x, np.int16).view(np.uint16).astype(np.uint32).__lshift__(16).view(np.float32)[()]
+    return np.float32(x)
+
+
+# 16-bit caches: the attention kernels read every query, key and value element through ``widen``
+# and accumulate in float32, as the CPU kernels do (``kernels/cpu/common.py``).
+widen = _widen_simulated if SIMULATOR else _widen_compiled()

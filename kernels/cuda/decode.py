@@ -23,7 +23,7 @@ from numba import cuda, float32
 
 from kernels.cuda.config import (
     ATTENTION_MAX_REGISTERS, FULL_MASK, MAX_HEAD_DIM, MAX_PARTITION, NEG_INF, NUM_WARPS, PARTIALS,
-    THREADS, USE_SHUFFLE, WARP, jit_options, shfl_xor,
+    THREADS, USE_SHUFFLE, WARP, jit_options, shfl_xor, widen,
 )
 
 
@@ -34,8 +34,9 @@ def decode_kernel(part_out, part_max, part_sum, query, key_cache, value_cache, b
     # part_out: [num_seqs, num_heads, num_partitions, head_dim] float32 (normalized per partition;
     #   with one partition, a view of the output)
     # part_max, part_sum: [num_seqs, num_heads, num_partitions] float32
-    # query: [num_seqs, num_heads, head_dim] float32
-    # key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim] float32
+    # query: [num_seqs, num_heads, head_dim] in the cache's format
+    # key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim] float32, float16
+    #   or bfloat16 bits (int16), read through widen: float32 arithmetic throughout
     # block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32
     # scale: float32; partition_size: int32, <= MAX_PARTITION
     s = cuda.blockIdx.x
@@ -63,7 +64,7 @@ def decode_kernel(part_out, part_max, part_sum, query, key_cache, value_cache, b
     red = cuda.shared.array(THREADS, float32)
     partials = cuda.shared.array(PARTIALS, float32)
     for d in range(tid, head_dim, THREADS):
-        q_sh[d] = query[s, h, d]
+        q_sh[d] = widen(query[s, h, d])
     cuda.syncthreads()
 
     # 1. logits[i] = scale * q . k[start + i]
@@ -76,7 +77,7 @@ def decode_kernel(part_out, part_max, part_sum, query, key_cache, value_cache, b
             acc = float32(0.0)
             d = lane
             while d < head_dim:
-                acc += q_sh[d] * key_cache[blk, kvh, off, d]
+                acc += q_sh[d] * widen(key_cache[blk, kvh, off, d])
                 d += WARP
             step = np.int32(WARP // 2)
             while step > 0:
@@ -99,7 +100,7 @@ def decode_kernel(part_out, part_max, part_sum, query, key_cache, value_cache, b
                     off = tok - (tok // block_size) * block_size
                     d = lane
                     while d < head_dim:
-                        acc += q_sh[d] * key_cache[blk, kvh, off, d]
+                        acc += q_sh[d] * widen(key_cache[blk, kvh, off, d])
                         d += WARP
                 partials[j * WARP + lane] = acc
             cuda.syncthreads()
@@ -190,7 +191,7 @@ def decode_kernel(part_out, part_max, part_sum, query, key_cache, value_cache, b
             bi = (start + g) // block_size
             off = start + g - bi * block_size
             while i < n:
-                acc += logits[i] * value_cache[block_tables[s, bi], kvh, off, d]
+                acc += logits[i] * widen(value_cache[block_tables[s, bi], kvh, off, d])
                 i += groups
                 off += groups
                 while off >= block_size:
@@ -210,7 +211,7 @@ def decode_kernel(part_out, part_max, part_sum, query, key_cache, value_cache, b
             bi = start // block_size
             off = start - bi * block_size
             for i in range(n):
-                acc += logits[i] * value_cache[block_tables[s, bi], kvh, off, d]
+                acc += logits[i] * widen(value_cache[block_tables[s, bi], kvh, off, d])
                 off += 1
                 if off == block_size:
                     off = 0

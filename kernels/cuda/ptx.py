@@ -1,5 +1,6 @@
 """Signatures for ahead-of-time PTX compilation (``tests/test_kernels_ptx.py``); C-contiguous
-arrays."""
+arrays. Each attention kernel also in its 16-bit forms' shape: bfloat16 caches and queries as int16
+bits (``_bf16``; float16's differ only in the widening instruction)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from kernels.cuda.prefill import prefill_kernel
 
 def ptx_signatures():
     """``{name: (python function, signature)}`` for ``cuda.compile_ptx``."""
-    from numba import int32, int64
+    from numba import int16, int32, int64
 
     f4 = float32[:, :, :, ::1]
     f3 = float32[:, :, ::1]
     i32_2 = int32[:, ::1]
     i32_1 = int32[::1]
+    b4, b3 = int16[:, :, :, ::1], int16[:, :, ::1]  # bfloat16 bits
     return {
         "write_kv_kernel": (write_kv_kernel, (f4, f4, f3, f3, int64[::1])),
         "decode_kernel": (decode_kernel, (f4, f3, f3, f3, f4, f4, i32_2, i32_1, float32, int32)),
@@ -26,4 +28,8 @@ def ptx_signatures():
                                             float32, int32)),
         "merge_kernel": (merge_kernel, (f3, f4, f3, f3, i32_1, int32)),
         "copy_blocks_kernel": (copy_blocks_kernel, (float32[:, ::1], float32[:, ::1], int64[:, ::1])),
+        "decode_kernel_bf16": (decode_kernel, (f4, f3, f3, b3, b4, b4, i32_2, i32_1, float32, int32)),
+        "prefill_kernel_bf16": (prefill_kernel, (f4, f3, f3, i32_1, b3, b4, b4, i32_2, i32_1, i32_1,
+                                                 float32, int32)),
+        "write_kv_kernel_bf16": (write_kv_kernel, (b4, b4, b3, b3, int64[::1])),
     }

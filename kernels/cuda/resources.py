@@ -156,7 +156,7 @@ def main() -> int:
     missed = False
     for r in kernel_resources(ptxas):
         occ = occupancy(r.cc, r.registers, r.threads, r.shared_bytes)
-        bad = r.spill_stores or r.spill_loads or (r.name == "decode_kernel" and occ.fraction < 0.5)
+        bad = r.spill_stores or r.spill_loads or (r.name.startswith("decode_kernel") and occ.fraction < 0.5)
         missed = missed or bool(bad)
         print(f"{r.name:<20} sm_{r.cc[0]}{r.cc[1]:<3} {r.threads:>7} {r.registers:>4} "
               f"{r.max_registers or '-':>4} {f'{r.spill_stores}/{r.spill_loads}':>11} "
