@@ -7,7 +7,8 @@
 # random model of SmolLM2's sizes), greedy-f32, serve-f32 (serve --device cuda --attention-backend
 # cuda: greedy against transformers, then loadtest.throughput; serve-f32-torch: the same with the
 # PyTorch reference attention), bench (python -m kernels.bench on
-# the GPU), ipc (the CUDA IPC all-reduce tests), greedy-bf16, serve-bf16. Each runs under its own
+# the GPU), ipc (the CUDA IPC all-reduce tests), greedy-bf16, serve-bf16 (the 16-bit kernels),
+# profile (python -m loadtest.profile --device cuda: where a step's time goes). Each runs under its own
 # time limit; stdout gets each stage's tail and exit code, LOG_DIR (default $OUT or /tmp/gpu-check)
 # every log in logs.tgz. Reads:
 #   .gpu/smollm2/  SmolLM2's config and tokenizer (python -m loadtest.gpu_check export-config --out
@@ -19,7 +20,7 @@
 set -u
 LOG_DIR=${1:-${OUT:-/tmp/gpu-check}}
 shift || true
-STAGES=${*:-env kernels model greedy-f32 serve-f32 bench ipc greedy-bf16 serve-bf16}
+STAGES=${*:-env kernels model greedy-f32 serve-f32 bench ipc greedy-bf16 serve-bf16 profile}
 PY=${PYTHON:-python3}
 LOGS=$(mktemp -d /tmp/gpu-check-logs.XXXX)
 MODEL=/tmp/gpu-check-model
@@ -112,6 +113,8 @@ import zmq, structlog, msgpack, aiohttp, uvloop, prometheus_client; print('servi
       serve_check serve-bf16 bfloat16 --dtype auto --max-num-seqs 64 --kv-cache-memory 4GiB ;;
     bench)
       run bench 120 $PY -m kernels.bench --no-cpu --budget 0.3 ;;
+    profile)  # where a step's time goes on the GPU (every region synchronized), in the default dtype
+      run profile 150 $PY -m loadtest.profile --device "$DEVICE" --model "$MODEL" --steps 6 --prefill 512 ;;
     ipc)
       run ipc 150 $PY -m pytest -q --noconftest -p no:cacheprovider -o addopts= tests/test_allreduce_cuda_ipc.py ;;
     *) echo "unknown stage $stage" ;;

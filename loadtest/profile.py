@@ -183,24 +183,38 @@ def run_scenario(bench: StepBench, label: str, num_decodes: int, context: int, p
     return samples
 
 
-def build(model: str | None, dtype_name: str, num_blocks: int, max_model_len: int, linear_kernel: str = "auto"):
+def build(model: str | None, dtype_name: str, num_blocks: int, max_model_len: int, linear_kernel: str = "auto",
+          device_name: str = "cpu"):
     """(runner, dtype choice, model source) with the KV pool filled with noise."""
-    import torch
-
+    from services.executor.device import resolve_device
     from services.executor.loader import RunnerOptions, build_runner
     from services.executor.weights import load_hf_config, load_state_dict, resolve_dtype
     from shared.model_source import resolve_model
 
     source = resolve_model(model)
-    choice = resolve_dtype(dtype_name, torch.device("cpu"))
-    say(f"loading {source.name} in {choice.dtype} ({choice.reason})")
-    options = RunnerOptions(dtype=choice.dtype, num_kv_blocks=num_blocks, num_cpu_blocks=0,
+    device = resolve_device(device_name)
+    choice = resolve_dtype(dtype_name, device)
+    say(f"loading {source.name} in {choice.dtype} ({choice.reason}) on {device}")
+    options = RunnerOptions(dtype=choice.dtype, num_kv_blocks=num_blocks, num_cpu_blocks=0, device=str(device),
                             max_model_len=max_model_len, linear_kernel=linear_kernel)
     runner = build_runner(load_hf_config(source), load_state_dict(source), options)
     for key_cache, value_cache in runner.kv_caches:
         key_cache.normal_()
         value_cache.normal_()
     return runner, choice, source
+
+
+def synchronized(clock: Callable[[], int]) -> Callable[[], int]:
+    """``clock`` read after the GPU's queued work is done: a region timed with it holds its kernels'
+    time, not only their launches' (which serializes host and GPU: the regions sum to more than an
+    unsynchronized step would take)."""
+    import torch
+
+    def read() -> int:
+        torch.cuda.synchronize()
+        return clock()
+
+    return read
 
 
 def scenarios(args) -> list[tuple[str, int, tuple[int, ...]]]:
@@ -236,8 +250,10 @@ def measure(args) -> tuple[dict, list]:
     per_seq = -(-(args.context + args.warmup + args.steps + 2) // 16)
     num_blocks = max_seqs * per_seq + sum(-(-length // 16) for _, _, lengths in cols for length in lengths) + 8
     runner, choice, source = build(args.model, args.dtype, num_blocks, args.context + args.prefill + 64,
-                                   args.linear_kernel)
+                                   args.linear_kernel, args.device)
     clock = time.process_time_ns if args.clock == "cpu" else time.perf_counter_ns
+    if runner.device.type == "cuda":
+        clock = synchronized(clock)
     # the backend set up as a server's executor sets it (attention partitions, row kernels), though
     # every step here runs on all the threads: no tuner chooses them
     _, tuning = thread_tuner_for(runner, torch.get_num_threads(), 1)
@@ -248,7 +264,7 @@ def measure(args) -> tuple[dict, list]:
         for label, num_decodes, lengths in cols:
             say(f"  {label}: the matmul roofline's weights")
             roofline = RooflinePasses(runner.model.config, choice.dtype, num_decodes + sum(lengths),
-                                      num_decodes + len(lengths), kernel=kernel)
+                                      num_decodes + len(lengths), kernel=kernel, device=runner.device)
             passes: list[list[tuple[int, int]]] = []
             samples = run_scenario(
                 bench, label, num_decodes, args.context, lengths, args.warmup, args.steps,
@@ -258,9 +274,11 @@ def measure(args) -> tuple[dict, list]:
             results.append((label, median_parts(samples), roof))
     finally:
         bench.close()
+    backend = runner.backend
     facts = {"model": source.name, "dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason,
-             "source": source, "backend": runner.backend.name, "linear": kernel,
-             "executor_setup": tuning, "prefill_kind": getattr(runner.backend, "prefill_kind", lambda: runner.backend.name)()}
+             "source": source, "backend": getattr(backend, "runs_for", lambda _: backend.name)(choice.dtype),
+             "linear": kernel, "device": str(runner.device), "executor_setup": tuning,
+             "prefill_kind": getattr(backend, "prefill_kind", lambda: backend.name)()}
     return facts, results
 
 
@@ -285,6 +303,9 @@ def parse_args(argv=None):
                          "roofline is the best of them all, and each step is also set against the passes "
                          "of its own moment")
     ap.add_argument("--num-threads", type=int, default=None, help="as the executor's --num-threads")
+    ap.add_argument("--device", default="cpu", metavar="{auto,cpu,cuda,cuda:N}",
+                    help="as the executor's --device (default cpu); on a GPU every timed region starts and "
+                         "ends with torch.cuda.synchronize, so that each holds its kernels' time")
     ap.add_argument("--json", default=None, help="also write the medians (ms) to this file")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="wall time, or the process's CPU time (steadier on a busy machine, with "

@@ -67,7 +67,7 @@ class RooflinePasses:
     "numba". Built (and run once, so that oneDNN picks and caches its kernels) on construction."""
 
     def __init__(self, cfg, dtype: torch.dtype, num_tokens: int, num_sampled: int,
-                 kernel: str = "torch") -> None:
+                 kernel: str = "torch", device: torch.device | str = "cpu") -> None:
         from torch import nn
 
         from services.executor.linear import PackedLinear, PairLinear
@@ -75,14 +75,15 @@ class RooflinePasses:
         wrap = {"torch": lambda linear: linear, "onednn": PackedLinear, "numba": PairLinear}[kernel]
 
         def make(in_f: int, out_f: int) -> nn.Module:
-            return wrap(nn.Linear(in_f, out_f, bias=False, dtype=dtype))
+            return wrap(nn.Linear(in_f, out_f, bias=False, dtype=dtype, device=device))
 
         with torch.inference_mode():
             self._layers = [[make(in_f, out_f) for in_f, out_f in layer_shapes(cfg)]
                             for _ in range(cfg.num_layers)]
-            self._inputs = {n: torch.randn(num_tokens, n, dtype=dtype) for n in {s[0] for s in layer_shapes(cfg)}}
+            self._inputs = {n: torch.randn(num_tokens, n, dtype=dtype, device=device)
+                            for n in {s[0] for s in layer_shapes(cfg)}}
             self._head = make(cfg.embedding_dim, cfg.vocab_size)
-            self._head_in = torch.randn(num_sampled, cfg.embedding_dim, dtype=dtype)
+            self._head_in = torch.randn(num_sampled, cfg.embedding_dim, dtype=dtype, device=device)
         self.time_pass(time.perf_counter_ns)  # warm-up
 
     def time_pass(self, clock=time.perf_counter_ns) -> tuple[int, int]:

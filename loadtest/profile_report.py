@@ -91,6 +91,8 @@ def header(facts: dict, args, load_before: tuple) -> str:
         f"numba {numba.get_num_threads()} ({facts.get('threads_reason', '')}), "
         f"OpenMP: {facts.get('openmp', '')}; "
         f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after",
+        *([f"device {facts['device']}: every timed region synchronized (regions hold their kernels' time)"]
+          if facts.get("device", "cpu") != "cpu" else []),
         f"{args.clock} clock; median of {args.steps} steps per column (after {args.warmup} warm-up), "
         f"context {args.context}; "
         "a shared machine makes absolute times noisy: compare ratios from one run",

@@ -182,3 +182,20 @@ def test_an_opt_model_is_profiled_too():
     assert layer_shapes(cfg) == [(64, 64), (64, 64), (64, 64), (64, 64), (64, 96), (96, 64)]
     passes = RooflinePasses(cfg, torch.float32, num_tokens=3, num_sampled=3)
     assert all(t > 0 for t in passes.time_pass())
+
+
+def test_a_gpu_profile_synchronizes_every_reading_and_names_its_device(monkeypatch):
+    """``--device cuda``: each clock reading waits for the GPU first (faked here: no GPU), and the
+    header says the regions are synchronized; the CPU's header does not."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
+    ticks = iter(range(10, 100, 10))
+    clock = profile.synchronized(lambda: next(ticks))
+    assert (clock(), clock()) == (10, 20) and calls == ["sync", "sync"]
+    args = profile.parse_args(["--device", "cuda", "--dtype", "float32"])
+    facts = {"model": "tiny", "dtype": "float32", "reason": "--dtype float32", "backend": "cuda",
+             "linear": "torch", "prefill_kind": "cuda", "device": "cuda:0"}
+    lines = profile_report.header(facts, args, (0.5, 0.5, 0.5)).splitlines()
+    assert any(line.startswith("device cuda:0: every timed region synchronized") for line in lines)
+    cpu = profile_report.header({**facts, "device": "cpu"}, profile.parse_args([]), (0.5, 0.5, 0.5))
+    assert "synchronized" not in cpu

@@ -31,7 +31,8 @@ class NumbaCUDABackend:
     """Numba CUDA kernels behind the dispatch's backend interface (torch CUDA tensors, in place).
 
     Launches go on torch's current stream, workspaces come from torch's caching allocator. Caches
-    in float32, float16 or bfloat16 (handed to numba as int16 bits, which it has no type for), with
+    in float32, float16 or bfloat16 (handed to numba as an int16 view: torch exports bfloat16 as
+    ``<V2``, which numba cannot read), with
     queries and new keys/values in the cache's dtype; the kernels accumulate in float32 and write a
     float32 result, cast into ``out``'s dtype by torch. Anything else falls back to the reference.
     """

@@ -83,7 +83,8 @@ else:
 
 def _widen_compiled():
     """``widen(x)``: a cache or query element as float32, for float32, float16 and bfloat16 bits
-    (``int16``: numpy and numba have no bfloat16; the bits are the high half of a float32)."""
+    (``int16``: torch hands a bfloat16 tensor to numba as ``<V2``, which it cannot read, so the
+    backend passes an int16 view; the bits are the high half of a float32)."""
     from llvmlite import ir
     from numba import types
     from numba.core.typing import signature
@@ -108,8 +109,8 @@ def _widen_compiled():
 
 def _widen_simulated(x):
     """The simulator's ``widen`` (its kernels run as Python on numpy scalars)."""
-    if isinstance(x, np.int16):
-        return np.array(x, np.int16).view(np.uint16).astype(np.uint32).__lshift__(16).view(np.float32)[()]
+    if isinstance(x, np.int16):  # scalars of fixed width throughout (numpy 1.x would promote a Python int)
+        return (np.uint32(x.view(np.uint16)) << np.uint32(16)).view(np.float32)
     return np.float32(x)
 
 
