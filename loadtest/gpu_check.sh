@@ -17,7 +17,22 @@
 #                  fails (numpy 2.5 breaks numba-cuda 0.30.4), installed to /tmp/site, ahead of the rest
 #   PYTHON         the interpreter (default python3)
 #   DEVICE, F32_ATTENTION  cuda and cuda by default; cpu and numba try the script's plumbing on a CPU
+#
+#     bash loadtest/gpu_check.sh --prepare
+#
+# run here, before asking for a GPU, writes the two folders the run reads (git-ignored; a device
+# call carries them: carry [".gpu", ".whl"]).
 set -u
+if [ "${1:-}" = "--prepare" ]; then
+  set -e
+  "${PYTHON:-.venv/bin/python}" -m loadtest.gpu_check export-config --out .gpu/smollm2
+  # the versions that ran on the H200 of 2026-12-04 (Python 3.12 there); numpy below 2.5 for numba-cuda
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl pyzmq==27.3.0 structlog==26.1.0 numpy==2.4.6
+  du -sh .gpu .whl
+  exit 0
+fi
 LOG_DIR=${1:-${OUT:-/tmp/gpu-check}}
 shift || true
 STAGES=${*:-env kernels model greedy-f32 serve-f32 bench ipc greedy-bf16 serve-bf16 profile}
