@@ -223,7 +223,7 @@ def run_hf_static(reqs: list[Request], batch_size: int, threads: int):
 # ---------------------------------------------------------------- main
 
 
-def peer_model_name(url: str) -> str:
+def served_model_name(url: str) -> str:
     """The first model a server serves (vLLM names it after its checkpoint path; a pagedserve given
     with ``--url`` may serve any model)."""
     return _get_json(f"{url}/v1/models")["data"][0]["id"]
@@ -271,9 +271,9 @@ def main() -> None:
     warmup = [Request(r.prompt_ids, WARMUP_OUTPUT_TOKENS)
               for r in make_workload(n, args.seed + WARMUP_SEED_OFFSET, 49152, args.prompt_len, args.output_len)]
     with pagedserve_server(args) as url:
-        servers = [Server("pagedserve", url, peer_model_name(url), ours=True)]
+        servers = [Server("pagedserve", url, served_model_name(url), ours=True)]
         if args.peer_url:
-            servers.append(Server(args.peer_name, args.peer_url, peer_model_name(args.peer_url)))
+            servers.append(Server(args.peer_name, args.peer_url, served_model_name(args.peer_url)))
         rounds = measure_rounds(servers, workloads, warmup)
     rows = [(server.name, median_summary([r[server.name] for r in rounds])) for server in servers]
     if not args.skip_hf:

@@ -21,7 +21,7 @@ def sent(monkeypatch):
 
     monkeypatch.setattr(throughput, "run_server", run_server)
     monkeypatch.setattr(throughput, "_get_json", lambda url: {"status": "ok"})
-    monkeypatch.setattr(throughput, "peer_model_name", lambda url: "peer-model")
+    monkeypatch.setattr(throughput, "served_model_name", lambda url: "served-model")
     monkeypatch.setattr(throughput, "wait_for_quiet", lambda: 0.0)  # tested on its own below
     return calls
 

@@ -6,8 +6,7 @@ falls back to torch.
 
 Kernels (all module-level ``cuda.jit`` kernels): float32, float16 or bfloat16 caches and queries
 (bfloat16 as an int16 view: torch exports bfloat16 as ``<V2``, which numba cannot read), every
-element read through
-``config.widen``, float32 accumulation and a float32 result. No device
+element read through ``config.widen``, float32 accumulation and a float32 result. No device
 functions, not even the library's: ``min``/``max`` and numba's own ``cuda.shfl_xor_sync`` are device
 functions, which ``cuda.compile_ptx`` cannot compile without a current device, so the kernels use
 ``if`` and ``config.shfl_xor``: numba-cuda's ``cuda.shfl_xor_sync`` (an intrinsic there; numba-cuda

@@ -32,9 +32,9 @@ class NumbaCUDABackend:
 
     Launches go on torch's current stream, workspaces come from torch's caching allocator. Caches
     in float32, float16 or bfloat16 (handed to numba as an int16 view: torch exports bfloat16 as
-    ``<V2``, which numba cannot read), with
-    queries and new keys/values in the cache's dtype; the kernels accumulate in float32 and write a
-    float32 result, cast into ``out``'s dtype by torch. Anything else falls back to the reference.
+    ``<V2``, which numba cannot read), with queries and new keys/values in the cache's dtype; the
+    kernels accumulate in float32 and write a float32 result, cast into ``out``'s dtype by torch.
+    Anything else falls back to the reference.
     """
 
     name = "cuda"
@@ -47,17 +47,16 @@ class NumbaCUDABackend:
         import torch
 
         self._torch = torch
+        self._dtypes = (torch.float32, torch.float16, torch.bfloat16)  # the caches the kernels read
 
     def runs_for(self, dtype) -> str:
         """What runs the attention of a model in ``dtype`` (for the executor's log)."""
-        torch = self._torch
-        return self.name if dtype in (torch.float32, torch.float16, torch.bfloat16) else "torch"
+        return self.name if dtype in self._dtypes else "torch"
 
     def _fast(self, cache, *tensors) -> bool:
         """Tensors the kernels take: on the GPU, the cache in a dtype they read, the others in the
         cache's dtype."""
-        torch = self._torch
-        return (cache.is_cuda and cache.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        return (cache.is_cuda and cache.dtype in self._dtypes
                 and all(t.is_cuda and t.dtype == cache.dtype for t in tensors))
 
     def _dev(self, t):

@@ -45,8 +45,8 @@ def _shfl_xor_from_numba_intrinsic():
     CUDA target, whose ``cuda.shfl_xor_sync`` is a device function (``cuda.compile_ptx`` cannot
     compile one without a current device): an intrinsic over its ``shfl_sync_intrinsic``."""
     from numba import types
-    from numba.core.extending import intrinsic
     from numba.core.typing import signature
+    from numba.cuda.extending import intrinsic
 
     @intrinsic
     def shfl_xor(typingctx, mask, value, lane_mask):

@@ -77,8 +77,8 @@ def plan_runner(hf_config, options: RunnerOptions, where: str = "the model",
     """Settle the pool sizes and ``max_model_len`` for ``options``, and refuse (``ModelCheckError``,
     one line) a pool of no block or a total this machine cannot hold: before anything is loaded.
     With ``shard`` (one rank of a tensor-parallel group), for that rank's KV heads and weights."""
-    dtype = _dtype(options)
     device = resolve_device(options.device)
+    dtype = _dtype(options, device)
     plan = plan_memory(
         hf_config, f"{where} in {dtype}", dtype_bytes=torch.empty((), dtype=dtype).element_size(),
         block_size=options.block_size, num_kv_blocks=options.num_kv_blocks,
@@ -113,7 +113,7 @@ def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: Runner
     shard = shard_plan(hf_config, comm)
     plan = plan or plan_runner(hf_config, options, shard=shard)
     device = resolve_device(options.device)
-    dtype = _dtype(options)
+    dtype = _dtype(options, device)
     model = build_model(hf_config, state_dict, dtype, device, plan.max_model_len, shard, comm)
     kind = choose_linear_kernel(options.linear_kernel, device, dtype)
     if kind != "torch":
@@ -125,7 +125,7 @@ def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: Runner
                        cpu_kv_caches=cpu_kv)
 
 
-def _dtype(options: RunnerOptions) -> torch.dtype:
+def _dtype(options: RunnerOptions, device: torch.device) -> torch.dtype:
     if isinstance(options.dtype, torch.dtype):
         return options.dtype
-    return resolve_dtype(options.dtype, resolve_device(options.device)).dtype
+    return resolve_dtype(options.dtype, device).dtype
