@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("executor", help="one executor process alone")
     _add_executor_arguments(ex)
     ex.add_argument("--max-model-len", type=int, default=None)
+    ex.add_argument("--tokenizer", default=None,
+                    help="the frontend's --tokenizer, if it has one: guided requests (response_format) are "
+                         "masked over its tokens (default: the model's)")
     _add_group_arguments(ex, serve=False)
     _add_endpoint_arguments(ex, ("step", "result"))
     add_curve_argument(ex)
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 endpoints=Endpoints(request="", step=step, result=result),
                 rank=args.rank, world_size=args.world_size, zmq_curve=curve_dir(args), device_index=args.device_index,
                 **_kwargs(args, ["model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory",
-                                 "swap_space", "max_model_len", "attention_backend", "linear_kernel",
+                                 "swap_space", "max_model_len", "attention_backend", "linear_kernel", "tokenizer",
                                  "num_threads", "adaptive_threads", "seed", "all_reduce", "num_nodes", "dist_init_addr", "group_id",
                                  "group_store", "group_timeout_s"]),
             ))

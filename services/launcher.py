@@ -356,7 +356,7 @@ def rank_argv(plan: ReplicaPlan, rank: int) -> list[str]:
 
 
 def executor_argv(args) -> list[str]:
-    return _flags(args, ["model", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory",
+    return _flags(args, ["model", "tokenizer", "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory",
                          "swap_space", "max_model_len", "attention_backend", "linear_kernel", "num_threads",
                          "adaptive_threads", "seed"])
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from services.executor.guided import Vocabulary, token_bytes
 from services.executor.loader import RunnerOptions, build_runner
 from services.executor.runner import ModelRunner
 from services.scheduler.block_manager import BlockManager
@@ -33,6 +34,7 @@ from services.scheduler.contiguous import ContiguousBlockManager
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.messages import AddRequest, RequestOutput, SamplingParams, Step, StepResult
 from shared.model_source import eos_token_ids, load_tokenizer, resolve_model, resolve_tokenizer
+from shared.structured import compile_guide
 
 _RUNNER_OPTIONS = {f.name for f in dataclasses.fields(RunnerOptions)}
 
@@ -194,6 +196,9 @@ class LLM:
         self.default_sampling_params = default_params or SamplingParams()
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
+        if tokenizer is not None:
+            vocab_size = engine.runner.model.config.vocab_size
+            engine.runner.sampler.guided.load_vocabulary = lambda: Vocabulary(token_bytes(tokenizer, vocab_size))
         self._request_ids = itertools.count()
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
@@ -208,6 +213,9 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         all_ids = [self._token_ids(prompt) for prompt in prompts]  # every prompt checked before any is queued
+        for p in params:
+            if p is not None and p.guided:
+                self._check_guided(p)
         results: dict[str, PromptOutput] = {}
         for prompt, token_ids, p in zip(prompts, all_ids, params):
             results[self.add_request(token_ids, p)] = PromptOutput(prompt if isinstance(prompt, str) else None,
@@ -266,6 +274,18 @@ class LLM:
         self.engine.add_request(AddRequest(request_id, np.asarray(self._token_ids(prompt), np.int32), params,
                                            list(self.eos_token_ids), time.time()))
         return request_id
+
+    def _check_guided(self, params: SamplingParams) -> None:
+        """A guided request (``SamplingParams.guided``, a spec's JSON text) needs a tokenizer, a spec
+        ``compile_guide`` takes and no beam search; else a ``ValueError`` saying which."""
+        if self.tokenizer is None:
+            raise ValueError("guided decoding needs a tokenizer (its tokens' bytes)")
+        if params.use_beam_search:
+            raise ValueError("guided decoding is not available with beam search")
+        try:
+            compile_guide(params.guided)
+        except ValueError as exc:  # json's errors too
+            raise ValueError(f"guided: {exc}") from None
 
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
         """The prompt's ids, each one the model embeds (a ``ValueError`` names the first that is not:

@@ -54,10 +54,13 @@ def test_model_and_tokenizer_from_separate_directories(tmp_path, tiny_model_dir)
 
 def test_serve_passes_it_on_and_refuses_a_missing_one(tmp_path):
     from services.cli import build_parser
-    from services.launcher import frontend_argv
+    from services.launcher import executor_argv, frontend_argv
 
-    argv = frontend_argv(build_parser().parse_args(["serve", "--tokenizer", str(tmp_path)]))
-    assert argv[argv.index("--tokenizer") + 1] == str(tmp_path)
+    args = build_parser().parse_args(["serve", "--tokenizer", str(tmp_path)])
+    for argv in (frontend_argv(args), executor_argv(args)):  # the executor masks guided requests over its tokens
+        assert argv[argv.index("--tokenizer") + 1] == str(tmp_path)
+    assert build_parser().parse_args(["executor", *executor_argv(args)]).tokenizer == str(tmp_path)
+    assert "--tokenizer" not in executor_argv(build_parser().parse_args(["serve"]))
     run = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--tokenizer", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stderr.strip().endswith("nope: not a directory or a .gguf file")

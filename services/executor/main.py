@@ -26,6 +26,7 @@ its requests. The communicator is closed on every way out.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import secrets
 import signal
@@ -59,6 +60,7 @@ class StepFailed(Exception):
 class ExecutorConfig:
     endpoints: Endpoints
     model: str | None = None
+    tokenizer: str | None = None  # the frontend's --tokenizer: guided requests are masked over its tokens
     dtype: str = "auto"
     device: str = "auto"  # auto, cpu, cuda or cuda:N (device.py)
     device_index: int | None = None  # which GPU cuda/auto takes (index % count; device.py); None: the rank
@@ -123,6 +125,7 @@ class ExecutorProcess:
         import torch
 
         from .device import device_summary, resolve_device
+        from .guided import load_vocabulary
         from .loader import build_runner, plan_runner, shard_plan
         from .parallel.group import open_group
         from .weights import load_hf_config, load_state_dict, resolve_dtype
@@ -152,6 +155,8 @@ class ExecutorProcess:
             comm.abort(f"rank {cfg.rank} could not load the model: {exc!r}")
             comm.close()
             raise
+        runner.sampler.guided.load_vocabulary = functools.partial(load_vocabulary, cfg.tokenizer, source,
+                                                                 runner.model.config.vocab_size, self.log)
         from .linear import linear_kernel_name  # torch is imported by now
 
         backend = runner.backend

@@ -30,6 +30,7 @@ from shared.messages import SamplingParams
 
 from . import logits_processors as lp
 from .draw import draw
+from .guided import GuidedSequences
 from .histories import TokenHistories
 
 
@@ -64,15 +65,21 @@ class Sampler:
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
         self.histories = histories if histories is not None else TokenHistories()
+        # Structured output: the executor sets ``guided.load_vocabulary`` (its tokenizer's bytes).
+        self.guided = GuidedSequences(self.histories)
 
     def add(self, seq_id: int, params: SamplingParams) -> None:
         self._seqs[seq_id] = _SeqState(seq_id, params, has_penalty=_has_penalty(params))
+        if params.guided:
+            self.guided.add(seq_id, params.guided)
 
     def remove(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
+        self.guided.remove(seq_id)
 
     def clear(self) -> None:
         self._seqs.clear()
+        self.guided.clear()
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -83,6 +90,8 @@ class Sampler:
         states = [self._seqs[s] for s in seq_ids]
         raw = logits
         logits = self._process(logits, states)
+        if any(s.params.guided for s in states):
+            logits = self._guide(raw, logits, states)
         tokens = argmax_(logits)  # greedy rows are done (torch.argmax, or its Numba form on CPU)
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if random_rows:
@@ -124,6 +133,27 @@ class Sampler:
                 frequency=[s.params.frequency_penalty for s in group],
             )
         return logits
+
+    def _guide(self, raw: torch.Tensor, logits: torch.Tensor, states: list[_SeqState]) -> torch.Tensor:
+        """Guided rows keep only the tokens their guide allows (``guided.py``), after every other
+        edit. A row left with nothing (its guide's end is an EOS that ``min_tokens`` bans) takes
+        the guide's mask over its raw logits: the guide wins."""
+        rows = [i for i, s in enumerate(states) if s.params.guided]
+        masks = np.stack([self.guided.mask(states[i].seq_id, states[i].params.eos_token_ids) for i in rows])
+        vocab = logits.shape[1]
+        if masks.shape[1] != vocab:  # the tokenizer knows fewer ids than the model scores (or more)
+            fitted = np.zeros((len(rows), vocab), bool)
+            fitted[:, :min(vocab, masks.shape[1])] = masks[:, :vocab]
+            masks = fitted
+        refused = torch.from_numpy(~masks).to(logits.device)
+        out = logits.to(torch.float32, copy=True) if logits is raw else logits
+        index = torch.tensor(rows, device=logits.device)
+        guided = out[index].masked_fill(refused, lp.NEG_INF)
+        empty = ~torch.isfinite(guided).any(-1)
+        if bool(empty.any()):
+            guided[empty] = raw[index][empty].float().masked_fill(refused[empty], lp.NEG_INF)
+        out[index] = guided
+        return out
 
     def _banned_token_ids(self, state: _SeqState) -> list[int]:
         """Tokens that would end the sequence, banned until ``min_tokens`` outputs exist."""

@@ -15,6 +15,9 @@ completions field; accepted on chat too, as vLLM does), or vLLM's beam search (`
 beam width ``n``, ``length_penalty``, ``early_stopping``). Beam search scores candidates by the
 model's raw log-probabilities, greedily, so the fields it would ignore are refused with it rather
 than silently dropped, and the fields only it uses are refused without it.
+
+Structured outputs (``guides``): OpenAI's ``response_format`` and vLLM's ``guided_json`` and
+``guided_choice``, one per request, each read into a guide spec that reaches ``SamplingParams.guided``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 from services.frontend.errors import bad_request, describe, is_int, json_type
 from services.frontend.field_kinds import Boolean, Custom, Integer, Number
 from services.frontend.fields import BeamSearch, Route, declare, declared_fields
+from services.frontend.guides import GUIDED_CHOICE, GUIDED_JSON, RESPONSE_FORMAT, guided_text
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
@@ -165,8 +169,8 @@ class GenerationOptions:
     use_beam_search: bool = declare(
         Boolean(), False, sampling=True,
         description="vLLM's beam search of width n: temperature must be 0 or left out; sampling and penalty "
-                    "fields, logit_bias, min_tokens, stop_token_ids and logprobs are refused with it. Streamed, "
-                    "each hypothesis comes as one chunk when the search ends.")
+                    "fields, logit_bias, min_tokens, stop_token_ids, logprobs and structured outputs are refused "
+                    "with it. Streamed, each hypothesis comes as one chunk when the search ends.")
     length_penalty: float = declare(
         Number(-MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY), 1.0, sampling=True, beam_search=_ONLY,
         description="Beam search only: scores are divided by length ** this.")
@@ -181,6 +185,17 @@ class GenerationOptions:
         description="vLLM's extension: the logprob of every prompt token after the first and of the k most "
                     "likely tokens at its position, in the response's prompt_logprobs (per choice on "
                     "completions, once on chat). Not with stream.")
+    response_format: dict[str, Any] | None = declare(
+        RESPONSE_FORMAT, sampling=guided_text, beam_search=_REFUSED,
+        description='OpenAI\'s structured outputs: {"type": "text"} (free text, the default), {"type": '
+                    '"json_object"} (any JSON object) or {"type": "json_schema", "json_schema": {"name": ..., '
+                    '"schema": {...}}} (a value valid against the schema). Decoding is constrained token by token; '
+                    'a schema keyword that is not supported is a 400. One guide per request; not with beam search.')
+    guided_json: dict[str, Any] | None = declare(
+        GUIDED_JSON, beam_search=_REFUSED,
+        description="vLLM's extension: a JSON schema (or its text) the output must be valid against.")
+    guided_choice: dict[str, Any] | None = declare(
+        GUIDED_CHOICE, beam_search=_REFUSED, description="vLLM's extension: the output is exactly one of these.")
     given: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def param(self, attr: str) -> str:

@@ -2,9 +2,10 @@
 
 Every problem raises ``APIError`` with the offending parameter's name; nothing here tokenizes
 (``preprocess`` does, and checks the lengths). Fields this module does not know are ignored, as
-OpenAI clients send some; known fields whose non-default values we cannot honour are refused.
-Each route's own fields (prompt, echo, messages) are declared here, the generation fields both
-routes share in ``options``, and all are read through ``fields``.
+OpenAI clients send some; known fields whose non-default values we cannot honour are refused
+(vLLM's ``guided_regex`` and ``guided_grammar`` too: ignored, they would pass free text for guided
+output). Each route's own fields (prompt, echo, messages) are declared here, the generation fields
+both routes share in ``options`` (structured outputs among them), and all are read through ``fields``.
 """
 
 from __future__ import annotations
@@ -172,10 +173,6 @@ def _off_when_empty(value: Any) -> bool:
     return not value
 
 
-def _text_response_format(value: Any) -> bool:
-    return not value or (isinstance(value, dict) and value.get("type") == "text")
-
-
 # ---------------------------------------------------------------- the two bodies
 
 
@@ -186,8 +183,9 @@ class RequestBody:
 
     model: str | None = declare(String(), description="The served model's name; may be left out.")
     suffix: Any = declare(Refused(_off_when_empty), routes=Route.COMPLETIONS)
-    response_format: Any = declare(Refused(_text_response_format), routes=Route.CHAT)
     tools: Any = declare(Refused(_off_when_empty), routes=Route.CHAT)
+    guided_regex: Any = declare(Refused(_off_when_empty))  # vLLM's; guided_json and guided_choice are supported
+    guided_grammar: Any = declare(Refused(_off_when_empty))
     user: str | None = declare(ignored({"type": "string"}), description="Accepted and ignored.")
     options: GenerationOptions = nested(GenerationOptions)
 

@@ -9,6 +9,8 @@ on its own (``options.GenerationOptions``). Each raises ``APIError`` naming the 
 - ``best_of`` is at least ``n``; ``best_of > n`` cannot stream (nothing is known before every
   sample has finished), as OpenAI says. Beam search can: each returned hypothesis comes as one
   chunk when the search ends.
+- one guide at most (structured outputs: ``response_format`` other than text, ``guided_json``,
+  ``guided_choice``).
 - beam search: temperature 0 (or left out; it is set to 0), ``best_of`` equal to ``n``, and no
   field it would ignore (``BeamSearch.REFUSED``); without it, no field only it uses
   (``BeamSearch.ONLY``).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from services.frontend.errors import bad_request
 from services.frontend.fields import BeamSearch, Route, declared_fields
+from services.frontend.guides import GUIDE_FIELDS
 from services.frontend.options import GenerationOptions
 
 
@@ -31,6 +34,7 @@ def check_options(opts: GenerationOptions, route: Route, echo: bool = False) -> 
     if route is Route.CHAT:
         _settle_chat_logprobs(opts)
     _check_best_of(opts)
+    _check_one_guide(opts)
     if opts.use_beam_search:
         _check_beam_search(opts, route)
     else:
@@ -63,6 +67,14 @@ def _check_best_of(opts: GenerationOptions) -> None:
     if opts.stream and best_of > opts.n:
         raise bad_request("best_of cannot be used with stream (unless it equals n): the best choices are known "
                           "only when every sample has finished", "best_of")
+
+
+def _check_one_guide(opts: GenerationOptions) -> None:
+    """Each guide constrains the whole output: two cannot both hold. The second one is named."""
+    given = [opts.param(attr) for attr in GUIDE_FIELDS if getattr(opts, attr) is not None]
+    if len(given) > 1:
+        raise bad_request(f"{given[1]} cannot be combined with {given[0]}: give one of response_format, "
+                          f"guided_json or guided_choice", given[1])
 
 
 def _check_beam_search(opts: GenerationOptions, route: Route) -> None:

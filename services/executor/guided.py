@@ -1,0 +1,286 @@
+"""Structured output on the executor: for each guided sequence, the vocabulary's tokens that keep its
+output inside its guide (``shared.structured``), as a boolean mask the sampler applies last.
+
+``Vocabulary``: each token id's bytes (from the tokenizer: byte-level BPE, SentencePiece byte
+fallback, or each token decoded alone), special tokens left out, sorted so that the tokens sharing a
+prefix are one range (a trie without nodes). ``allowed`` walks it from the guide's state one byte
+column at a time, dropping a range as soon as its next byte is refused, and taking a whole range
+at once when the guide is inside a string and every token of the range writes only plain string
+bytes within the string's budget (most of the vocabulary, most of the time).
+
+``GuidedSequences``: a sequence's state is recomputed from its output tokens (the executor's
+``TokenHistories``), so a fork, a recompute, a resumed request or a restarted executor need nothing
+of their own; masks are kept per (guide, state) for the next time the state comes back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.model_source import ModelSource
+from shared.structured import Guide, compile_guide
+from shared.structured.guide import utf8_suffix_start
+
+from .histories import TokenHistories
+
+MASK_CACHE_SIZE = 256  # masks kept per guide (packed: 6 KiB each for 49k tokens)
+GUIDES_KEPT = 32  # guides kept for their masks after their last sequence, the least recently used dropped
+_SMALL_RANGE = 16  # below this many tokens, a range's bytes are read in Python rather than numpy
+
+
+# ---------------------------------------------------------------- token ids -> bytes
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-ins for the 256 byte values (byte-level BPE writes tokens in them)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in keep:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+def _decoder_kinds(tokenizer) -> set[str]:
+    try:
+        spec = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+    except Exception:  # a slow tokenizer, or one without a backend
+        return set()
+    kinds = {spec.get("type")}
+    for part in spec.get("decoders") or []:
+        kinds.add(part.get("type"))
+    return kinds
+
+
+def token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
+    """Each id's bytes as the detokenizer writes them, None for special tokens and ids the tokenizer
+    does not know (they are never allowed; a guide's end allows the EOS ids instead)."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            special.add(token_id)
+    pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
+    kinds = _decoder_kinds(tokenizer)
+    out: list[bytes | None] = [None] * vocab_size
+    if "ByteLevel" in kinds:
+        alphabet = _byte_level_alphabet()
+        for i, piece in enumerate(pieces):
+            if i in special or piece is None:
+                continue
+            try:
+                out[i] = bytes(alphabet[c] for c in piece)
+            except KeyError:  # an added token written as plain text
+                out[i] = piece.encode()
+        return out
+    for i, piece in enumerate(pieces):
+        if i in special or piece is None:
+            continue
+        if "ByteFallback" in kinds and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            out[i] = bytes([int(piece[3:5], 16)])
+        elif "Metaspace" in kinds or "Replace" in kinds or "▁" in piece:
+            out[i] = piece.replace("▁", " ").encode()
+        else:
+            text = tokenizer.decode([i])
+            out[i] = None if "\ufffd" in text else text.encode()
+    return out
+
+
+# ---------------------------------------------------------------- the sorted vocabulary
+
+
+class Vocabulary:
+    """The tokens' bytes, sorted: ``order[k]`` is the id of the k-th smallest, ``columns[k, d]`` its
+    d-th byte (-1 past its end). Per token: its length, the position from which its bytes are plain
+    string bytes (no '"', '\\' or control byte, well-formed UTF-8: a string takes them as they are)
+    and its number of characters (bytes that do not continue a UTF-8 sequence)."""
+
+    def __init__(self, pieces: list[bytes | None]) -> None:
+        self.size = len(pieces)
+        self.pieces = pieces
+        ids = [i for i, b in enumerate(pieces) if b]
+        ids.sort(key=lambda i: pieces[i])
+        self.order = np.asarray(ids, np.int64)
+        self.texts = [pieces[i] for i in ids]
+        width = max((len(t) for t in self.texts), default=1)
+        self.lengths = np.asarray([len(t) for t in self.texts], np.int64)
+        self.columns = np.full((len(ids), width), -1, np.int16)
+        for k, text in enumerate(self.texts):
+            self.columns[k, : len(text)] = np.frombuffer(text, np.uint8)
+        unsafe = (self.columns == 0x22) | (self.columns == 0x5C) | ((self.columns >= 0) & (self.columns < 0x20))
+        after_unsafe = np.where(unsafe, np.arange(width) + 1, 0).max(axis=1)
+        # from where on a token is plain string bytes: no '"', '\\' or control byte, well-formed UTF-8
+        self.plain_from = np.maximum(after_unsafe, [utf8_suffix_start(t) for t in self.texts])
+        starts = (self.columns >= 0) & ((self.columns < 0x80) | (self.columns >= 0xC0))
+        self.chars = starts.sum(axis=1)
+        self._starts = starts
+
+    def allowed(self, guide: Guide, state: tuple) -> np.ndarray:
+        """[size] bool: the tokens whose bytes ``guide`` takes from ``state``."""
+        mask = np.zeros(self.size, bool)
+        if not guide.can_continue(state):
+            return mask
+        chosen: list[np.ndarray] = []
+        work = [(0, len(self.texts), 0, state)]
+        columns, texts = self.columns, self.texts
+        while work:
+            lo, hi, depth, here = work.pop()
+            if depth:
+                # tokens that end here are allowed (sorted first in their range)
+                while lo < hi and self.lengths[lo] == depth:
+                    chosen.append(self.order[lo:lo + 1])
+                    lo += 1
+                if lo == hi:
+                    continue
+                budget = guide.free_string_budget(here)
+                if budget is not None and self.plain_from[lo:hi].max() <= depth:
+                    chosen.append(self._within(lo, hi, depth, budget))
+                    continue
+            if hi - lo <= _SMALL_RANGE:
+                groups = _groups_small(texts, lo, hi, depth)
+            else:
+                groups = _groups(columns[lo:hi, depth], lo)
+            for byte, start, end in groups:
+                after = guide.advance(here, byte)
+                if after is not None:
+                    work.append((start, end, depth + 1, after))
+        if chosen:
+            mask[np.concatenate(chosen)] = True
+        return mask
+
+    def _within(self, lo: int, hi: int, depth: int, budget: float) -> np.ndarray:
+        """The ids in [lo, hi) (tokens longer than ``depth`` sharing their first ``depth`` bytes,
+        and only plain string bytes after them) that write at most ``budget`` more characters."""
+        if budget == float("inf"):
+            return self.order[lo:hi]
+        before = int(self._starts[lo, :depth].sum())
+        return self.order[lo:hi][self.chars[lo:hi] - before <= budget]
+
+
+def _groups(column: np.ndarray, offset: int) -> list[tuple[int, int, int]]:
+    """(byte, start, end) for each run of equal bytes in a sorted column (no -1 left in it)."""
+    cuts = np.flatnonzero(column[1:] != column[:-1]) + 1
+    starts = np.concatenate(([0], cuts))
+    ends = np.concatenate((cuts, [len(column)]))
+    values = column[starts]
+    return [(int(v), int(s) + offset, int(e) + offset) for v, s, e in zip(values, starts, ends)]
+
+
+def _groups_small(texts: list[bytes], lo: int, hi: int, depth: int) -> list[tuple[int, int, int]]:
+    out: list[tuple[int, int, int]] = []
+    for k in range(lo, hi):
+        byte = texts[k][depth]
+        if out and out[-1][0] == byte:
+            out[-1] = (byte, out[-1][1], k + 1)
+        else:
+            out.append((byte, k, k + 1))
+    return out
+
+
+def load_vocabulary(tokenizer: str | None, model: ModelSource, vocab_size: int, log=None) -> Vocabulary:
+    """The sorted vocabulary of ``tokenizer`` (a ``--tokenizer`` value) or else ``model``'s tokenizer,
+    over ``vocab_size`` ids (the model's): made on the first guided request, about 0.3 s for 49k tokens."""
+    from shared.model_source import load_tokenizer, resolve_tokenizer
+
+    start = time.monotonic()
+    source = resolve_tokenizer(tokenizer, model)
+    vocabulary = Vocabulary(token_bytes(load_tokenizer(source, "--tokenizer" if tokenizer else "--model"), vocab_size))
+    if log is not None:
+        log.info("guided decoding ready", tokenizer=source.where, tokens=len(vocabulary.texts),
+                 seconds=round(time.monotonic() - start, 2))
+    return vocabulary
+
+
+# ---------------------------------------------------------------- per sequence
+
+
+@dataclass
+class _Tracked:
+    guide: Guide
+    masks: OrderedDict  # state -> mask, shared by every sequence with the same guide
+    state: tuple | None  # after ``consumed`` output tokens; None once they left the guide
+    consumed: int = 0
+
+
+class GuidedSequences:
+    """The guided sequences of one executor. ``vocabulary`` is made on first use by
+    ``load_vocabulary`` (the tokenizer's bytes for every id up to the model's vocabulary size)."""
+
+    def __init__(self, histories: TokenHistories, load_vocabulary: Callable[[], Vocabulary] | None = None) -> None:
+        self.histories = histories
+        self.load_vocabulary = load_vocabulary
+        self._vocabulary: Vocabulary | None = None
+        self._guides: OrderedDict[str, tuple[Guide, OrderedDict]] = OrderedDict()
+        self._seqs: dict[int, _Tracked] = {}
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        if self._vocabulary is None:
+            if self.load_vocabulary is None:
+                raise RuntimeError("a guided request reached an executor that has no tokenizer to guide with")
+            self._vocabulary = self.load_vocabulary()
+        return self._vocabulary
+
+    def add(self, seq_id: int, spec: str) -> None:
+        if spec not in self._guides:
+            self._guides[spec] = (compile_guide(spec), OrderedDict())
+            if len(self._guides) > GUIDES_KEPT:  # its live sequences keep theirs
+                self._guides.popitem(last=False)
+        self._guides.move_to_end(spec)
+        guide, masks = self._guides[spec]
+        self._seqs[seq_id] = _Tracked(guide, masks, guide.initial())
+
+    def remove(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def clear(self) -> None:
+        self._seqs.clear()
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def mask(self, seq_id: int, eos_token_ids: list[int]) -> np.ndarray:
+        """[vocab] bool: what the sequence may sample next; once its guide is complete, the EOS
+        ids too (alone, when nothing may follow). A sequence whose output has left its guide (it
+        cannot, unless its outputs came from elsewhere) may only end."""
+        tracked = self._seqs[seq_id]
+        state = self._state(seq_id, tracked)
+        vocab = self.vocabulary
+        if state is None:
+            allowed = np.zeros(vocab.size, bool)
+        else:
+            packed = tracked.masks.get(state)
+            if packed is None:
+                allowed = vocab.allowed(tracked.guide, state)
+                tracked.masks[state] = np.packbits(allowed)
+                if len(tracked.masks) > MASK_CACHE_SIZE:
+                    tracked.masks.popitem(last=False)
+            else:
+                tracked.masks.move_to_end(state)
+                allowed = np.unpackbits(packed, count=vocab.size).view(bool)
+        if state is None or tracked.guide.is_complete(state) or not allowed.any():
+            allowed = allowed.copy()
+            allowed[[t for t in eos_token_ids if 0 <= t < vocab.size]] = True
+        return allowed
+
+    def _state(self, seq_id: int, tracked: _Tracked) -> tuple | None:
+        outputs = self.histories.token_ids(seq_id)[self.histories.num_prompt_tokens(seq_id):]
+        if tracked.consumed > len(outputs):  # fewer outputs than before: start again from them
+            tracked.state, tracked.consumed = tracked.guide.initial(), 0
+        state = tracked.state
+        pieces = self.vocabulary.pieces
+        for token in outputs[tracked.consumed:]:
+            if state is None:
+                break
+            piece = pieces[token] if 0 <= token < len(pieces) else None
+            state = tracked.guide.advance_bytes(state, piece) if piece else None
+        tracked.state, tracked.consumed = state, len(outputs)
+        return state

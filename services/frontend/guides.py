@@ -1,0 +1,115 @@
+"""Structured outputs: the request fields that guide decoding, each read into a guide spec.
+
+- OpenAI's ``response_format``: ``{"type": "text"}`` (free text, as when left out), ``{"type":
+  "json_object"}`` (any JSON object) or ``{"type": "json_schema", "json_schema": {"name", "schema",
+  "strict", "description"}}`` (a value valid against ``schema``). ``name`` is required, as OpenAI
+  and vLLM require it; ``schema`` left out is ``{}`` (any JSON value, as JSON Schema reads it);
+  ``strict`` and ``description`` are accepted and unused (decoding is always constrained).
+- vLLM's ``guided_json`` (a schema, as an object or as JSON text) and ``guided_choice`` (a
+  non-empty list of non-empty strings: the output is exactly one of them).
+
+Each reads into a spec ``shared.structured.compile_guide`` takes (``{"json_object": true}``,
+``{"json_schema": schema}``, ``{"choice": [...]}``; ``None``: free text), compiled here so that a
+schema it cannot follow is a 400 naming the field rather than a failure in the executor. The spec
+reaches ``SamplingParams.guided`` as JSON text; ``request_rules`` allows one guide per request and
+none with beam search. vLLM's ``guided_regex`` and ``guided_grammar`` are refused
+(``request_body``), not ignored: output that silently ignores them would look guided.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from services.frontend.errors import bad_request, describe, json_type, reject_constant
+from services.frontend.field_kinds import Custom
+from shared.structured import compile_guide
+
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+GUIDE_FIELDS = ("response_format", "guided_json", "guided_choice")  # ``GenerationOptions``' guides
+
+
+def checked(spec: dict[str, Any], name: str, where: str) -> dict[str, Any]:
+    """``spec`` once ``compile_guide`` takes it; else a 400 naming ``name`` (``where``: the part of
+    the field that holds the spec, for the message)."""
+    try:
+        compile_guide(spec)
+    except ValueError as exc:  # what the spec asks is malformed or not supported
+        raise bad_request(f"{where}: {exc}", name) from None
+    except RecursionError:
+        raise bad_request(f"{where}: the schema is nested too deeply", name) from None
+    return spec
+
+
+def _read_response_format(name: str, value: Any) -> dict[str, Any] | None:
+    if not isinstance(value, dict):
+        raise bad_request(f"{name} must be an object, got {json_type(value)}", name)
+    kind = value.get("type")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        got = "nothing" if kind is None else describe(kind)
+        raise bad_request(f"{name}.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, got {got}", name)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return checked({"json_object": True}, name, name)
+    where = f"{name}.json_schema"
+    json_schema = value.get("json_schema")
+    if not isinstance(json_schema, dict):
+        got = "nothing" if json_schema is None else json_type(json_schema)
+        raise bad_request(f'{where} must be an object with type "json_schema", got {got}', name)
+    if not isinstance(json_schema.get("name"), str):
+        got = "nothing" if json_schema.get("name") is None else json_type(json_schema["name"])
+        raise bad_request(f"{where}.name must be a string (the schema's name), got {got}", name)
+    schema = json_schema.get("schema")
+    if schema is None:
+        schema = {}  # JSON Schema's "anything"
+    elif not isinstance(schema, dict):
+        raise bad_request(f"{where}.schema must be a JSON schema (an object), got {json_type(schema)}", name)
+    return checked({"json_schema": schema}, name, where)
+
+
+def _read_guided_json(name: str, value: Any) -> dict[str, Any]:
+    schema = value
+    if isinstance(value, str):
+        try:
+            schema = json.loads(value, parse_constant=reject_constant)
+        except ValueError as exc:
+            raise bad_request(f"{name} is a string but not valid JSON: {exc}", name) from None
+        except RecursionError:
+            raise bad_request(f"{name} is nested too deeply", name) from None
+    if not isinstance(schema, dict):
+        raise bad_request(f"{name} must be a JSON schema (an object, or its JSON text), got {json_type(schema)}",
+                          name)
+    return checked({"json_schema": schema}, name, name)
+
+
+def _read_guided_choice(name: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, list) or not value:
+        raise bad_request(f"{name} must be a non-empty list of strings, got {describe(value)}", name)
+    for idx, choice in enumerate(value):
+        if not isinstance(choice, str) or not choice:
+            raise bad_request(f"{name}[{idx}] must be a non-empty string, got {describe(choice)}", name)
+    return checked({"choice": list(value)}, name, name)
+
+
+def guided_text(response_format: dict[str, Any] | None, options: Any) -> dict[str, Any]:
+    """``SamplingParams.guided`` (``response_format``'s ``FieldSpec.sampling``): the one guide
+    ``options`` holds, whichever field it came in, as JSON text (None: free text)."""
+    spec = next((s for s in (getattr(options, attr) for attr in GUIDE_FIELDS) if s is not None), None)
+    return {"guided": None if spec is None else json.dumps(spec)}
+
+
+_SCHEMA = {"type": "object", "description": "A JSON schema."}
+RESPONSE_FORMAT = Custom(_read_response_format, {"oneOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"const": "json_schema"},
+        "json_schema": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "description": {"type": "string"}, "schema": _SCHEMA,
+            "strict": {"type": ["boolean", "null"]}}}}},
+]})
+GUIDED_JSON = Custom(_read_guided_json, {"oneOf": [
+    _SCHEMA, {"type": "string", "contentMediaType": "application/json", "description": "A JSON schema's text."},
+]})
+GUIDED_CHOICE = Custom(_read_guided_choice, {"type": "array", "items": {"type": "string", "minLength": 1},
+                                             "minItems": 1})
