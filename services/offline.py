@@ -214,7 +214,7 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         all_ids = [self._token_ids(prompt) for prompt in prompts]  # every prompt checked before any is queued
         for p in params:
-            if p is not None and p.guided:
+            if p is not None and p.guided:  # add_request checks again; here before any is queued
                 self._check_guided(p)
         results: dict[str, PromptOutput] = {}
         for prompt, token_ids, p in zip(prompts, all_ids, params):
@@ -271,6 +271,8 @@ class LLM:
         request_id = f"offline-{next(self._request_ids)}"
         params = sampling_params or self.default_sampling_params
         params = dataclasses.replace(params, eos_token_ids=list(params.eos_token_ids or self.eos_token_ids))
+        if params.guided:
+            self._check_guided(params)
         self.engine.add_request(AddRequest(request_id, np.asarray(self._token_ids(prompt), np.int32), params,
                                            list(self.eos_token_ids), time.time()))
         return request_id

@@ -107,6 +107,17 @@ def test_the_sampler_keeps_guided_rows_in_their_guide_and_leaves_the_others(toke
     assert sampler.sample(logits[:1], [4]).token_ids.tolist() == [tokenizer.eos_token_id]
 
 
+def test_token_sets_keep_the_shorter_list():
+    from services.executor.guided import TokenSet
+
+    few = TokenSet.from_mask(np.array([False, True, False, False]))
+    most = TokenSet.from_mask(np.array([True, True, False, True]))
+    assert few.keep and few.ids.tolist() == [1] and not most.keep and most.ids.tolist() == [2]
+    assert few.adding([3]).as_mask(4).tolist() == [False, True, False, True]
+    assert most.adding([2]).as_mask(4).all() and TokenSet(True, np.zeros(0, np.int64)).empty
+    assert few.only_among([1, 7]) and not few.only_among([7]) and not most.only_among([0, 1, 3])
+
+
 def test_a_sequence_state_follows_its_history_through_a_restart(tokenizer, vocabulary):
     sampler = Sampler()
     sampler.guided.load_vocabulary = lambda: vocabulary
@@ -114,16 +125,17 @@ def test_a_sequence_state_follows_its_history_through_a_restart(tokenizer, vocab
     outputs = tokenizer.encode('{"ok": true, "n": 1', add_special_tokens=False)
     sampler.add(9, params)
     sampler.histories.add(sequence(9, [1, 2], outputs, params))
-    before = sampler.guided.mask(9, params.eos_token_ids)
+    size = vocabulary.size
+    before = sampler.guided.mask(9, params.eos_token_ids).as_mask(size)
     fresh = GuidedSequences(sampler.histories, lambda: vocabulary)  # a new executor: only the history
     fresh.add(9, params.guided)
-    after = fresh.mask(9, params.eos_token_ids)
+    after = fresh.mask(9, params.eos_token_ids).as_mask(size)
     assert (before == after).all()
     digits = [tokenizer.decode([i]) for i in np.flatnonzero(after)]
     assert "2" in digits and "}" in digits and "," in digits and '"' not in digits
     off = GuidedSequences(sampler.histories, lambda: vocabulary)
     off.add(9, json.dumps({"choice": ["no"]}))  # outputs that left the guide may only end
-    assert np.flatnonzero(off.mask(9, [0])).tolist() == [0]
+    assert np.flatnonzero(off.mask(9, [0]).as_mask(size)).tolist() == [0]
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +177,14 @@ def test_offline_refuses_guides_it_cannot_follow(llm):
         llm.generate([[1, 2]], SamplingParams(n=2, use_beam_search=True, temperature=0.0,
                                               guided=json.dumps({"json_object": True})))
     assert not llm.engine.has_work()
+    with pytest.raises(ValueError, match="'pattern' is not supported"):  # add_request alone checks too
+        llm.add_request([1, 2], SamplingParams(guided=json.dumps({"json_schema": {"pattern": "a"}})))
+    with pytest.raises(ValueError, match="not available with beam search"):
+        llm.add_request([1, 2], SamplingParams(n=2, use_beam_search=True, temperature=0.0,
+                                               guided=json.dumps({"choice": ["yes"]})))
+    assert not llm.engine.has_work()
+    [out] = llm.generate([[1, 2]], SamplingParams(temperature=0.0, max_tokens=8, guided=json.dumps({"choice": ["ok"]})))
+    assert out.choices[0].text == "ok"  # the engine goes on
 
 
 def test_the_executor_reads_the_models_tokenizer_or_the_one_named(tiny_model_dir, tokenizer, tmp_path):
@@ -191,6 +211,50 @@ def test_masks_are_kept_per_state_and_guides_per_spec(tokenizer, vocabulary):
         sampler.add(seq_id, params)
         sampler.histories.add(sequence(seq_id, [1], [], params))
         first = sampler.guided.mask(seq_id, [0])
-        assert (sampler.guided.mask(seq_id, [0]) == first).all()  # the second time from the cache
+        assert sampler.guided.mask(seq_id, [0]) is first  # the second time from the cache
     assert len(sampler.guided._guides) == module.GUIDES_KEPT and specs[0] not in sampler.guided._guides
-    assert tokenizer.decode(np.flatnonzero(sampler.guided.mask(0, [0])).tolist()[:1]) == "c"  # still guided
+    assert tokenizer.decode(sampler.guided.mask(0, [0]).ids[:1].tolist()) == "c"  # still guided
+
+
+def test_an_executor_that_cannot_guide_fails_the_guided_requests_alone(tiny_model_dir):
+    from shared.messages import AddRequest
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    loads = []
+
+    def broken():
+        loads.append(1)
+        raise ValueError("--tokenizer /nowhere: cannot load the tokenizer")
+
+    llm.engine.runner.sampler.guided.load_vocabulary = broken
+    guides = [json.dumps({"choice": ["a"]}), json.dumps({"json_object": True})]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+              *(SamplingParams(temperature=0.0, max_tokens=6, guided=g, eos_token_ids=[0]) for g in guides)]
+    for i, p in enumerate(params):
+        llm.engine.add_request(AddRequest(f"r{i}", np.asarray([1, 2, 3], np.int32), p, [0], 0.0))
+    outputs: dict[str, list] = {}
+    while llm.engine.has_work():
+        for out in llm.engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert [o.finish_reason for o in outputs["r0"]][-1] == "length"
+    assert sum(len(o.new_token_ids) for o in outputs["r0"]) == 6
+    for failed in ("r1", "r2"):
+        last = outputs[failed][-1]
+        assert last.finish_reason == "error" and "cannot load the tokenizer" in last.error
+        assert last.error_kind == "engine"
+    assert len(loads) == 1  # the failure is kept, not retried every step
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
+def test_added_tokens_are_their_text(tmp_path):
+    tokenizer = cached_tokenizer()
+    tokenizer.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    grown = AutoTokenizer.from_pretrained(tmp_path)
+    grown.add_tokens(["café", "<tool>"])
+    pieces = token_bytes(grown, len(grown))
+    for text in ("café", "<tool>"):  # as the detokenizer writes them ("caf" and a replacement character)
+        token_id = grown.convert_tokens_to_ids(text)
+        assert pieces[token_id] == grown.decode([token_id]).encode()
+    assert pieces[grown.convert_tokens_to_ids("<tool>")] == b"<tool>"

@@ -149,7 +149,7 @@ def test_recursive_references_and_unions_of_objects():
     guide = compile_guide({"json_schema": tree})
     assert complete(guide, '{"v": 1, "kids": [{"v": 2, "kids": [{"v": 3}]}, {"v": 4}]}')
     assert not complete(guide, '{"v": 1, "kids": [{"w": 2}]}')
-    either = {"oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    either = {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
                         {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]}]}
     guide = compile_guide({"json_schema": either})
     assert complete(guide, '{"a": 1}') and complete(guide, '{"b": "x"}')
@@ -258,3 +258,78 @@ def test_deep_schemas_are_refused_not_a_recursion_error():
     chain["$defs"]["d5000"] = {"type": "null"}
     with pytest.raises(ValueError, match="nests deeper"):
         compile_guide({"json_schema": chain})
+
+
+def test_one_of_is_taken_only_where_no_value_matches_two_members():
+    cat = {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
+           "required": ["kind", "lives"]}
+    dog = {"type": "object", "properties": {"kind": {"const": "dog"}, "good": {"type": "boolean"}},
+           "required": ["kind"]}
+    pets = compile_guide({"json_schema": {"$defs": {"Cat": cat, "Dog": dog}, "title": "Pet",
+                                          "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+                                          "discriminator": {"propertyName": "kind"}}})
+    assert complete(pets, '{"kind": "cat", "lives": 9}') and complete(pets, '{"kind": "dog"}')
+    assert not complete(pets, '{"kind": "dog", "lives": 9}')
+    assert complete(compile_guide({"json_schema": {"oneOf": [{"type": "string"}, {"type": "integer"},
+                                                              {"enum": [True, None]}]}}), "null")
+    for overlapping in ([{"type": "integer"}, {"type": "number"}], [{"enum": ["a", "b"]}, {"const": "b"}],
+                        [{"type": "string"}, {"const": "x"}], [{"type": "object"}, {"type": "object"}], [{}, True]):
+        with pytest.raises(ValueError, match="may match the same value, which oneOf forbids"):
+            compile_guide({"json_schema": {"oneOf": overlapping}})
+
+
+def test_enum_and_const_read_the_type_beside_them_and_refuse_other_keywords():
+    assert not complete(compile_guide({"json_schema": {"type": "string", "enum": ["a", 1]}}), "1")
+    assert complete(compile_guide({"json_schema": {"type": "number", "enum": ["a", 1, 2.5]}}), "2.5")
+    assert complete(compile_guide({"json_schema": {"type": "string", "nullable": True, "enum": ["a", None]}}), "null")
+    for schema, message in (({"enum": ["a", "bbbb"], "maxLength": 2}, "enum with 'maxLength' beside it"),
+                            ({"const": "x", "enum": ["y"]}, "const and enum together"),
+                            ({"type": "string", "enum": [1, 2]}, "no enum value is of the type 'string'")):
+        with pytest.raises(ValueError, match=message):
+            compile_guide({"json_schema": schema})
+
+
+def test_array_keywords_without_a_type_make_an_array_and_closed_objects_take_blanks():
+    assert not complete(compile_guide({"json_schema": {"minItems": 2}}), "[]")
+    assert complete(compile_guide({"json_schema": {"minItems": 2}}), "[1, {}]")
+    assert not complete(compile_guide({"json_schema": {"maxItems": 0}}), "[1]")
+    closed = compile_guide({"json_schema": {"type": "object", "additionalProperties": False}})
+    assert complete(closed, "{ }") and complete(closed, "{}") and not complete(closed, '{"a": 1}')
+
+
+def test_pydantic_root_unions_with_definitions_beside_them():
+    schema = {"$defs": {"A": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+              "anyOf": [{"$ref": "#/$defs/A"}, {"type": "null"}], "title": "MaybeA"}
+    guide = compile_guide({"json_schema": schema})
+    assert complete(guide, '{"x": 1}') and complete(guide, "null")
+
+
+def test_ambiguity_is_bounded_and_unbounded_arrays_repeat_their_states():
+    from shared.structured.guide import MAX_STACKS
+
+    def node(extra):
+        return {"type": "object", "properties": {"name": {"type": "string"}, "kids": {
+            "type": "array", "items": {"$ref": "#/$defs/N"}}, **extra}, "required": ["name", "kids"]}
+
+    guide = compile_guide({"json_schema": {"$defs": {"N": {"anyOf": [node({}), node({"size": {"type": "integer"}})]}},
+                                           "$ref": "#/$defs/N"}})
+    text = '{"name": "a", "kids": [' * 12
+    state = guide.advance_bytes(guide.initial(), text.encode())
+    assert state is not None and len(state) == MAX_STACKS  # 2 ** 12 without the bound
+    closing = '{"name": "b", "kids": []}' + "]}" * 12
+    assert complete(guide, text + closing) and json.loads(text + closing)
+    values = compile_guide({"json_schema": {"type": "array", "items": {"type": "integer"}}})
+    after = [values.advance_bytes(values.initial(), ("[" + "1, " * n).encode()) for n in (5, 50, 500)]
+    assert after[0] == after[1] == after[2]  # the count of an unbounded array is not kept
+    bounded = compile_guide({"json_schema": {"type": "array", "items": {"type": "integer"}, "maxItems": 600}})
+    assert len({bounded.advance_bytes(bounded.initial(), ("[" + "1, " * n).encode()) for n in (5, 50)}) == 2
+
+
+def test_unicode_escapes_spell_characters():
+    guide = compile_guide({"json_schema": {"type": "string", "minLength": 2}})
+    assert not complete(guide, '"\\ud83d\\ude00"')  # one character (a surrogate pair): below minLength
+    assert complete(guide, '"\\ud83d\\ude00x"') and complete(guide, '"\\u00e9\\uD7FF"')
+    assert json.loads('"\\ud83d\\ude00x"') == "😀x"
+    for bad in ('"\\udc00x"', '"\\ud83dxx"', '"\\ud83d\\u0041"', '"\\uDBFF\\n"', '"\\u12"', '"\\u12g4"'):
+        assert not complete(guide, bad), bad
+    assert live(guide, '"\\uD8') and not live(guide, '"\\uDC')  # refused at the first byte that dooms it

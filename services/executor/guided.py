@@ -29,7 +29,7 @@ from shared.structured.guide import utf8_suffix_start
 
 from .histories import TokenHistories
 
-MASK_CACHE_SIZE = 256  # masks kept per guide (packed: 6 KiB each for 49k tokens)
+MASK_CACHE_SIZE = 1024  # masks kept per guide (a few KiB each: ids, not a bit per token)
 GUIDES_KEPT = 32  # guides kept for their masks after their last sequence, the least recently used dropped
 _SMALL_RANGE = 16  # below this many tokens, a range's bytes are read in Python rather than numpy
 
@@ -65,7 +65,9 @@ def token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
     """Each id's bytes as the detokenizer writes them, None for special tokens and ids the tokenizer
     does not know (they are never allowed; a guide's end allows the EOS ids instead)."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    added_ids = set()  # added tokens: their bytes are whatever the tokenizer decodes them to
     for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        added_ids.add(token_id)
         if getattr(added, "special", False):
             special.add(token_id)
     pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
@@ -76,9 +78,12 @@ def token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
         for i, piece in enumerate(pieces):
             if i in special or piece is None:
                 continue
+            if i in added_ids:  # written by the decoder as it writes them (not always as their text)
+                out[i] = tokenizer.decode([i]).encode()
+                continue
             try:
                 out[i] = bytes(alphabet[c] for c in piece)
-            except KeyError:  # an added token written as plain text
+            except KeyError:  # a piece outside the alphabet: taken as text
                 out[i] = piece.encode()
         return out
     for i, piece in enumerate(pieces):
@@ -202,6 +207,44 @@ def load_vocabulary(tokenizer: str | None, model: ModelSource, vocab_size: int, 
 # ---------------------------------------------------------------- per sequence
 
 
+class GuideUnavailable(RuntimeError):
+    """The executor cannot guide (its tokenizer did not load): the guided requests fail, alone."""
+
+
+@dataclass(frozen=True)
+class TokenSet:
+    """The ids a guided row may take: ``ids`` when ``keep``, else every id but ``ids`` (whichever
+    list is the shorter; most states allow a few hundred tokens or all but a few hundred)."""
+
+    keep: bool
+    ids: np.ndarray  # int64, sorted, unique
+
+    @classmethod
+    def from_mask(cls, mask: np.ndarray) -> "TokenSet":
+        allowed = int(mask.sum())
+        return cls(True, np.flatnonzero(mask)) if 2 * allowed <= mask.size else cls(False, np.flatnonzero(~mask))
+
+    @property
+    def empty(self) -> bool:
+        return self.keep and not len(self.ids)
+
+    def adding(self, token_ids: list[int]) -> "TokenSet":
+        extra = np.asarray(token_ids, np.int64)
+        if self.keep:
+            return TokenSet(True, np.union1d(self.ids, extra))
+        return TokenSet(False, np.setdiff1d(self.ids, extra))
+
+    def only_among(self, token_ids: list[int]) -> bool:
+        """Whether every allowed id is one of ``token_ids`` (false for a set of all but a few)."""
+        return self.keep and bool(np.isin(self.ids, token_ids).all())
+
+    def as_mask(self, size: int) -> np.ndarray:
+        ids = self.ids[self.ids < size]
+        mask = np.zeros(size, bool) if self.keep else np.ones(size, bool)
+        mask[ids] = self.keep
+        return mask
+
+
 @dataclass
 class _Tracked:
     guide: Guide
@@ -218,15 +261,23 @@ class GuidedSequences:
         self.histories = histories
         self.load_vocabulary = load_vocabulary
         self._vocabulary: Vocabulary | None = None
+        self._failure: str | None = None
         self._guides: OrderedDict[str, tuple[Guide, OrderedDict]] = OrderedDict()
         self._seqs: dict[int, _Tracked] = {}
 
     @property
     def vocabulary(self) -> Vocabulary:
+        """Loaded on first use; a failure is kept (``GuideUnavailable`` each time, no second try)."""
         if self._vocabulary is None:
-            if self.load_vocabulary is None:
-                raise RuntimeError("a guided request reached an executor that has no tokenizer to guide with")
-            self._vocabulary = self.load_vocabulary()
+            if self._failure is not None:
+                raise GuideUnavailable(self._failure)
+            try:
+                if self.load_vocabulary is None:
+                    raise RuntimeError("this executor has no tokenizer to guide with")
+                self._vocabulary = self.load_vocabulary()
+            except Exception as exc:  # a tokenizer that cannot load: ValueError, OSError...
+                self._failure = f"no vocabulary to guide with: {exc}"
+                raise GuideUnavailable(self._failure) from None
         return self._vocabulary
 
     def add(self, seq_id: int, spec: str) -> None:
@@ -247,28 +298,26 @@ class GuidedSequences:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
-    def mask(self, seq_id: int, eos_token_ids: list[int]) -> np.ndarray:
-        """[vocab] bool: what the sequence may sample next; once its guide is complete, the EOS
-        ids too (alone, when nothing may follow). A sequence whose output has left its guide (it
-        cannot, unless its outputs came from elsewhere) may only end."""
+    def mask(self, seq_id: int, eos_token_ids: list[int]) -> TokenSet:
+        """What the sequence may sample next; once its guide is complete, the EOS ids too (alone,
+        when nothing may follow). A sequence whose output has left its guide (it cannot, unless
+        its outputs came from elsewhere) may only end."""
         tracked = self._seqs[seq_id]
         state = self._state(seq_id, tracked)
         vocab = self.vocabulary
         if state is None:
-            allowed = np.zeros(vocab.size, bool)
+            allowed = TokenSet(True, np.zeros(0, np.int64))
         else:
-            packed = tracked.masks.get(state)
-            if packed is None:
-                allowed = vocab.allowed(tracked.guide, state)
-                tracked.masks[state] = np.packbits(allowed)
+            allowed = tracked.masks.get(state)
+            if allowed is None:
+                allowed = TokenSet.from_mask(vocab.allowed(tracked.guide, state))
+                tracked.masks[state] = allowed
                 if len(tracked.masks) > MASK_CACHE_SIZE:
                     tracked.masks.popitem(last=False)
             else:
                 tracked.masks.move_to_end(state)
-                allowed = np.unpackbits(packed, count=vocab.size).view(bool)
-        if state is None or tracked.guide.is_complete(state) or not allowed.any():
-            allowed = allowed.copy()
-            allowed[[t for t in eos_token_ids if 0 <= t < vocab.size]] = True
+        if state is None or tracked.guide.is_complete(state) or allowed.empty:
+            allowed = allowed.adding([t for t in eos_token_ids if 0 <= t < vocab.size])
         return allowed
 
     def _state(self, seq_id: int, tracked: _Tracked) -> tuple | None:

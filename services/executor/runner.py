@@ -11,6 +11,7 @@ only rank 0 gets the logits, samples and has tokens to return; the others return
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from shared.messages import Step, StepResult
@@ -139,4 +140,5 @@ class ModelRunner:
         self.sampled.record(step, sampled_ids, token_ids)
         return StepResult(step.step_id, sampled_ids, token_ids,
                           logprobs=out.logprobs, top_token_ids=out.top_token_ids, top_logprobs=out.top_logprobs,
-                          **prompt_scores)
+                          failed_seq_ids=np.asarray(list(out.failed), np.int64),
+                          failure=next(iter(out.failed.values()), None), **prompt_scores)

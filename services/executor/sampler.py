@@ -30,7 +30,7 @@ from shared.messages import SamplingParams
 
 from . import logits_processors as lp
 from .draw import draw
-from .guided import GuidedSequences
+from .guided import GuidedSequences, GuideUnavailable
 from .histories import TokenHistories
 
 
@@ -49,6 +49,9 @@ class SampleOutput:
     logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # [N]
     top_token_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))  # [N, K]
     top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # [N, K]
+    # Guided sequences this executor could not guide (``GuideUnavailable``): seq id -> why. Their
+    # tokens are not theirs to keep; the scheduler fails those requests, alone.
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 def _has_penalty(params: SamplingParams) -> bool:
@@ -90,14 +93,17 @@ class Sampler:
         states = [self._seqs[s] for s in seq_ids]
         raw = logits
         logits = self._process(logits, states)
+        failed: dict[int, str] = {}
         if any(s.params.guided for s in states):
-            logits = self._guide(raw, logits, states)
+            logits = self._guide(raw, logits, states, failed)
         tokens = argmax_(logits)  # greedy rows are done (torch.argmax, or its Numba form on CPU)
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if random_rows:
             picked = self._sample_random(logits[random_rows].float(), [states[i] for i in random_rows])
             tokens[random_rows] = picked
-        return self._logprobs(raw, tokens, states)
+        out = self._logprobs(raw, tokens, states)
+        out.failed = failed
+        return out
 
     # ------------------------------------------------------------------ steps of ``sample``
 
@@ -134,25 +140,34 @@ class Sampler:
             )
         return logits
 
-    def _guide(self, raw: torch.Tensor, logits: torch.Tensor, states: list[_SeqState]) -> torch.Tensor:
+    def _guide(self, raw: torch.Tensor, logits: torch.Tensor, states: list[_SeqState],
+               failed: dict[int, str]) -> torch.Tensor:
         """Guided rows keep only the tokens their guide allows (``guided.py``), after every other
-        edit. A row left with nothing (its guide's end is an EOS that ``min_tokens`` bans) takes
-        the guide's mask over its raw logits: the guide wins."""
-        rows = [i for i, s in enumerate(states) if s.params.guided]
-        masks = np.stack([self.guided.mask(states[i].seq_id, states[i].params.eos_token_ids) for i in rows])
-        vocab = logits.shape[1]
-        if masks.shape[1] != vocab:  # the tokenizer knows fewer ids than the model scores (or more)
-            fitted = np.zeros((len(rows), vocab), bool)
-            fitted[:, :min(vocab, masks.shape[1])] = masks[:, :vocab]
-            masks = fitted
-        refused = torch.from_numpy(~masks).to(logits.device)
+        edit. A row whose allowed tokens are all banned (its guide's end is an EOS that
+        ``min_tokens`` bans) takes them from its raw logits: the guide wins. A row that cannot be
+        guided goes into ``failed``."""
         out = logits.to(torch.float32, copy=True) if logits is raw else logits
-        index = torch.tensor(rows, device=logits.device)
-        guided = out[index].masked_fill(refused, lp.NEG_INF)
-        empty = ~torch.isfinite(guided).any(-1)
-        if bool(empty.any()):
-            guided[empty] = raw[index][empty].float().masked_fill(refused[empty], lp.NEG_INF)
-        out[index] = guided
+        vocab, device = out.shape[1], out.device
+        for row, state in enumerate(states):
+            if not state.params.guided:
+                continue
+            try:
+                tokens = self.guided.mask(state.seq_id, state.params.eos_token_ids)
+            except GuideUnavailable as exc:
+                failed[state.seq_id] = str(exc)
+                continue
+            ids = torch.from_numpy(tokens.ids[tokens.ids < vocab]).to(device)
+            target = out[row]
+            if tokens.keep and not len(ids):  # a finished guide with no EOS id to end on: left free
+                continue
+            if tokens.keep:
+                banned = self._banned_token_ids(state)
+                source = raw[row].float() if banned and tokens.only_among(banned) else target
+                kept = source.index_select(0, ids)
+                target.fill_(lp.NEG_INF)
+                target.index_copy_(0, ids, kept)
+            else:
+                target.index_fill_(0, ids, lp.NEG_INF)
         return out
 
     def _banned_token_ids(self, state: _SeqState) -> list[int]:

@@ -200,6 +200,10 @@ class Scheduler:
         if result.error is not None:
             self._fail([s.seq.request_id for s in scheduled], f"the executor failed: {result.error}")
         else:
+            if len(result.failed_seq_ids):  # before the samples: theirs are not to be kept
+                failed = set(result.failed_seq_ids.tolist())
+                self._fail([s.seq.request_id for s in scheduled if s.seq.seq_id in failed],
+                           f"the executor could not run this request as asked: {result.failure}")
             self._apply_samples(scheduled, result)
             self.crashes.release_caught_up(self.groups)
         for seq_id in self._in_flight.release(result.step_id):

@@ -89,6 +89,10 @@ class StepResult:
     seq_ids: np.ndarray  # [num_sampled] int64
     token_ids: np.ndarray  # [num_sampled] int64
     error: str | None = None
+    # Sequences whose samples the executor could not make as asked (a guided request on an executor
+    # without a tokenizer): the scheduler fails their requests with ``failure``; the rest go on.
+    failed_seq_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    failure: str | None = None
     # Only when some sampled sequence asked for logprobs (else all empty). Log-probabilities of the
     # model's raw distribution (before logit_bias, penalties and temperature), as vLLM reports them.
     logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # [num_sampled]

@@ -33,14 +33,22 @@ from .schema import ANY, ARRAY, CHOICE, LITERALS, NUMBER, OBJECT, STRING, UNION,
 
 VALUE, STR, NUM, LIT, KEY, OBJ, ARR, END = range(8)
 MAX_WS = 32
+# Alternatives a state keeps open (a union's members the bytes so far cannot tell apart; nested in
+# a recursive schema, they multiply): past this, the first are kept, a narrower guide whose outputs
+# are still valid, and the cost of a mask stays bounded.
+MAX_STACKS = 64
 MAX_DIGITS = 20
 _WS = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _ESCAPES = frozenset(b'"\\/bfnrt')
-# A string frame's mode: after a backslash; \\u's hex digits (_HEX_LEFT + how many are left);
-# inside a UTF-8 character (_UTF8 + 10 * continuation bytes left + the next one's range).
-_ESCAPE, _HEX_LEFT, _UTF8 = 1, 10, 100
+# A string frame's mode: after a backslash; in a \u escape: its first hex digit, its second after
+# a 'd', hex digits left (_HEX_LEFT + how many), a high surrogate's digits left (_HIGH_LEFT + how
+# many), then the low one's backslash, 'u', 'd' and second digit; inside a UTF-8 character (_UTF8 +
+# 10 * continuation bytes left + the next one's range).
+_ESCAPE, _HEX_LEFT, _U_FIRST, _U_SECOND_D, _HIGH_LEFT = 1, 10, 20, 21, 30
+_NEED_BACKSLASH, _NEED_U, _LOW_FIRST, _LOW_SECOND = 40, 41, 42, 43
+_UTF8 = 100
 _CONTINUATIONS = [(0x80, 0xBF), (0xA0, 0xBF), (0x80, 0x9F), (0x90, 0xBF), (0x80, 0x8F)]
 # Lead bytes: continuation bytes to come * 10 + the first one's range (no overlong forms, no
 # surrogates, nothing past U+10FFFF).
@@ -112,7 +120,7 @@ class Guide:
         self.nodes = [*nodes, (STRING, 0, -1)]  # the last: an object's free keys
         self._free_key = len(self.nodes) - 1
         self.root = root
-        self._initial = self._settle(((END,), (VALUE, root, 0)))
+        self._initial = self._settle(((END,), (VALUE, root, 0)))[:MAX_STACKS]
 
     def initial(self) -> State:
         return self._initial
@@ -122,6 +130,8 @@ class Guide:
         for stack in state:
             for new in self._step(stack, byte):
                 out[new] = None
+        if len(out) > MAX_STACKS:  # keep the first: a narrower guide, every output still valid
+            return tuple(out)[:MAX_STACKS]
         return tuple(out) if out else None
 
     def advance_bytes(self, state: State | None, data: bytes) -> State | None:
@@ -193,7 +203,7 @@ class Guide:
                 return (stack[:-1] + ((OBJ, parent[1], O_VALUE, parent[3], 0),),)
             raise AssertionError("an object's key is finished by _key_done")
         if kind == ARR:
-            return (stack[:-1] + ((ARR, parent[1], A_VALUE, parent[3] + 1, 0),),)
+            return (stack[:-1] + ((ARR, parent[1], A_VALUE, self._count(parent[1], parent[3] + 1), 0),),)
         return (stack,)  # END
 
     def _value(self, stack: tuple, top: tuple, byte: int) -> tuple[tuple, ...]:
@@ -206,7 +216,7 @@ class Guide:
         base = stack[:-1]
         if kind == ANY:
             if byte == 0x7B:  # {
-                return self._open_object(base, top[1], free=True)
+                return self._open_object(base, top[1])
             if byte == 0x5B:  # [
                 return self._open_array(base, top[1])
             if byte == 0x22:  # "
@@ -215,7 +225,7 @@ class Guide:
                 return self._number_start(base, False, byte)
             return self._literal(base + ((LIT, (b"true", b"false", b"null"), 0),), byte)
         if kind == OBJECT:
-            return self._open_object(base, top[1], free=not node[1]) if byte == 0x7B else ()
+            return self._open_object(base, top[1]) if byte == 0x7B else ()
         if kind == ARRAY:
             return self._open_array(base, top[1]) if byte == 0x5B else ()
         if kind == STRING:
@@ -240,12 +250,11 @@ class Guide:
                 if not low <= byte <= high:
                     return ()
                 return (stack[:-1] + ((STR, node_id, chars, _UTF8 + 10 * (left - 1) if left > 1 else 0),),)
-            if mode >= _HEX_LEFT:  # \u and its four hex digits
-                if byte not in _HEX:
-                    return ()
-                return (stack[:-1] + ((STR, node_id, chars, mode - 1 if mode > _HEX_LEFT + 1 else 0),),)
+            if mode != _ESCAPE:  # inside a \u escape
+                mode = self._unicode_escape(mode, byte)
+                return () if mode is None else (stack[:-1] + ((STR, node_id, chars, mode),),)
             if byte == 0x75:  # after a backslash: u, or one of the one-letter escapes
-                return (stack[:-1] + ((STR, node_id, chars, _HEX_LEFT + 4),),)
+                return (stack[:-1] + ((STR, node_id, chars, _U_FIRST),),)
             return (stack[:-1] + ((STR, node_id, chars, 0),),) if byte in _ESCAPES else ()
         bounded = node[0] == STRING and (node[1] > 0 or node[2] >= 0)
         if byte == 0x22:  # the closing quote
@@ -266,6 +275,31 @@ class Guide:
                 return ()
             chars += 1
         return (stack[:-1] + ((STR, node_id, chars, mode),),)
+
+    @staticmethod
+    def _unicode_escape(mode: int, byte: int) -> int | None:
+        """The string's mode after one more byte of a ``\\uXXXX`` escape, None if it cannot come:
+        a high surrogate (D800-DBFF) must be followed by ``\\u`` and a low one (DC00-DFFF), and a
+        low one cannot stand alone, so that the escapes always spell characters."""
+        if mode == _NEED_BACKSLASH:
+            return _NEED_U if byte == 0x5C else None
+        if mode == _NEED_U:
+            return _LOW_FIRST if byte == 0x75 else None
+        if byte not in _HEX:
+            return None
+        if mode == _U_FIRST:
+            return _U_SECOND_D if byte in b"dD" else _HEX_LEFT + 3
+        if mode == _U_SECOND_D:
+            if byte in b"01234567":
+                return _HEX_LEFT + 2
+            return _HIGH_LEFT + 2 if byte in b"89abAB" else None
+        if mode == _LOW_FIRST:
+            return _LOW_SECOND if byte in b"dD" else None
+        if mode == _LOW_SECOND:
+            return _HEX_LEFT + 2 if byte in b"cdefCDEF" else None
+        if _HIGH_LEFT < mode <= _HIGH_LEFT + 2:
+            return mode - 1 if mode > _HIGH_LEFT + 1 else _NEED_BACKSLASH
+        return mode - 1 if mode > _HEX_LEFT + 1 else 0  # _HEX_LEFT + digits still to come
 
     def _string_done(self, stack: tuple) -> tuple[tuple, ...]:
         parent = stack[-2]
@@ -337,7 +371,7 @@ class Guide:
 
     # objects
 
-    def _open_object(self, base: tuple, node_id: int, free: bool) -> tuple[tuple, ...]:
+    def _open_object(self, base: tuple, node_id: int) -> tuple[tuple, ...]:
         return (base + ((OBJ, node_id, O_OPEN, 0, 0),),)
 
     def _next_keys(self, node: tuple, index: int) -> tuple[tuple[int, ...], bool]:
@@ -354,7 +388,7 @@ class Guide:
     def _object(self, stack: tuple, top: tuple, byte: int) -> tuple[tuple, ...]:
         node_id, phase, index, ws = top[1], top[2], top[3], top[4]
         node = self.nodes[node_id]
-        free = node[0] == ANY or not node[1]
+        free = node[0] == ANY or node[2] is not None
         base = stack[:-1]
         if byte in _WS:
             return (base + ((OBJ, node_id, phase, index, ws + 1),),) if ws < MAX_WS else ()
@@ -393,6 +427,14 @@ class Guide:
 
     def _open_array(self, base: tuple, node_id: int) -> tuple[tuple, ...]:
         return (base + ((ARR, node_id, A_OPEN, 0, 0),),)
+
+    def _count(self, node_id: int, count: int) -> int:
+        """An array's item count as its frame keeps it: exact up to its maxItems, else only up to its
+        minItems (so that the states of long unbounded arrays repeat, and their masks are reused)."""
+        node = self.nodes[node_id]
+        if node[0] != ARRAY or node[3] >= 0:
+            return count if node[0] == ARRAY else 0
+        return min(count, node[2])
 
     def _array(self, stack: tuple, top: tuple, byte: int) -> tuple[tuple, ...]:
         node_id, phase, count, ws = top[1], top[2], top[3], top[4]

@@ -33,6 +33,8 @@ _ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
     "readOnly", "writeOnly", "strict", "name", "discriminator",
 })
+# Read past wherever they stand (definitions are reached through $ref).
+_PASSIVE = _ANNOTATIONS | {"$defs", "definitions"}
 # Keywords read below, by where they apply.
 _KEYWORDS = frozenset({
     "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
@@ -122,12 +124,12 @@ class SchemaCompiler:
             raise _fail(path, f"the keyword {unknown[0]!r} is not supported (supported: "
                               f"{', '.join(sorted(_KEYWORDS - _ANNOTATIONS))})")
         if "$ref" in schema:
-            if set(schema) - _ANNOTATIONS - {"$ref", "$defs", "definitions"}:
+            if set(schema) - _PASSIVE - {"$ref"}:
                 raise _fail(path, "$ref with other keywords beside it is not supported")
             return self._ref(schema["$ref"], path)
         if "allOf" in schema:
             parts = schema["allOf"]
-            if not (isinstance(parts, list) and len(parts) == 1) or set(schema) - _ANNOTATIONS - {"allOf"}:
+            if not (isinstance(parts, list) and len(parts) == 1) or set(schema) - _PASSIVE - {"allOf"}:
                 raise _fail(path, "allOf is supported only with one schema and nothing beside it")
             return self.schema(parts[0], f"{path}.allOf[0]")
         for key in ("anyOf", "oneOf"):
@@ -135,17 +137,14 @@ class SchemaCompiler:
                 parts = schema[key]
                 if not isinstance(parts, list) or not parts:
                     raise _fail(f"{path}.{key}", "must be a non-empty list of schemas")
-                rest = {k: v for k, v in schema.items() if k not in _ANNOTATIONS and k != key}
-                if rest:  # e.g. {"type": "object", "anyOf": [...]}: not supported
+                if set(schema) - _PASSIVE - {key}:  # e.g. {"type": "object", "anyOf": [...]}: not supported
                     raise _fail(path, f"{key} with other keywords beside it is not supported")
-                return self._union([self.schema(p, f"{path}.{key}[{i}]") for i, p in enumerate(parts)])
-        if "const" in schema:
-            return self._add((LITERALS, (_json_text(schema["const"]),)))
-        if "enum" in schema:
-            values = schema["enum"]
-            if not isinstance(values, list) or not values:
-                raise _fail(f"{path}.enum", "must be a non-empty list")
-            return self._add((LITERALS, tuple(dict.fromkeys(_json_text(v) for v in values))))
+                members = [self.schema(p, f"{path}.{key}[{i}]") for i, p in enumerate(parts)]
+                if key == "oneOf":
+                    self._check_exclusive(members, path)
+                return self._union(members)
+        if "const" in schema or "enum" in schema:
+            return self._literals(schema, path)
         types = schema.get("type")
         if types is None:
             return self._untyped(schema, path)
@@ -162,7 +161,7 @@ class SchemaCompiler:
         """A schema without ``type``: the kind its keywords imply, else any value."""
         if "properties" in schema or "required" in schema or "additionalProperties" in schema:
             return self._typed("object", schema, path)
-        if "items" in schema:
+        if "items" in schema or "minItems" in schema or "maxItems" in schema:
             return self._typed("array", schema, path)
         if "minLength" in schema or "maxLength" in schema:
             return self._typed("string", schema, path)
@@ -182,6 +181,77 @@ class SchemaCompiler:
             return self._add((LITERALS, (b"true", b"false")))
         return self._add((LITERALS, (b"null",)))
 
+    def _literals(self, schema: dict, path: str) -> int:
+        """``enum`` or ``const``: its values as compact JSON texts, those of the ``type`` beside it."""
+        if "const" in schema and "enum" in schema:
+            raise _fail(path, "const and enum together are not supported")
+        key = "const" if "const" in schema else "enum"
+        values = [schema["const"]] if key == "const" else schema["enum"]
+        if not isinstance(values, list) or not values:
+            raise _fail(f"{path}.enum", "must be a non-empty list")
+        beside = sorted(set(schema) - _PASSIVE - {key, "type", "nullable"})
+        if beside:
+            raise _fail(path, f"{key} with {beside[0]!r} beside it is not supported")
+        if "type" in schema:
+            types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+            if schema.get("nullable") is True:
+                types = [*types, "null"]
+            values = [v for v in values if _json_kind(v) in types
+                      or (_json_kind(v) == "integer" and "number" in types)
+                      or (isinstance(v, float) and v.is_integer() and "integer" in types)]
+            if not values:
+                raise _fail(path, f"no {key} value is of the type {schema['type']!r}")
+        return self._add((LITERALS, tuple(dict.fromkeys(_json_text(v) for v in values))))
+
+    def _check_exclusive(self, members: list[int], path: str) -> None:
+        """``oneOf`` holds when exactly one member does: taken as a union only when no value can
+        match two members (different kinds, different literals, or objects told apart by a
+        required property's different constants, as pydantic's discriminated unions are)."""
+        shapes = [self._shape(m) for m in members]
+        for i in range(len(members)):
+            for j in range(i + 1, len(members)):
+                if not _apart(shapes[i], shapes[j], self.nodes):
+                    raise _fail(f"{path}.oneOf", f"members {i} and {j} may match the same value, which oneOf "
+                                                 f"forbids; use anyOf if either may match")
+
+    def _shape(self, index: int, seen: frozenset = frozenset()) -> dict[str, Any] | None:
+        """The values a node may start: kind -> literal texts (a set), object node ids (a list) or
+        None (any value of that kind); None when unknown (a reference still being compiled)."""
+        node = self.nodes[index]
+        kind = node[0]
+        if kind == ANY:
+            return {k: None for k in ("object", "array", "string", "number", "boolean", "null")}
+        if kind == OBJECT:
+            return {"object": [index]}
+        if kind == ARRAY:
+            return {"array": None}
+        if kind == STRING:
+            return {"string": None}
+        if kind == NUMBER:
+            return {"number": None}
+        if kind == LITERALS:
+            out: dict[str, Any] = {}
+            for text in node[1]:
+                out.setdefault(_json_kind(json.loads(text)).replace("integer", "number"), set()).add(text)
+            return out
+        if kind == UNION:
+            if not node[1] or index in seen:
+                return None
+            merged: dict[str, Any] = {}
+            for member in node[1]:
+                shape = self._shape(member, seen | {index})
+                if shape is None:
+                    return None
+                for k, v in shape.items():
+                    if k not in merged:
+                        merged[k] = v
+                    elif merged[k] is None or v is None:
+                        merged[k] = None
+                    else:
+                        merged[k] = merged[k] + v if isinstance(v, list) else merged[k] | v
+            return merged
+        return None
+
     def _object(self, schema: dict, path: str) -> int:
         props = schema.get("properties", {})
         if not isinstance(props, dict):
@@ -195,7 +265,7 @@ class SchemaCompiler:
         extra = schema.get("additionalProperties", True)
         if not props:
             if extra is False:
-                return self._add((LITERALS, (b"{}",)))
+                return self._add((OBJECT, (), None))  # only {}
             value = self.any() if extra is True else self.schema(extra, f"{path}.additionalProperties")
             return self.free_object(value)
         index = self._add((OBJECT, (), None))  # filled in below, so that a $ref back to it resolves
@@ -233,6 +303,45 @@ class SchemaCompiler:
         self._refs[ref] = index
         self.nodes[index] = (UNION, (self.schema(target, ref),))
         return index
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if value is None:
+        return "null"
+    if isinstance(value, int):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}[type(value)]
+
+
+def _apart(a: dict | None, b: dict | None, nodes: list[tuple]) -> bool:
+    """Whether no value starts both shapes (``SchemaCompiler._shape``)."""
+    if a is None or b is None:
+        return False
+    for kind in a.keys() & b.keys():
+        x, y = a[kind], b[kind]
+        if x is None or y is None:
+            return False
+        if kind == "object":
+            if not all(_told_apart(nodes[i], nodes[j], nodes) for i in x for j in y):
+                return False
+        elif x & y:
+            return False
+    return True
+
+
+def _told_apart(a: tuple, b: tuple, nodes: list[tuple]) -> bool:
+    """Two object nodes no object matches both: a property required by both whose values are
+    different constants."""
+    if a[2] is not None or b[2] is not None:  # free keys
+        return False
+    mine = {key: node for key, node, required in a[1] if required and nodes[node][0] == LITERALS}
+    for key, node, required in b[1]:
+        if required and key in mine and nodes[node][0] == LITERALS:
+            if not set(nodes[node][1]) & set(nodes[mine[key]][1]):
+                return True
+    return False
 
 
 def _bounds(schema: dict, low_key: str, high_key: str, path: str) -> tuple[int, int]:
