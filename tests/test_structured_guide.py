@@ -333,3 +333,12 @@ def test_unicode_escapes_spell_characters():
     for bad in ('"\\udc00x"', '"\\ud83dxx"', '"\\ud83d\\u0041"', '"\\uDBFF\\n"', '"\\u12"', '"\\u12g4"'):
         assert not complete(guide, bad), bad
     assert live(guide, '"\\uD8') and not live(guide, '"\\uDC')  # refused at the first byte that dooms it
+
+
+def test_a_compact_guide_writes_no_blanks():
+    guide = compile_guide({"json_object": True, "whitespace": False})
+    assert complete(guide, '{"a":[1,{"b":null}]}') and complete(guide, '{"a":" x "}')  # blanks in strings stay
+    for spaced in ('{ "a":1}', '{"a": 1}', '{"a":[1, 2]}', ' {}'):
+        assert not complete(guide, spaced), spaced
+    with pytest.raises(ValueError, match="whitespace must be true or false"):
+        compile_guide({"json_object": True, "whitespace": "no"})

@@ -91,11 +91,18 @@ def utf8_suffix_start(data: bytes) -> int:
 
 def compile_guide(spec: Any) -> "Guide":
     """A ``Guide`` for a spec: ``{"json_object": true}`` (any JSON object), ``{"json_schema": S}``
-    (a value valid against the JSON schema S) or ``{"choice": [texts]}`` (exactly one of them).
+    (a value valid against the JSON schema S) or ``{"choice": [texts]}`` (exactly one of them);
+    ``"whitespace": false`` beside a JSON guide writes it compact (no blank between tokens).
     Raises ``ValueError`` saying what is wrong or not supported."""
     if isinstance(spec, (str, bytes)):
         spec = json.loads(spec)
-    if not isinstance(spec, dict) or len(spec) != 1:
+    if not isinstance(spec, dict):
+        raise ValueError("a guide is one of json_object, json_schema or choice")
+    spec = dict(spec)
+    whitespace = spec.pop("whitespace", True)
+    if not isinstance(whitespace, bool):
+        raise ValueError(f"whitespace must be true or false, got {whitespace!r}")
+    if len(spec) != 1:
         raise ValueError("a guide is one of json_object, json_schema or choice")
     (kind, value), = spec.items()
     if kind == "json_object":
@@ -109,14 +116,15 @@ def compile_guide(spec: Any) -> "Guide":
         root = compiler.choice(value)
     else:
         raise ValueError(f"unknown guide {kind!r}: one of json_object, json_schema or choice")
-    return Guide(compiler.nodes, root)
+    return Guide(compiler.nodes, root, MAX_WS if whitespace else 0)
 
 
 class Guide:
     """The automaton for one compiled spec. ``initial()`` is the state before any output;
     ``advance(state, byte)`` the state after one more byte, or None when the byte is not allowed."""
 
-    def __init__(self, nodes: list[tuple], root: int) -> None:
+    def __init__(self, nodes: list[tuple], root: int, max_ws: int = MAX_WS) -> None:
+        self.max_ws = max_ws  # whitespace bytes in a row
         self.nodes = [*nodes, (STRING, 0, -1)]  # the last: an object's free keys
         self._free_key = len(self.nodes) - 1
         self.root = root
@@ -210,7 +218,7 @@ class Guide:
         node = self.nodes[top[1]]
         kind = node[0]
         if byte in _WS and kind != CHOICE:  # a choice is raw text, written as it is
-            if top[2] >= MAX_WS:
+            if top[2] >= self.max_ws:
                 return ()
             return (stack[:-1] + ((VALUE, top[1], top[2] + 1),),)
         base = stack[:-1]
@@ -391,7 +399,7 @@ class Guide:
         free = node[0] == ANY or node[2] is not None
         base = stack[:-1]
         if byte in _WS:
-            return (base + ((OBJ, node_id, phase, index, ws + 1),),) if ws < MAX_WS else ()
+            return (base + ((OBJ, node_id, phase, index, ws + 1),),) if ws < self.max_ws else ()
         if phase == O_KEY:
             if byte != 0x3A:  # :
                 return ()
@@ -442,7 +450,7 @@ class Guide:
         low, high, item = (0, -1, node_id) if node[0] == ANY else (node[2], node[3], node[1])
         base = stack[:-1]
         if byte in _WS:
-            return (base + ((ARR, node_id, phase, count, ws + 1),),) if ws < MAX_WS else ()
+            return (base + ((ARR, node_id, phase, count, ws + 1),),) if ws < self.max_ws else ()
         if byte == 0x5D:  # ]
             if phase == A_COMMA or count < low:
                 return ()
