@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ SLOW_MARKER = "[[slow]]"  # a prompt containing this gets one token per 20 ms un
 MALFORMED_MARKER = "[[malformed]]"  # a prompt containing this gets an undecodable RequestOutputs frame
 HOLD_MARKER = "[[hold]]"  # a prompt containing this gets no output at all until it is aborted
 FEW_BEAMS_MARKER = "[[fewbeams]]"  # with use_beam_search: only one hypothesis comes back, whatever n
+SAY_PATTERN = re.compile(r"\[\[say\]\](.*?)\[\[/say\]\]", re.S)  # [[say]]TEXT[[/say]]: every choice says TEXT
 
 
 def fake_logprob(token_id: int) -> float:
@@ -101,7 +103,8 @@ class FakeScheduler:
     end, then the last ``n`` samples (``best_of - 1`` first: the fake's "most likely") in one output
     each, renumbered ``0 .. n-1``, with logprobs only if the request asked for them. With
     ``use_beam_search`` the hypotheses are choices ``0 .. n-1`` (only one with
-    ``FEW_BEAMS_MARKER``), sent at the end in one output each, without logprobs.
+    ``FEW_BEAMS_MARKER``), sent at the end in one output each, without logprobs. A prompt holding
+    ``[[say]]TEXT[[/say]]`` (``SAY_PATTERN``) gets TEXT's tokens in every choice instead of the reply.
     """
 
     endpoints: Endpoints
@@ -214,6 +217,11 @@ class FakeScheduler:
                 ids = self.choice_token_ids(c)
                 choices.append(_Choice((ids * (max_tokens // len(ids) + 1))[:max_tokens], "length"))
             interval = 0.02
+        elif said := SAY_PATTERN.search(prompt):
+            ids = list(self.tokenizer.encode(said.group(1), add_special_tokens=False)) + [request.eos_token_ids[0]]
+            finish = "length" if len(ids) > max_tokens else "stop"
+            choices = [_Choice(ids[:max_tokens], finish) for _ in range(num_samples)]
+            interval = 0.0
         else:
             eos = request.eos_token_ids[0]
             choices = [_Choice(*self.expected_reply(max_tokens, eos, c)) for c in range(num_samples)]

@@ -195,11 +195,12 @@ def test_messages():
     rejects(lambda: chat(messages=[]), "messages", "non-empty list")
     rejects(lambda: chat(messages=None), "messages", "required")
     rejects(lambda: chat(messages=["hi"]), "messages[0]", "must be an object")
-    rejects(lambda: chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role", "system, user, assistant")
+    rejects(lambda: chat(messages=[{"role": "function", "content": "x"}]), "messages[0].role",
+            "system, developer, user, assistant, tool")
     rejects(lambda: chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
             "messages[0].content", "only text content parts")
     rejects(lambda: chat(messages=[{"role": "user", "content": 5}]), "messages[0].content")
-    rejects(lambda: chat(tools=[{"type": "function"}]), "tools", "not supported")
+    rejects(lambda: chat(tools=[{"type": "function"}]), "tools", "tools[0].function must be an object")
 
 
 # ---------------------------------------------------------------- tokens and lengths

@@ -94,8 +94,10 @@ def _read_guided_choice(name: str, value: Any) -> dict[str, Any]:
 
 def guided_text(response_format: dict[str, Any] | None, options: Any) -> dict[str, Any]:
     """``SamplingParams.guided`` (``response_format``'s ``FieldSpec.sampling``): the one guide
-    ``options`` holds, whichever field it came in, as JSON text (None: free text)."""
-    spec = next((s for s in (getattr(options, attr) for attr in GUIDE_FIELDS) if s is not None), None)
+    ``options`` holds, whichever field it came in (or the one chat's tool_choice set), as JSON text
+    (None: free text)."""
+    held = (getattr(options, attr) for attr in (*GUIDE_FIELDS, "tool_guide"))
+    spec = next((s for s in held if s is not None), None)
     return {"guided": None if spec is None else json.dumps(spec)}
 
 

@@ -39,7 +39,7 @@ def body_limit_bytes(max_model_len: int, max_token_chars: int) -> int:
     return max(MIN_BODY_BYTES, JSON_BYTES_PER_CHAR * max_prompt_chars(max_model_len, max_token_chars))
 
 
-def chat_chars(messages: list[dict[str, str]]) -> int:
+def chat_chars(messages: list[dict[str, Any]]) -> int:
     return sum(len(m["content"]) for m in messages)
 
 

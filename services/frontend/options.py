@@ -17,7 +17,8 @@ model's raw log-probabilities, greedily, so the fields it would ignore are refus
 than silently dropped, and the fields only it uses are refused without it.
 
 Structured outputs (``guides``): OpenAI's ``response_format`` and vLLM's ``guided_json`` and
-``guided_choice``, one per request, each read into a guide spec that reaches ``SamplingParams.guided``.
+``guided_choice``, one per request, each read into a guide spec that reaches ``SamplingParams.guided``;
+chat's tools (``tools``) may set the guide instead (``tool_guide``).
 """
 
 from __future__ import annotations
@@ -197,6 +198,9 @@ class GenerationOptions:
     guided_choice: dict[str, Any] | None = declare(
         GUIDED_CHOICE, beam_search=_REFUSED, description="vLLM's extension: the output is exactly one of these.")
     given: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    # chat's tools: the guide a named or "required" tool_choice sets (``tools.settle_tool_choice``),
+    # never read from the body; it reaches ``SamplingParams.guided`` as the guide fields do
+    tool_guide: dict[str, Any] | None = field(default=None, repr=False)
 
     def param(self, attr: str) -> str:
         """The JSON name field ``attr`` came under (its own name when the body left it out)."""

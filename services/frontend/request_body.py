@@ -4,8 +4,9 @@ Every problem raises ``APIError`` with the offending parameter's name; nothing h
 (``preprocess`` does, and checks the lengths). Fields this module does not know are ignored, as
 OpenAI clients send some; known fields whose non-default values we cannot honour are refused
 (vLLM's ``guided_regex`` and ``guided_grammar`` too: ignored, they would pass free text for guided
-output). Each route's own fields (prompt, echo, messages) are declared here, the generation fields
-both routes share in ``options`` (structured outputs among them), and all are read through ``fields``.
+output). Each route's own fields (prompt, echo, messages, chat's tools and tool_choice, read in
+``tools``) are declared here, the generation fields both routes share in ``options`` (structured
+outputs among them), and all are read through ``fields``.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import re
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from services.frontend.errors import bad_request, is_int, json_type, reject_constant
+from services.frontend.errors import bad_request, describe, is_int, json_type, reject_constant
 from services.frontend.field_kinds import Boolean, Custom, Refused, String, ignored
 from services.frontend.fields import Route, declare, nested, read_declared
 from services.frontend.options import GenerationOptions
 from services.frontend.request_rules import check_options
+from services.frontend.tools import MAX_TOOLS, TOOL_CHOICE, TOOLS, ToolChoice, settle_tool_choice
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer system
 MAX_PROMPTS = 64  # prompts in one completions request; each is its own engine request
 
 Prompt = str | list[int]
@@ -109,12 +111,17 @@ def parse_prompts(prompt: Any) -> list[Prompt]:
     )
 
 
-def parse_messages(messages: Any) -> list[dict[str, str]]:
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
+    """The messages as transformers' chat templates take them: ``content`` always text (``""`` for
+    an assistant message without any), ``developer`` as ``system``, an assistant's ``tool_calls``
+    with each call's ``arguments`` as an object where its JSON text is one, and a ``tool`` message
+    with its ``tool_call_id`` and the ``name`` of the call it answers (when an earlier message made it)."""
     if messages is None:
         raise bad_request("messages is required", "messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of message objects", "messages")
     parsed = []
+    called: dict[str, str] = {}  # tool call id -> the function it called
     for idx, message in enumerate(messages):
         param = f"messages[{idx}]"
         if not isinstance(message, dict):
@@ -124,7 +131,21 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
             raise bad_request(
                 f"{param}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{param}.role"
             )
-        parsed.append({"role": role, "content": _message_text(message.get("content"), role, f"{param}.content")})
+        content = _message_text(message.get("content"), role, f"{param}.content")
+        item: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant" and message.get("tool_calls"):  # (an empty list is none)
+            item["tool_calls"] = _tool_calls(message["tool_calls"], f"{param}.tool_calls")
+            called.update((c["id"], c["function"]["name"]) for c in item["tool_calls"])
+        elif role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                got = "nothing" if call_id is None else json_type(call_id)
+                raise bad_request(f"{param}.tool_call_id must be a string (the id of the call this message "
+                                  f"answers), got {got}", f"{param}.tool_call_id")
+            item["tool_call_id"] = call_id
+            if call_id in called:
+                item["name"] = called[call_id]
+        parsed.append(item)
     return parsed
 
 
@@ -147,17 +168,57 @@ def _message_text(content: Any, role: str, param: str) -> str:
     return "\n".join(texts)
 
 
-CHAT_MESSAGE_SCHEMA = {  # /openapi.json's ChatMessage
-    "type": "object", "required": ["role", "content"],
-    "properties": {
-        "role": {"enum": list(CHAT_ROLES)},
-        "content": {"oneOf": [
-            {"type": "string"},
-            {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
-                "type": {"const": "text"}, "text": {"type": "string"}}}},
-        ], "description": "May be null for an assistant message."},
-    },
-}
+def _tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
+    """An assistant's calls, ``{"id", "type": "function", "function": {"name", "arguments"}}``,
+    with ``arguments`` (JSON text, as OpenAI sends it) as the object it holds, which is how
+    transformers' templates read it (``| tojson``, ``.items()``); text that is no JSON object stays text."""
+    if not isinstance(calls, list):
+        raise bad_request(f"{param} must be a list of tool calls, got {json_type(calls)}", param)
+    out = []
+    for idx, call in enumerate(calls):
+        where = f"{param}[{idx}]"
+        if not isinstance(call, dict):
+            raise bad_request(f"{where} must be an object, got {json_type(call)}", param)
+        if call.get("type", "function") != "function":
+            raise bad_request(f'{where}.type must be "function", got {describe(call["type"])}', param)
+        function = call.get("function")
+        if not isinstance(call.get("id"), str) or not isinstance(function, dict):
+            missing = "id (a string)" if not isinstance(call.get("id"), str) else "function (an object)"
+            raise bad_request(f"{where} needs {missing}", param)
+        for key in ("name", "arguments"):
+            if not isinstance(function.get(key), str):
+                got = "nothing" if function.get(key) is None else json_type(function[key])
+                raise bad_request(f"{where}.function.{key} must be a string, got {got}", param)
+        out.append({"id": call["id"], "type": "function",
+                    "function": {"name": function["name"], "arguments": _arguments(function["arguments"])}})
+    return out
+
+
+def _arguments(text: str) -> dict[str, Any] | str:
+    try:
+        value = json.loads(text, parse_constant=reject_constant)
+    except (ValueError, RecursionError):
+        return text
+    return value if isinstance(value, dict) else text
+
+
+_TEXT = {"type": "string"}
+_TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"const": "text"}, "text": {"type": "string"}}}}
+_TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+        "name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON text."}}}}}
+CHAT_MESSAGE_SCHEMA = {"oneOf": [  # /openapi.json's ChatMessage
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": ["system", "developer", "user"]}, "content": {"oneOf": [_TEXT, _TEXT_PARTS]}},
+     "description": "developer is read as system."},
+    {"type": "object", "required": ["role"], "properties": {
+        "role": {"const": "assistant"}, "content": {"oneOf": [_TEXT, _TEXT_PARTS, {"type": "null"}]},
+        "tool_calls": {"type": "array", "items": _TOOL_CALL}}},
+    {"type": "object", "required": ["role", "content", "tool_call_id"], "properties": {
+        "role": {"const": "tool"}, "content": {"oneOf": [_TEXT, _TEXT_PARTS]}, "tool_call_id": {"type": "string"}}},
+]}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 PROMPTS = Custom(lambda name, value: parse_prompts(value), {"oneOf": [
     {"type": "string", "minLength": 1},
@@ -183,7 +244,6 @@ class RequestBody:
 
     model: str | None = declare(String(), description="The served model's name; may be left out.")
     suffix: Any = declare(Refused(_off_when_empty), routes=Route.COMPLETIONS)
-    tools: Any = declare(Refused(_off_when_empty), routes=Route.CHAT)
     guided_regex: Any = declare(Refused(_off_when_empty))  # vLLM's; guided_json and guided_choice are supported
     guided_grammar: Any = declare(Refused(_off_when_empty))
     user: str | None = declare(ignored({"type": "string"}), description="Accepted and ignored.")
@@ -199,7 +259,16 @@ class CompletionBody(RequestBody):
 
 @dataclass
 class ChatBody(RequestBody):
-    messages: list[dict[str, str]] = declare(MESSAGES, factory=list, required=True)
+    """``parse_chat_body`` settles ``tool_choice`` (``tools.settle_tool_choice``): never None after it."""
+
+    messages: list[dict[str, Any]] = declare(MESSAGES, factory=list, required=True)
+    tools: list[dict[str, Any]] = declare(
+        TOOLS, factory=list, description=f"Function tools (at most {MAX_TOOLS}), for the chat template and for "
+                                         "tool_choice \"required\" or a named function.")
+    tool_choice: ToolChoice | None = declare(
+        TOOL_CHOICE, description='"none" (text; the default without tools), "required" (one call or more: its '
+                                 'output follows the tools\' parameters), a named function (one call to it), or '
+                                 '"auto" (the default with tools), refused: it needs a tool-call parser.')
 
 
 def parse_completion_body(body: dict[str, Any], served_model_name: str) -> CompletionBody:
@@ -214,4 +283,7 @@ def _parse(cls: type[Body], route: Route, body: dict[str, Any], served_model_nam
     check_model(body, served_model_name)  # first: a request meant for another model has nothing else to fix
     parsed = read_declared(cls, body, route)
     check_options(parsed.options, route, echo=isinstance(parsed, CompletionBody) and parsed.echo)
+    if isinstance(parsed, ChatBody):
+        parsed.tool_choice, parsed.options.tool_guide = settle_tool_choice(parsed.tools, parsed.tool_choice,
+                                                                           parsed.options)
     return parsed

@@ -10,7 +10,7 @@ on its own (``options.GenerationOptions``). Each raises ``APIError`` naming the 
   sample has finished), as OpenAI says. Beam search can: each returned hypothesis comes as one
   chunk when the search ends.
 - one guide at most (structured outputs: ``response_format`` other than text, ``guided_json``,
-  ``guided_choice``).
+  ``guided_choice``; chat's named or "required" ``tool_choice`` is one too, checked in ``tools``).
 - beam search: temperature 0 (or left out; it is set to 0), ``best_of`` equal to ``n``, and no
   field it would ignore (``BeamSearch.REFUSED``); without it, no field only it uses
   (``BeamSearch.ONLY``).

@@ -1,5 +1,6 @@
 """Response bodies in OpenAI's shapes, for completions and chat, whole and streamed (with vLLM's
-``prompt_logprobs`` when asked: per choice on completions, on the response on chat)."""
+``prompt_logprobs`` when asked: per choice on completions, on the response on chat; chat's tool
+calls when its tool_choice makes the output calls, see ``tools``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from services.frontend.logprobs import TokenFormatter, TokenLogprob
+from services.frontend.tools import NAMED, REQUIRED, ToolChoice, parse_required, tool_call
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0,
@@ -68,6 +70,13 @@ class ResponseShapes:
     ) -> dict[str, Any]:
         return self._chunk([self._chunk_choice(index, text, finish_reason, logprobs)])
 
+    def chunks(
+        self, index: int, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None
+    ) -> list[dict[str, Any]]:
+        """The chunks one delta of a choice makes: one, but a shape may hold text back (none) or end
+        a choice with more than one."""
+        return [self.chunk(index, text, finish_reason, logprobs)]
+
     def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
         return self._envelope(self.object_chunk, []) | {"usage": usage_}
 
@@ -116,8 +125,25 @@ class CompletionShapes(ResponseShapes):
 
 
 class ChatShapes(ResponseShapes):
+    """``tool_choice``: the request's (``tools``); a named or "required" one makes each choice's
+    text its tool calls (see ``tools`` for the shapes)."""
+
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
+
+    def __init__(self, *args: Any, tool_choice: ToolChoice | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tool_choice = tool_choice if tool_choice is not None and tool_choice.calls else None
+        self._held: dict[int, tuple[str, list[TokenLogprob] | None]] = {}  # "required", streamed: index -> so far
+
+    @property
+    def _named(self) -> str | None:
+        """The function a named tool_choice calls."""
+        return self.tool_choice.name if self.tool_choice is not None and self.tool_choice.mode == NAMED else None
+
+    @property
+    def _required(self) -> bool:
+        return self.tool_choice is not None and self.tool_choice.mode == REQUIRED
 
     def full(self, choices: list[Choice], usage_: dict[str, int]) -> dict[str, Any]:
         """vLLM's ``prompt_logprobs`` is the response's here: the choices share the prompt."""
@@ -127,20 +153,63 @@ class ChatShapes(ResponseShapes):
         return body
 
     def opening_chunks(self, indices: list[int]) -> list[dict[str, Any]]:
-        return [
-            self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-            for i in indices
-        ]
+        """The role; a named call's header too (its arguments follow as they come)."""
+        def delta() -> dict[str, Any]:
+            if self._named is not None:
+                return {"role": "assistant", "content": None, "tool_calls": [tool_call(self._named, "", 0)]}
+            return {"role": "assistant", "content": None if self._required else ""}
+
+        return [self._chunk([self._choice(i, delta(), None, None)]) for i in indices]
+
+    def chunks(
+        self, index: int, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None
+    ) -> list[dict[str, Any]]:
+        """A "required" choice's text is held until it finishes: then its calls in one chunk and the
+        finish in the next (or, when the text is not an array of calls, the text and the finish)."""
+        if not self._required:
+            return super().chunks(index, text, finish_reason, logprobs)
+        held_text, held_logprobs = self._held.get(index, ("", None))
+        held_text += text
+        if logprobs is not None:
+            held_logprobs = (held_logprobs or []) + logprobs
+        if finish_reason is None:
+            self._held[index] = (held_text, held_logprobs)
+            return []
+        self._held.pop(index, None)
+        calls = parse_required(held_text)
+        if calls is None:
+            return [self.chunk(index, held_text, finish_reason, held_logprobs)]
+        delta = {"tool_calls": [tool_call(name, arguments, i) for i, (name, arguments) in enumerate(calls)]}
+        return [self._chunk([self._choice(index, delta, None, held_logprobs)]),
+                self._chunk([self._choice(index, {}, _calls_finish(finish_reason), None)])]
 
     def _full_choice(self, choice: Choice) -> dict[str, Any]:
-        message = {"role": "assistant", "content": choice.text}
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        finish_reason = choice.finish_reason
+        if self._named is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": [tool_call(self._named, choice.text)]}
+        elif self._required and (calls := parse_required(choice.text)) is not None:
+            message = {"role": "assistant", "content": None,
+                       "tool_calls": [tool_call(name, arguments) for name, arguments in calls]}
+            finish_reason = _calls_finish(finish_reason)
         logprobs = self.tokens.chat(choice.logprobs) if choice.logprobs is not None and self.tokens else None
-        return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+        return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _chunk_choice(
         self, index: int, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None
     ) -> dict[str, Any]:
-        delta = {"content": text} if text or finish_reason is None else {}
+        if self._named is not None:
+            delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+        else:
+            delta = {"content": text} if text or finish_reason is None else {}
+        return self._choice(index, delta, finish_reason, logprobs)
+
+    def _choice(self, index: int, delta: dict[str, Any], finish_reason: str | None,
+                logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
         body = self.tokens.chat(logprobs) if logprobs is not None and self.tokens else None
         return {"index": index, "delta": delta, "logprobs": body, "finish_reason": finish_reason}
+
+
+def _calls_finish(finish_reason: str) -> str:
+    """A "required" choice that finished with its calls: OpenAI's ``tool_calls`` (vLLM says ``stop``)."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason

@@ -62,11 +62,13 @@ class Endpoint:
     shapes: type[ResponseShapes]
     default_max_tokens: int | None  # when the client gives none (None: the context left)
     prompt_param: str  # the field to blame for a prompt that does not fit
+    shape_options: Callable[[Any], dict[str, Any]] = lambda body: {}  # body -> more arguments of ``shapes``
 
 
 COMPLETIONS = Endpoint("cmpl", parse_completion_body, completion_inputs, completion_text_chars, CompletionShapes,
                        DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
-CHAT = Endpoint("chatcmpl", parse_chat_body, chat_inputs, chat_text_chars, ChatShapes, None, "messages")
+CHAT = Endpoint("chatcmpl", parse_chat_body, chat_inputs, chat_text_chars, ChatShapes, None, "messages",
+                lambda body: {"tool_choice": body.tool_choice})
 
 
 @dataclass
@@ -103,7 +105,7 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
         inputs: list[PromptInput] = await state.tokenize(len(raw), endpoint.inputs, body, model)
         echoes = [_echo(prompt, body.options) for prompt in inputs]
         shapes = endpoint.shapes(request_id, int(time.time()), state.model.name, body.options.include_usage,
-                                 state.token_formatter)
+                                 state.token_formatter, **endpoint.shape_options(body))
         return await _generate(request, state, shapes, inputs, body.options, echoes, endpoint, arrival)
 
 
@@ -224,8 +226,8 @@ async def _stream(
                         await open_choices([delta.index])
                     if delta.text or delta.finish_reason is not None or delta.logprobs:
                         logprobs = delta.logprobs if gen.wants_logprobs else None
-                        await response.write(sse_event(shapes.chunk(delta.index, delta.text, delta.finish_reason,
-                                                                    logprobs)))
+                        for chunk in shapes.chunks(delta.index, delta.text, delta.finish_reason, logprobs):
+                            await response.write(sse_event(chunk))
             if shapes.include_usage:
                 await response.write(sse_event(shapes.usage_chunk(_usage(gens))))
         except EngineRequestError as exc:
