@@ -122,7 +122,7 @@ def test_one_guide_per_request(parse):
     refused(lambda: parse(guided_json=SCHEMA, guided_choice=["a"]), "guided_choice",
             "guided_choice cannot be combined with guided_json")
     refused(lambda: parse(response_format=json_object, guided_json=SCHEMA), "guided_json",
-            "give one of response_format, guided_json or guided_choice")
+            "give one of response_format, guided_json, guided_choice or structured_outputs")
 
 
 @BOTH
@@ -201,3 +201,34 @@ def test_a_bad_schema_is_a_400_in_openai_shape_and_the_service_goes_on(frontend,
                                              "response_format": {"type": "json_object"}})
     assert status == 200 and json.loads(raw)["choices"][0]["finish_reason"] == "length"
     assert json.loads(fake.added[-1].sampling.guided) == {"json_object": True}
+
+
+# ---------------------------------------------------------------- vLLM's structured_outputs
+
+
+@BOTH
+def test_vllms_structured_outputs(parse, model):
+    assert guided(parse(structured_outputs={"json": SCHEMA}), model) == {"json_schema": SCHEMA}
+    assert guided(parse(structured_outputs={"json": json.dumps(SCHEMA), "disable_fallback": True}), model) == {
+        "json_schema": SCHEMA}
+    assert guided(parse(structured_outputs={"choice": ["a", "b"], "regex": None}), model) == {"choice": ["a", "b"]}
+    assert guided(parse(structured_outputs={"json_object": True, "disable_any_whitespace": True}), model) == {
+        "json_object": True, "whitespace": False}
+    assert guided(parse(structured_outputs={"json": SCHEMA, "disable_any_whitespace": False}), model) == {
+        "json_schema": SCHEMA}
+    assert guided(parse(guided_json=SCHEMA, guided_decoding_backend="xgrammar"), model) == {"json_schema": SCHEMA}
+    for value, fragment in (({"regex": "a+"}, "structured_outputs.regex is not supported"),
+                            ({"json": SCHEMA, "grammar": "root ::= x"}, "grammar is not supported"),
+                            ({"json": SCHEMA, "choice": ["a"]}, "got json and choice"),
+                            ({}, "got none"), ({"json_object": "yes"}, "json_object must be true"),
+                            ({"json": {"type": "string", "pattern": "x"}}, "structured_outputs.json: schema: the"),
+                            ({"choice": []}, "structured_outputs.choice must be a non-empty list"),
+                            ({"jsn": SCHEMA}, "structured_outputs.jsn is not one of its fields"),
+                            ({"json": SCHEMA, "disable_any_whitespace": "yes"}, "must be true or false"),
+                            ("x", "structured_outputs must be an object")):
+        refused(lambda: parse(structured_outputs=value), "structured_outputs", fragment)
+    refused(lambda: parse(structured_outputs={"json": SCHEMA}, guided_choice=["a"]), "structured_outputs",
+            "cannot be combined with guided_choice")
+    refused(lambda: parse(use_beam_search=True, n=2, structured_outputs={"choice": ["a"]}), "structured_outputs",
+            "not supported with use_beam_search")
+    refused(lambda: parse(guided_whitespace_pattern=r"\s*"), "guided_whitespace_pattern", "")

@@ -21,12 +21,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.frontend.errors import bad_request, describe, json_type, reject_constant
+from services.frontend.errors import APIError, bad_request, describe, json_type, reject_constant
 from services.frontend.field_kinds import Custom
 from shared.structured import compile_guide
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
-GUIDE_FIELDS = ("response_format", "guided_json", "guided_choice")  # ``GenerationOptions``' guides
+# ``GenerationOptions``' guides
+GUIDE_FIELDS = ("response_format", "guided_json", "guided_choice", "structured_outputs")
+# vLLM's structured_outputs: what each key becomes; the keys refused (a kind of guide we cannot
+# follow) and the ones read past (a backend's tuning, no change to what is valid)
+_STRUCTURED_KINDS = ("json", "choice", "json_object")
+_STRUCTURED_REFUSED = ("regex", "grammar", "structural_tag", "whitespace_pattern")
+_STRUCTURED_PASSED = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
 
 
 def checked(spec: dict[str, Any], name: str, where: str) -> dict[str, Any]:
@@ -92,6 +98,44 @@ def _read_guided_choice(name: str, value: Any) -> dict[str, Any]:
     return checked({"choice": list(value)}, name, name)
 
 
+def _read_structured_outputs(name: str, value: Any) -> dict[str, Any]:
+    """vLLM's ``structured_outputs``: one of ``json`` (a schema, or its JSON text), ``choice`` or
+    ``json_object: true``; ``disable_any_whitespace: true`` writes the JSON compact. ``regex``,
+    ``grammar``, ``structural_tag`` and ``whitespace_pattern`` are refused (not followed, they would
+    look followed). ``disable_fallback`` (a backend's) and ``disable_additional_properties`` are read
+    past: the guide writes no property an object schema does not list, whatever the flag (only an
+    object schema with no ``properties`` at all takes free keys, where vLLM's flag would close it)."""
+    if not isinstance(value, dict):
+        raise bad_request(f"{name} must be an object, got {json_type(value)}", name)
+    for key in value:
+        if key in _STRUCTURED_REFUSED and value[key] not in (None, "", False):
+            raise bad_request(f"{name}.{key} is not supported (json, choice and json_object are)", name)
+        if key not in (*_STRUCTURED_KINDS, *_STRUCTURED_REFUSED, *_STRUCTURED_PASSED):
+            raise bad_request(f"{name}.{key} is not one of its fields ({', '.join(_STRUCTURED_KINDS)}...)", name)
+    kinds = [k for k in _STRUCTURED_KINDS if value.get(k) not in (None, False)]
+    if len(kinds) != 1:
+        raise bad_request(f"{name} must hold one of {', '.join(_STRUCTURED_KINDS)}, got "
+                          f"{' and '.join(kinds) if kinds else 'none'}", name)
+    for key in _STRUCTURED_PASSED:
+        if key in value and not isinstance(value[key], bool) and value[key] is not None:
+            raise bad_request(f"{name}.{key} must be true or false, got {describe(value[key])}", name)
+    kind = kinds[0]
+    where = f"{name}.{kind}"
+    if kind == "json_object":
+        if value["json_object"] is not True:
+            raise bad_request(f"{where} must be true, got {describe(value['json_object'])}", name)
+        spec: dict[str, Any] = {"json_object": True}
+    else:
+        read = _read_guided_choice if kind == "choice" else _read_guided_json
+        try:
+            spec = read(where, value[kind])
+        except APIError as exc:  # named by the part, for the message; the param is the field
+            raise bad_request(exc.message, name) from None
+    if value.get("disable_any_whitespace") and kind != "choice":
+        spec = {**spec, "whitespace": False}
+    return checked(spec, name, where)
+
+
 def guided_text(response_format: dict[str, Any] | None, options: Any) -> dict[str, Any]:
     """``SamplingParams.guided`` (``response_format``'s ``FieldSpec.sampling``): the one guide
     ``options`` holds, whichever field it came in (or the one chat's tool_choice set), as JSON text
@@ -115,3 +159,14 @@ GUIDED_JSON = Custom(_read_guided_json, {"oneOf": [
 ]})
 GUIDED_CHOICE = Custom(_read_guided_choice, {"type": "array", "items": {"type": "string", "minLength": 1},
                                              "minItems": 1})
+STRUCTURED_OUTPUTS = Custom(_read_structured_outputs, {
+    "type": "object",
+    "properties": {
+        "json": {"oneOf": [_SCHEMA, {"type": "string", "description": "A JSON schema's text."}]},
+        "choice": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        "json_object": {"type": "boolean"},
+        "disable_any_whitespace": {"type": "boolean"},
+        "disable_fallback": {"type": "boolean"},
+        "disable_additional_properties": {"type": "boolean"},
+    },
+})

@@ -29,7 +29,9 @@ from typing import Any
 from services.frontend.errors import bad_request, describe, is_int, json_type
 from services.frontend.field_kinds import Boolean, Custom, Integer, Number
 from services.frontend.fields import BeamSearch, Route, declare, declared_fields
-from services.frontend.guides import GUIDED_CHOICE, GUIDED_JSON, RESPONSE_FORMAT, guided_text
+from services.frontend.guides import (
+    GUIDED_CHOICE, GUIDED_JSON, RESPONSE_FORMAT, STRUCTURED_OUTPUTS, guided_text,
+)
 
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
@@ -197,6 +199,11 @@ class GenerationOptions:
         description="vLLM's extension: a JSON schema (or its text) the output must be valid against.")
     guided_choice: dict[str, Any] | None = declare(
         GUIDED_CHOICE, beam_search=_REFUSED, description="vLLM's extension: the output is exactly one of these.")
+    structured_outputs: dict[str, Any] | None = declare(
+        STRUCTURED_OUTPUTS, beam_search=_REFUSED,
+        description="vLLM's newer form of the guides: one of json (a schema or its text), choice or json_object: "
+                    "true; disable_any_whitespace: true writes the JSON compact. regex, grammar, structural_tag "
+                    "and whitespace_pattern are refused.")
     given: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     # chat's tools: the guide a named or "required" tool_choice sets (``tools.settle_tool_choice``),
     # never read from the body; it reaches ``SamplingParams.guided`` as the guide fields do

@@ -246,6 +246,9 @@ class RequestBody:
     suffix: Any = declare(Refused(_off_when_empty), routes=Route.COMPLETIONS)
     guided_regex: Any = declare(Refused(_off_when_empty))  # vLLM's; guided_json and guided_choice are supported
     guided_grammar: Any = declare(Refused(_off_when_empty))
+    guided_whitespace_pattern: Any = declare(Refused(_off_when_empty))  # a pattern we would not follow
+    guided_decoding_backend: str | None = declare(
+        ignored({"type": "string"}), description="vLLM's choice of guide backend: accepted and ignored (one here).")
     user: str | None = declare(ignored({"type": "string"}), description="Accepted and ignored.")
     options: GenerationOptions = nested(GenerationOptions)
 

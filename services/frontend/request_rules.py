@@ -74,7 +74,7 @@ def _check_one_guide(opts: GenerationOptions) -> None:
     given = [opts.param(attr) for attr in GUIDE_FIELDS if getattr(opts, attr) is not None]
     if len(given) > 1:
         raise bad_request(f"{given[1]} cannot be combined with {given[0]}: give one of response_format, "
-                          f"guided_json or guided_choice", given[1])
+                          f"guided_json, guided_choice or structured_outputs", given[1])
 
 
 def _check_beam_search(opts: GenerationOptions, route: Route) -> None:
