@@ -232,3 +232,7 @@ def test_vllms_structured_outputs(parse, model):
     refused(lambda: parse(use_beam_search=True, n=2, structured_outputs={"choice": ["a"]}), "structured_outputs",
             "not supported with use_beam_search")
     refused(lambda: parse(guided_whitespace_pattern=r"\s*"), "guided_whitespace_pattern", "")
+
+
+def test_structured_outputs_with_a_falsy_guide_says_what_it_got():
+    refused(lambda: chat(structured_outputs={"json": 0}), "structured_outputs", "structured_outputs.json")

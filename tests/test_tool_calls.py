@@ -98,13 +98,29 @@ def test_auto_is_refused_with_the_reason_given_or_defaulted():
      ["tools[0].function.strict must be a boolean, got string"]),
     ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}],
      ["tools[0].function.parameters must be a JSON schema (an object), got string"]),
-    ([WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "^a"}}}],
-     ["tools[1].function.parameters: ", "'pattern'"]),  # compile_guide's own words follow
-    ([{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/Gone"}}}],
-     ["tools[0].function.parameters: ", "#/$defs/Gone"]),
+    ([WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+     ["tools[1].function.parameters must describe an object (arguments are a JSON object)"]),
 ])
 def test_malformed_tools_are_refused_naming_tools(tools, fragments):
     refused(lambda: chat(tools=tools, tool_choice="none"), "tools", *fragments)
+
+
+def test_only_the_called_tools_schemas_must_be_ones_the_guide_follows():
+    """A tool the request does not call may use keywords the guide cannot follow (pydantic's ge/le,
+    formats): the chat template reads them; the guide compiles only what it follows."""
+    loose = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"day": {"type": "string", "format": "date"}, "n": {"type": "integer",
+                                                                                              "minimum": 1}}}}}
+    gone = {"type": "function", "function": {"name": "g", "parameters": {"$ref": "#/$defs/Gone"}}}
+    for choice in ("none", named("get_weather")):
+        assert chat(tools=[WEATHER, loose, gone], tool_choice=choice).tools[1]["function"]["name"] == "f"
+    refused(lambda: chat(tools=[WEATHER, loose], tool_choice=named("f")), "tools",
+            "tools[1].function.parameters: ", "'format'")  # compile_guide's own words follow
+    refused(lambda: chat(tools=[WEATHER, gone], tool_choice="required"), "tools",
+            "tools[1].function.parameters: ", "#/$defs/Gone")
+    empty = {"type": "function", "function": {"name": "e", "parameters": {}}}  # {}: an object, as left out
+    assert chat(tools=[empty], tool_choice=named("e")).options.tool_guide == {
+        "json_schema": {"type": "object", "properties": {}}}
 
 
 @pytest.mark.parametrize("fields, fragments", [
@@ -321,12 +337,17 @@ def test_required_calls(client, fake, model):
         assert calls_of(choice.message) == [(c["name"], c["parameters"]) for c in CALLS]
         assert choice.message.tool_calls[1].function.arguments == '{"zone": "東京"}'  # json.dumps, not ASCII
     assert len({c.id for choice in response.choices for c in choice.message.tool_calls}) == 4
-    # cut short (max_tokens, or a stop string): not an array of calls, so text, and the engine's reason
-    for fields, finish in (({"max_tokens": 5}, "length"), ({"stop": ["get_time"]}, "stop")):
-        choice = client.chat.completions.create(model=model.name, messages=say(CALLS_TEXT), tools=TOOLS,
-                                                tool_choice="required", **fields).choices[0]
-        assert choice.finish_reason == finish and choice.message.tool_calls is None
-        assert CALLS_TEXT.startswith(choice.message.content) and choice.message.content
+    # cut short by max_tokens: not an array of calls, so text, and the engine's reason
+    choice = client.chat.completions.create(model=model.name, messages=say(CALLS_TEXT), tools=TOOLS,
+                                            tool_choice="required", max_tokens=5).choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert CALLS_TEXT.startswith(choice.message.content) and choice.message.content
+    # a stop string would cut a call and leave it looking finished: refused
+    with pytest.raises(openai.BadRequestError, match="stop is not supported with tool_choice"):
+        client.chat.completions.create(model=model.name, messages=say(CALLS_TEXT), tools=TOOLS,
+                                       tool_choice="required", stop=["get_time"])
+    refused(lambda: chat(tools=TOOLS, tool_choice=named("get_time"), stop="x"), "stop", "would cut the call")
+    assert chat(tools=TOOLS, tool_choice="none", stop="x").options.stop == ["x"]  # text: as ever
 
 
 def test_the_raw_bodies_have_null_content(frontend):
@@ -474,3 +495,26 @@ def test_a_tool_conversation_is_answered_by_the_tiny_model(tiny):
         assert isinstance(choice.message.content, str) and choice.message.tool_calls is None
     with pytest.raises(openai.BadRequestError, match="tool-call parser"):  # tools without tool_choice: "auto"
         tiny.chat.completions.create(model="tiny", messages=CONVERSATION, tools=TOOLS, max_tokens=8)
+
+
+def test_required_bounds_its_tools_and_parallel_tool_calls():
+    many = [{"type": "function", "function": {"name": f"t{i}"}} for i in range(65)]
+    refused(lambda: chat(tools=many, tool_choice="required"), "tool_choice", 'takes at most 64 tools')
+    assert chat(tools=many, tool_choice=named("t64")).options.tool_guide is not None  # one tool: any of them
+    assert chat(tools=many[:64], tool_choice="required").options.tool_guide is not None
+    one = chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False).options.tool_guide
+    guide = compile_guide(one)
+    call = '{"name": "get_time", "parameters": {"zone": "CET"}}'
+    assert complete(guide, f"[{call}]") and not complete(guide, f"[{call}, {call}]")
+    assert complete(compile_guide(chat(tools=TOOLS, tool_choice="required").options.tool_guide), f"[{call}, {call}]")
+    refused(lambda: chat(tools=TOOLS, tool_choice="required", parallel_tool_calls="no"), "parallel_tool_calls", "")
+
+
+def test_required_calls_keep_their_arguments_as_generated():
+    from services.frontend.tools import parse_required
+
+    text = ('[ {"name": "a", "parameters": {"x": 1e400, "y": 0.10000000000000000001}} ,\n'
+            '{"name":"b","parameters":{"k":1,"k":2}}]')
+    assert parse_required(text) == [("a", '{"x": 1e400, "y": 0.10000000000000000001}'), ("b", '{"k":1,"k":2}')]
+    assert parse_required('[{"name": "a", "parameters": {}}') is None  # cut short
+    assert parse_required('[{"parameters": {}, "name": "a"}]') is None  # not the guide's order: not its output

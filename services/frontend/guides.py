@@ -112,7 +112,7 @@ def _read_structured_outputs(name: str, value: Any) -> dict[str, Any]:
             raise bad_request(f"{name}.{key} is not supported (json, choice and json_object are)", name)
         if key not in (*_STRUCTURED_KINDS, *_STRUCTURED_REFUSED, *_STRUCTURED_PASSED):
             raise bad_request(f"{name}.{key} is not one of its fields ({', '.join(_STRUCTURED_KINDS)}...)", name)
-    kinds = [k for k in _STRUCTURED_KINDS if value.get(k) not in (None, False)]
+    kinds = [k for k in _STRUCTURED_KINDS if value.get(k) is not None and value.get(k) is not False]
     if len(kinds) != 1:
         raise bad_request(f"{name} must hold one of {', '.join(_STRUCTURED_KINDS)}, got "
                           f"{' and '.join(kinds) if kinds else 'none'}", name)

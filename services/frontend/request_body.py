@@ -272,6 +272,8 @@ class ChatBody(RequestBody):
         TOOL_CHOICE, description='"none" (text; the default without tools), "required" (one call or more: its '
                                  'output follows the tools\' parameters), a named function (one call to it), or '
                                  '"auto" (the default with tools), refused: it needs a tool-call parser.')
+    parallel_tool_calls: bool = declare(
+        Boolean(), True, description='With tool_choice "required": false allows one call only.')
 
 
 def parse_completion_body(body: dict[str, Any], served_model_name: str) -> CompletionBody:
@@ -288,5 +290,5 @@ def _parse(cls: type[Body], route: Route, body: dict[str, Any], served_model_nam
     check_options(parsed.options, route, echo=isinstance(parsed, CompletionBody) and parsed.echo)
     if isinstance(parsed, ChatBody):
         parsed.tool_choice, parsed.options.tool_guide = settle_tool_choice(parsed.tools, parsed.tool_choice,
-                                                                           parsed.options)
+                                                                           parsed.options, parsed.parallel_tool_calls)
     return parsed

@@ -39,6 +39,7 @@ from typing import Any
 from services.frontend.errors import bad_request, describe, json_type
 from services.frontend.field_kinds import Custom
 from services.frontend.guides import GUIDE_FIELDS, checked
+from shared.structured.guide import MAX_STACKS
 
 MAX_TOOLS = 128  # OpenAI's limit
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -107,11 +108,16 @@ def _read_function(name: str, where: str, function: dict[str, Any], earlier: lis
     if strict is not None and not isinstance(strict, bool):
         raise bad_request(f"{where}.strict must be a boolean, got {json_type(strict)}", name)
     parameters = function.get("parameters")
-    if parameters is None:
+    if parameters is None or parameters == {}:  # OpenAI's default: an object with no properties
         parameters = copy.deepcopy(NO_PARAMETERS)
     elif not isinstance(parameters, dict):
         raise bad_request(f"{where}.parameters must be a JSON schema (an object), got {json_type(parameters)}", name)
-    out["parameters"] = checked({"json_schema": parameters}, name, f"{where}.parameters")["json_schema"]
+    elif parameters.get("type", "object") != "object":
+        raise bad_request(f'{where}.parameters must describe an object (arguments are a JSON object), got type '
+                          f"{describe(parameters['type'])}", name)
+    # compiled only where it guides (settle_tool_choice): a tool the request does not call may use
+    # keywords the guide cannot follow, as the chat template reads them
+    out["parameters"] = parameters
     return out
 
 
@@ -127,10 +133,11 @@ def _read_tool_choice(name: str, value: Any) -> ToolChoice:
                       f'...}}}}, got {describe(value)}', name)
 
 
-def settle_tool_choice(tools: list[dict[str, Any]], choice: ToolChoice | None,
-                       options: Any) -> tuple[ToolChoice, dict[str, Any] | None]:
+def settle_tool_choice(tools: list[dict[str, Any]], choice: ToolChoice | None, options: Any,
+                       parallel: bool = True) -> tuple[ToolChoice, dict[str, Any] | None]:
     """The request's tool choice (its default settled) and the guide it sets (a named or required
-    choice), once every field has been read; each conflict a 400 naming ``tool_choice``."""
+    choice: the called tools' parameters compiled here), once every field has been read; each
+    conflict a 400 naming ``tool_choice`` (or ``stop``). ``parallel`` false: "required" makes one call."""
     given = choice is not None
     if choice is None:
         choice = ToolChoice(AUTO if tools else NONE)
@@ -151,11 +158,19 @@ def settle_tool_choice(tools: list[dict[str, Any]], choice: ToolChoice | None,
                           f'request); tool_choice "none" keeps the tools and lets {other} guide it', "tool_choice")
     if options.use_beam_search:
         raise bad_request(f"{choice.words()} is not supported with use_beam_search", "tool_choice")
+    if options.stop:
+        raise bad_request(f"stop is not supported with {choice.words()}: a stop string would cut the call's "
+                          "arguments short and the call would look finished", "stop")
+    called = [(i, t) for i, t in enumerate(tools) if choice.mode == REQUIRED or t["function"]["name"] == choice.name]
+    if len(called) > MAX_STACKS:
+        raise bad_request(f'tool_choice "required" takes at most {MAX_STACKS} tools (the alternatives a guide keeps '
+                          f"open), got {len(called)}: name one, or send fewer", "tool_choice")
+    for i, tool in called:
+        checked({"json_schema": tool["function"]["parameters"]}, "tools", f"tools[{i}].function.parameters")
     if choice.mode == NAMED:
-        return choice, {"json_schema": next(t["function"]["parameters"] for t in tools if t["function"]["name"]
-                                            == choice.name)}
-    return choice, checked({"json_schema": required_schema(tools)}, "tools", 'tools (as tool_choice "required" '
-                                                                             "joins them)")
+        return choice, {"json_schema": called[0][1]["function"]["parameters"]}
+    return choice, checked({"json_schema": required_schema(tools, parallel)}, "tools",
+                           'tools (as tool_choice "required" joins them)')
 
 
 TOOLS = Custom(_read_tools, {"type": "array", "maxItems": MAX_TOOLS, "items": {
@@ -177,9 +192,9 @@ TOOL_CHOICE = Custom(_read_tool_choice, {"oneOf": [
 # ---------------------------------------------------------------- the guide of "required"
 
 
-def required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """An array of one call or more, each ``{"name": <a tool's name>, "parameters": <its
-    parameters>}``. Parameters holding references (``$ref``, which point from the root of the
+def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
+    """An array of one call or more (exactly one without ``parallel``), each ``{"name": <a tool's
+    name>, "parameters": <its parameters>}``. Parameters holding references (``$ref``, which point from the root of the
     schema) go in the root's ``$defs`` under the tool's name, their references moved there (a
     reference cannot point into ``anyOf``'s list); the others stand in place."""
     calls, defs = [], {}
@@ -192,7 +207,7 @@ def required_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
             parameters = {"$ref": f"#/$defs/{function['name']}"}
         calls.append({"type": "object", "properties": {"name": {"const": function["name"]}, "parameters": parameters},
                       "required": ["name", "parameters"]})
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({} if parallel else {"maxItems": 1})
     return schema | {"$defs": defs} if defs else schema
 
 
@@ -236,13 +251,50 @@ def parse_required(text: str) -> list[tuple[str, str]] | None:
     complete array of calls (cut short by ``length`` or a ``stop`` string)."""
     try:
         value = json.loads(text)
+        spans = _parameter_spans(text)
     except (ValueError, RecursionError):  # (a guide allows any depth where a schema allows any value)
         return None
-    if not isinstance(value, list) or not value:
+    if not isinstance(value, list) or not value or len(spans) != len(value):
         return None
     calls = []
-    for item in value:
+    for item, (start, end) in zip(value, spans):
         if not isinstance(item, dict) or not isinstance(item.get("name"), str) or "parameters" not in item:
             return None
-        calls.append((item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+        calls.append((item["name"], text[start:end]))  # as generated: no number or key rewritten
     return calls
+
+
+def _parameter_spans(text: str) -> list[tuple[int, int]]:
+    """Where each call's ``parameters`` value lies in an array of ``{"name": ..., "parameters":
+    ...}`` objects, keys in that order (as the guide writes them); ``ValueError`` otherwise."""
+    decoder, spans, pos = json.JSONDecoder(), [], 0
+
+    def skip(at: int) -> int:
+        while at < len(text) and text[at] in " \t\n\r":
+            at += 1
+        return at
+
+    def expect(at: int, char: str) -> int:
+        at = skip(at)
+        if text[at:at + 1] != char:
+            raise ValueError(f"expected {char!r} at {at}")
+        return at + 1
+
+    pos = expect(pos, "[")
+    while True:
+        pos = expect(pos, "{")
+        for key in ("name", "parameters"):
+            found, pos = decoder.raw_decode(text, skip(pos))
+            if found != key:
+                raise ValueError(f"expected the key {key!r} at {pos}")
+            start = skip(expect(pos, ":"))
+            _, pos = decoder.raw_decode(text, start)
+            if key == "parameters":
+                spans.append((start, pos))
+            else:
+                pos = expect(pos, ",")
+        pos = expect(pos, "}")
+        pos = skip(pos)
+        if text[pos:pos + 1] == "]":
+            return spans
+        pos = expect(pos, ",")
