@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.executor.guided import GuidedSequences, Vocabulary, token_bytes
+from services.executor.histories import TokenHistories
 from services.executor.sampler import Sampler
 from services.offline import LLM
 from shared.messages import NewSequence, SamplingParams
@@ -258,3 +259,24 @@ def test_added_tokens_are_their_text(tmp_path):
         token_id = grown.convert_tokens_to_ids(text)
         assert pieces[token_id] == grown.decode([token_id]).encode()
     assert pieces[grown.convert_tokens_to_ids("<tool>")] == b"<tool>"
+
+
+@pytest.mark.parametrize("bounds", [{"minLength": 2, "maxLength": 5}, {"maxLength": 1}, {"minLength": 3}])
+def test_bounded_strings_masks_made_from_the_unbounded_one_equal_checking_every_token(tokenizer, vocabulary, bounds):
+    schema = {"type": "object", "properties": {"s": {"type": "string", **bounds}, "n": {"type": "integer"}},
+              "required": ["s", "n"]}
+    spec = json.dumps({"json_schema": schema})
+    guide = compile_guide(spec)
+    sequences = GuidedSequences(TokenHistories(), lambda: vocabulary)
+    prefixes = ['{"s": "', '{"s": "a', '{"s": "ab', '{"s": "é\\n', '{"s": "abcd', '{"s": "\\ud83d\\ude00',
+                '{"s": "abcde']
+    for seq_id, prefix in enumerate(prefixes):
+        outputs = tokenizer.encode(prefix, add_special_tokens=False)
+        state = guide.advance_bytes(guide.initial(), b"".join(vocabulary.pieces[t] for t in outputs))
+        if state is None:  # past the bound: not a state this guide reaches
+            continue
+        sequences.histories.add(sequence(seq_id, [1], outputs, SamplingParams()))
+        sequences.add(seq_id, spec)
+        assert guide.bounded_string(state) is not None
+        made = sequences.mask(seq_id, []).as_mask(vocabulary.size)
+        assert (made == brute_force(guide, state, vocabulary.pieces)).all(), prefix

@@ -127,6 +127,11 @@ class Vocabulary:
         starts = (self.columns >= 0) & ((self.columns < 0x80) | (self.columns >= 0xC0))
         self.chars = starts.sum(axis=1)
         self._starts = starts
+        # by id: the characters each token writes inside a string before closing it, and whether it does
+        self.string_chars = np.zeros(self.size, np.int64)
+        self.closes_string = np.zeros(self.size, bool)
+        for token_id, text in zip(ids, self.texts):
+            self.string_chars[token_id], self.closes_string[token_id] = _string_run(text)
 
     def allowed(self, guide: Guide, state: tuple) -> np.ndarray:
         """[size] bool: the tokens whose bytes ``guide`` takes from ``state``."""
@@ -168,6 +173,31 @@ class Vocabulary:
             return self.order[lo:hi]
         before = int(self._starts[lo, :depth].sum())
         return self.order[lo:hi][self.chars[lo:hi] - before <= budget]
+
+
+def _string_run(data: bytes) -> tuple[int, bool]:
+    """Read from between two characters of a string: the characters ``data`` writes before the
+    quote that closes the string (an escape is one, a surrogate pair of escapes one, a UTF-8
+    character one), and whether it closes it."""
+    chars, at = 0, 0
+    while at < len(data):
+        byte = data[at]
+        if byte == 0x22:
+            return chars, True
+        if byte == 0x5C:
+            chars += 1
+            if data[at + 1:at + 2] == b"u":
+                digits = data[at + 2:at + 6]
+                at += 6
+                if digits[:1] in (b"d", b"D") and digits[1:2] in (b"8", b"9", b"a", b"b", b"A", b"B") \
+                        and data[at:at + 2] == b"\\u":
+                    at += 6  # the low half of a surrogate pair: the same character
+            else:
+                at += 2
+            continue
+        chars += not 0x80 <= byte < 0xC0
+        at += 1
+    return chars, False
 
 
 def _groups(column: np.ndarray, offset: int) -> list[tuple[int, int, int]]:
@@ -308,16 +338,32 @@ class GuidedSequences:
         if state is None:
             allowed = TokenSet(True, np.zeros(0, np.int64))
         else:
-            allowed = tracked.masks.get(state)
-            if allowed is None:
-                allowed = TokenSet.from_mask(vocab.allowed(tracked.guide, state))
-                tracked.masks[state] = allowed
-                if len(tracked.masks) > MASK_CACHE_SIZE:
-                    tracked.masks.popitem(last=False)
-            else:
-                tracked.masks.move_to_end(state)
+            allowed = self._cached(tracked, state)
         if state is None or tracked.guide.is_complete(state) or allowed.empty:
             allowed = allowed.adding([t for t in eos_token_ids if 0 <= t < vocab.size])
+        return allowed
+
+    def _cached(self, tracked: _Tracked, state: tuple) -> TokenSet:
+        """The state's mask, from the cache or made and kept; in a string with length bounds, made
+        from the same string's unbounded mask (``Guide.bounded_string``) and the tokens' lengths."""
+        allowed = tracked.masks.get(state)
+        if allowed is not None:
+            tracked.masks.move_to_end(state)
+            return allowed
+        vocab = self.vocabulary
+        bounded = tracked.guide.bounded_string(state)
+        if bounded is None:
+            mask = vocab.allowed(tracked.guide, state)
+        else:
+            free, chars, low, high = bounded
+            mask = self._cached(tracked, free).as_mask(vocab.size)
+            written = chars + vocab.string_chars
+            if high >= 0:
+                mask &= written <= high
+            mask &= ~vocab.closes_string | (written >= low)
+        allowed = tracked.masks[state] = TokenSet.from_mask(mask)
+        if len(tracked.masks) > MASK_CACHE_SIZE:
+            tracked.masks.popitem(last=False)
         return allowed
 
     def _state(self, seq_id: int, tracked: _Tracked) -> tuple | None:

@@ -171,6 +171,23 @@ class Guide:
             best = max(best, float("inf") if high < 0 else high - top[2])
         return best
 
+    def bounded_string(self, state: State) -> tuple[State, int, int, int] | None:
+        """For a state inside one string with length bounds, between characters: the same state
+        in a string without bounds, the characters written so far, and the bounds (min, max; max
+        -1: none); else None. A token then fits the bounded string when it fits the unbounded one
+        and the characters it writes before closing it keep within the bounds, so the unbounded
+        state's mask, which comes back at every position, serves every position (``guided.py``)."""
+        if len(state) != 1:
+            return None
+        stack = state[0]
+        top = stack[-1]
+        if top[0] != STR or top[3]:
+            return None
+        node = self.nodes[top[1]]
+        if node[0] != STRING or (node[1] <= 0 and node[2] < 0):
+            return None
+        return (stack[:-1] + ((STR, self._free_key, 0, 0),),), top[2], node[1], node[2]
+
     # ---------------------------------------------------------------- one byte on one stack
 
     def _settle(self, stack: tuple) -> tuple[tuple, ...]:
