@@ -236,3 +236,15 @@ def test_vllms_structured_outputs(parse, model):
 
 def test_structured_outputs_with_a_falsy_guide_says_what_it_got():
     refused(lambda: chat(structured_outputs={"json": 0}), "structured_outputs", "structured_outputs.json")
+
+
+def test_the_frontend_keeps_its_verdicts_on_specs_it_has_compiled():
+    from services.frontend.guides import _compile_error
+
+    schema = {"type": "object", "properties": {"kept": {"type": "integer"}}}
+    before = _compile_error.cache_info()
+    for _ in range(3):
+        chat(guided_json=schema)
+        refused(lambda: chat(guided_json={"type": "string", "format": "kept"}), "guided_json", "'format'")
+    after = _compile_error.cache_info()
+    assert after.misses - before.misses == 2 and after.hits - before.hits == 4
