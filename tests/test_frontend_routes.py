@@ -32,12 +32,19 @@ def test_tokenize_and_detokenize(frontend, model):
     status, body = post(frontend, "/tokenize", {"messages": messages, "model": model.name})
     want = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert status == 200 and body["tokens"] == list(want)
+    tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}]
+    status, body = post(frontend, "/tokenize", {"messages": messages, "tools": tools})
+    want = model.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)
+    assert status == 200 and body["tokens"] == list(want)  # as chat passes them to the template
     status, body = post(frontend, "/detokenize", {"tokens": ids})
     assert status == 200 and body == {"prompt": "Hello 東京"}
     for path, payload, param in [
         ("/tokenize", {"prompt": 5}, "prompt"),
         ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
         ("/tokenize", {"messages": []}, "messages"),
+        ("/tokenize", {"messages": messages, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
         ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
         ("/detokenize", {"tokens": [1, -1]}, "tokens"),
         ("/detokenize", {"tokens": "abc"}, "tokens"),

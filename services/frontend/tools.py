@@ -69,7 +69,7 @@ class ToolChoice:
 # ---------------------------------------------------------------- reading the fields
 
 
-def _read_tools(name: str, value: Any) -> list[dict[str, Any]]:
+def read_tools(name: str, value: Any) -> list[dict[str, Any]]:
     """The tools in OpenAI's shape, as the chat template takes them (``parameters`` filled in)."""
     if not isinstance(value, list):
         raise bad_request(f"{name} must be a list of tools, got {json_type(value)}", name)
@@ -173,7 +173,7 @@ def settle_tool_choice(tools: list[dict[str, Any]], choice: ToolChoice | None, o
                            'tools (as tool_choice "required" joins them)')
 
 
-TOOLS = Custom(_read_tools, {"type": "array", "maxItems": MAX_TOOLS, "items": {
+TOOLS = Custom(read_tools, {"type": "array", "maxItems": MAX_TOOLS, "items": {
     "type": "object", "required": ["type", "function"], "properties": {
         "type": {"const": "function"},
         "function": {"type": "object", "required": ["name"], "properties": {
