@@ -361,10 +361,7 @@ class Guide:
         if new is not None:
             return (base + (new,),)
         if phase in _NUM_CAN_END:  # the number ends before this byte, which its parent reads
-            out: list[tuple] = []
-            for popped in self._done(stack):
-                out.extend(self._step(popped, byte))
-            return tuple(out)
+            return self._ended_before(stack, byte)
         return ()
 
     # literals and keys
@@ -388,11 +385,16 @@ class Guide:
                 return self._done(stack)
             return (stack[:-1] + ((LIT, going, pos + 1),),)
         if any(len(t) == pos for t in texts):  # a shorter text is complete: it ends before this byte
-            out: list[tuple] = []
-            for popped in self._done(stack):
-                out.extend(self._step(popped, byte))
-            return tuple(out)
+            return self._ended_before(stack, byte)
         return ()
+
+    def _ended_before(self, stack: tuple, byte: int) -> tuple[tuple, ...]:
+        """The top frame (a number or literal that may end where it is) ends before ``byte``, which
+        its parent then reads."""
+        out: list[tuple] = []
+        for popped in self._done(stack):
+            out.extend(self._step(popped, byte))
+        return tuple(out)
 
     # objects
 
