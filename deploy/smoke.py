@@ -1,7 +1,7 @@
 """The deployment smoke test: build the image offline, start compose, ask, kill the executor, stop.
 
 ``deploy/smoke.sh`` runs it for people and prints each step, the times and the image size;
-``tests/test_docker.py`` runs the same ``run_smoke`` and asserts on its report. Steps:
+``tests/system/test_docker.py`` runs the same ``run_smoke`` and asserts on its report. Steps:
 
 1. ``deploy/build-image.sh`` (offline: ``docker build --network=none``), unless ``--no-build``;
 2. ``compose up -d`` as project ``pagedserve-smoke`` on free ports of 127.0.0.1, then wait until

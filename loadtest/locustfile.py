@@ -5,7 +5,7 @@
 
 Each user sends one streamed chat completion after another (a closed loop; raise ``-u`` for more
 load). Prompt and output lengths come from ``--dataset`` (``sharegpt``: 161 input / 338 output
-tokens on average, ``alpaca``: 19 / 58; ``loadtest/workloads.py``), clipped to the model's
+tokens on average, ``alpaca``: 19 / 58; ``loadtest/common/workloads.py``), clipped to the model's
 context; ``max_tokens`` is the drawn output length and ``ignore_eos`` holds it. Locust's tables,
 CSV and HTML report show, per dataset (response times in ms):
 
@@ -33,8 +33,8 @@ from locust import HttpUser, constant, events, task
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # `locust -f` from anywhere
 
-from loadtest.stream_timing import StreamTimes, read_stream  # noqa: E402
-from loadtest.workloads import DATASETS, prompt_text  # noqa: E402
+from loadtest.common.stream_timing import StreamTimes, read_stream  # noqa: E402
+from loadtest.common.workloads import DATASETS, prompt_text  # noqa: E402
 
 _user_numbers = itertools.count()
 

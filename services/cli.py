@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from shared.threads import set_thread_env
+from shared.cpu_threads import set_thread_env
 
 set_thread_env()  # before torch or numba is imported anywhere below
 
@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_frontend_arguments(fe)
 
-    from services.health import add_health_arguments
+    from services.healthcheck import add_health_arguments
 
     add_health_arguments(sub.add_parser("health", help="exit 0 if a service is alive (for container healthchecks)"))
     return parser
@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["health"]:  # a healthcheck runs it every few seconds: skip the services' imports
-        from services.health import main as health_main
+        from services.healthcheck import main as health_main
 
         return health_main(argv[1:])
     args = build_parser().parse_args(argv)
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "heartbeat_timeout", "async_scheduling", "plan_ahead_at"]),
             ))
         elif args.command == "executor":
-            from shared.threads import prepare_openmp
+            from shared.cpu_threads import prepare_openmp
 
             prepare_openmp()  # before the flags' checks import torch
             from services.executor.main import ExecutorConfig, run_executor

@@ -9,7 +9,7 @@ each request to one of them (``services.frontend.replicas``). With one replica t
 ones serve always used (``scheduler``, ``executor``, the directory's ``request.sock``...).
 
 Threads: without ``--num-threads`` (or ``PAGEDSERVE_NUM_THREADS``, each rank's) the executor
-threads serve would give one group are shared among the replicas (``shared.threads.choose_threads``,
+threads serve would give one group are shared among the replicas (``shared.cpu_threads.choose_threads``,
 then split over replicas and ranks, rounded down), at least one each. Seeds: replica ``i`` draws the random numbers of
 requests that give no seed from ``--seed + i`` (two replicas must not sample alike).
 """
@@ -115,7 +115,7 @@ def _threads_per_rank(args, count: int) -> int | None:
     ``group_layout`` would otherwise set from the cores), else serve's choice shared among every
     rank of every replica, rounded down (the ranks of a group must have equal shares); None when
     ``--num-threads`` was given."""
-    from shared.threads import asked_threads, choose_threads
+    from shared.cpu_threads import asked_threads, choose_threads
 
     if args.num_threads:
         return None

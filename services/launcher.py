@@ -49,7 +49,7 @@ from services.data_parallel import (
 )
 from services.executor.device import check_device_name
 from services.group_layout import GroupLayout, check_model_split, layout_from_args
-from services.restarts import RestartBudget
+from services.restart_budget import RestartBudget
 from shared.endpoints import make_private_socket_dir
 from shared.logging import configure_logging
 from shared.model_source import resolve_tokenizer

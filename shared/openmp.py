@@ -7,7 +7,7 @@ cores, and every decoder layer alternates between them (matmuls in torch's, atte
 rotary in Numba's). Between two parallel regions an idle worker either sleeps
 (``OMP_WAIT_POLICY=PASSIVE``: the next region pays a futex wake-up per worker) or spins (libgomp's
 default): with two pools a spinning worker of one holds the core that a worker of the other now
-needs, until the kernel preempts it (``shared/threads.py`` measured steps 2 to 16 times slower).
+needs, until the kernel preempts it (``shared/cpu_threads.py`` measured steps 2 to 16 times slower).
 
 With one runtime the worker that spins is the one the next region runs on. ``share_runtime`` loads,
 before torch or Numba, the very library Numba's layer names (read from that extension's ELF

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from shared.endpoints import Endpoints
-from tests.frontend_doubles import FakeScheduler, FrontendThread, default_served_model
+from tests.doubles.fake_scheduler import FakeScheduler, FrontendThread, default_served_model
 
 
 _made_gguf_cache: str | None = None  # the directory this process made, and removes at the end
@@ -56,7 +56,7 @@ def pytest_unconfigure(config):
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama saved as safetensors with SmolLM2's tokenizer, shared by the servers the
     tests start (they only read it)."""
-    from tests.test_server import save_tiny_model
+    from tests.doubles.serve import save_tiny_model
 
     return save_tiny_model(tmp_path_factory)
 
@@ -65,8 +65,8 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_api_server(tmp_path_factory, tiny_model_dir):
     """``pagedserve serve`` on the tiny model for ``test_server_api`` and ``test_server_groups``
     (one server for both: a start fewer); its URL. Its log is in the ``serve-api`` folder."""
-    from tests.test_server import tiny_server
-    from tests.test_server_api import MAX_MODEL_LEN, MODEL
+    from tests.doubles.serve import tiny_server
+    from tests.system.test_server_api import MAX_MODEL_LEN, MODEL
 
     yield from tiny_server(tmp_path_factory, "serve-api", "--served-model-name", MODEL, "--max-model-len",
                            str(MAX_MODEL_LEN), "--kv-cache-memory", "16MiB", "--max-queue-len", "200",
@@ -79,10 +79,10 @@ def tiny_f32_server(tmp_path_factory, tiny_model_dir):
     ``test_locust``, ``test_offline`` and ``test_server_frontends`` (one server for them: two
     starts fewer): ``(URL, folder)``; the folder holds its ``serve.log`` and its socket directory
     (``TMPDIR``)."""
-    from tests.test_server import _start, stop
+    from tests.doubles.serve import start_server, stop
 
     root = tmp_path_factory.mktemp("serve-f32")
-    proc, url = _start(root, "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--dtype", "float32",
+    proc, url = start_server(root, "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--dtype", "float32",
                        "--kv-cache-memory", "16MiB")
     yield url, root
     stop(proc)

@@ -90,13 +90,13 @@ class NumbaCPUBackend:
     def parallel_small_rows(self, on: bool) -> bool:
         """Let the norm, rotary and activation kernels run in parallel from a few rows (a decode
         batch; ``SMALL_ROWS_PARALLEL_FROM``) where ``on`` and the idle OpenMP threads spin
-        (``shared.threads.idle_threads_spin``), else from their modules' thresholds; returns
+        (``shared.cpu_threads.idle_threads_spin``), else from their modules' thresholds; returns
         whether they now do. The executor turns it on where its thread tuner chooses each step's
         threads by timing (``services/executor/thread_tuner.py``): a step whose extra parallel
         regions are held up by a busy neighbour is then timed slower, and the tuner moves that
         step size to one thread, where these kernels run serially. Outputs are the same bits either
         way (rows are independent)."""
-        from shared.threads import idle_threads_spin
+        from shared.cpu_threads import idle_threads_spin
 
         small = on and idle_threads_spin()
         defaults = (norm.PARALLEL_FROM_ROWS, rotary.PARALLEL_FROM_ROWS, activation.PARALLEL_FROM_ROWS)

@@ -5,7 +5,7 @@ the weight packed once into pairs, multiplied with ``vdpbf16ps`` (``--linear-ker
 Why: a decode step multiplies a few rows by every weight, so its matmuls should take the time of
 reading the weights once. oneDNN's bfloat16 kernel (what ``--linear-kernel onednn`` runs) does
 not stream them that fast at few rows on a CPU without AMX. Measured on a 2-core AMD EPYC Zen 4
-(family 25, model 17; ``avx512_bf16``, no AMX; 2026-12-03) with ``python -m kernels.bench_matmul
+(family 25, model 17; ``avx512_bf16``, no AMX; 2026-12-03) with ``python -m loadtest.kernels.matmul
 --rows 1,4,8,16,32,64,2048``: SmolLM2's 210 layer matmuls (30 layers with weights of their own) plus
 the LM head, 269 MB of bfloat16 weights, 2 threads, both kernels interleaved in one process, median
 of 5 rounds, two runs:

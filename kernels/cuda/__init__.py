@@ -28,7 +28,7 @@ launch.
 - ``backend``: ``NumbaCUDABackend``, on torch CUDA tensors.
 - ``ptx``: ``ptx_signatures`` for ahead-of-time compilation in the tests.
 - ``resources``: registers, spills, shared memory and occupancy of each kernel, from ``ptxas``
-  (``python -m kernels.bench --ptxas``).
+  (``python -m loadtest.kernels.attention --ptxas``).
 """
 
 from __future__ import annotations

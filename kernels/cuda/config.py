@@ -31,7 +31,7 @@ NEG_INF = np.float32(-np.inf)
 # registers per thread the attention kernels are held to (numba passes it to the CUDA linker as
 # CU_JIT_MAX_REGISTERS; ``ptxas --maxrregcount`` in the resource check): 64 registers x THREADS
 # (128) leave 8 blocks, 32 of 64 warps, resident per SM on sm_80/sm_90, i.e. 50% occupancy. The
-# kernels need ~55 (``python -m kernels.bench --ptxas``), so the cap costs no spills.
+# kernels need ~55 (``python -m loadtest.kernels.attention --ptxas``), so the cap costs no spills.
 ATTENTION_MAX_REGISTERS = 64
 
 

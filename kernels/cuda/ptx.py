@@ -1,4 +1,4 @@
-"""Signatures for ahead-of-time PTX compilation (``tests/test_kernels_ptx.py``); C-contiguous
+"""Signatures for ahead-of-time PTX compilation (``tests/kernels/test_ptx.py``); C-contiguous
 arrays. The attention kernels and the cache write also in their 16-bit forms: bfloat16 caches and
 queries as int16 bits (``_bf16``), float16 (``_f16``)."""
 

@@ -143,7 +143,7 @@ def kernel_resources(ptxas: str, archs=ARCHS) -> list[KernelResources]:
 
 
 def main() -> int:
-    """Print the table (``python -m kernels.bench --ptxas``); 1 when a kernel spills or decode's
+    """Print the table (``python -m loadtest.kernels.attention --ptxas``); 1 when a kernel spills or decode's
     occupancy is under 50%, 2 when there is no ptxas."""
     ptxas = find_ptxas()
     if ptxas is None:

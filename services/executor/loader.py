@@ -13,7 +13,7 @@ from .attention import select_backend
 from .device import check_device_name, resolve_device
 from .linear import check_linear_kernel, choose_linear_kernel, pack_linears
 from .architectures import model_config
-from .model_check import MemoryPlan, plan_memory
+from .memory_plan import MemoryPlan, plan_memory
 from .parallel.base import Communicator
 from .parallel.sharding import ShardPlan
 from .runner import ModelRunner, allocate_kv_cache

@@ -5,7 +5,7 @@ Sockets (connected here): ``step`` SUB (scheduler -> all ranks), ``result`` PUSH
 and a second PUSH to ``result`` for the heartbeat thread (``heartbeat``), which beats from start-up.
 Rank 0 samples and replies with a ``StepResult``; the other ranks run the same steps and do not
 reply. With ``--zmq-curve`` all three are CURVE clients of the scheduler (``shared.zmq_auth``).
-The main loop also touches the rank's heartbeat file (``shared.heartbeat``, for container
+The main loop also touches the rank's heartbeat file (``shared.heartbeat_file``, for container
 healthchecks) before and after every step.
 
 Handshake: once loaded, the rank says ``ExecutorReady`` unasked (epoch 0: a scheduler that knew an
@@ -36,12 +36,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shared.endpoints import Endpoints
-from shared.heartbeat import HeartbeatFile
+from shared.heartbeat_file import HeartbeatFile
 from shared.logging import configure_logging
 from shared.messages import DecodeError, ExecutorReady, Hello, Shutdown, Step, StepResult, decode, encode
 from shared.model_source import resolve_model
 from shared.openmp import loaded_runtimes
-from shared.threads import configure_cpu_threads
+from shared.cpu_threads import configure_cpu_threads
 from shared.zmq_auth import load_keys, log_mode, secure_client
 
 if TYPE_CHECKING:  # the loader imports torch, which must wait for the thread settings
@@ -200,7 +200,7 @@ class ExecutorProcess:
         """Serve steps until Shutdown or a signal; returns the exit code."""
         import zmq
 
-        from .heartbeat import HeartbeatThread
+        from .heartbeat_sender import HeartbeatThread
         from .parallel.base import GroupError
 
         signal.signal(signal.SIGTERM, self._on_signal)

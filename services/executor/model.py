@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shared.model_check import ModelShape, model_shape
+from shared.hf_config import ModelShape, model_shape
 
 from .attention import AttentionMetadata, decode_from_qkv, paged_attention
 from .layers import MLP, RMSNorm, RotaryEmbedding
@@ -32,7 +32,7 @@ from .parallel.sharding import ShardPlan
 
 @dataclass(frozen=True)
 class ModelConfig(ModelShape):
-    """The checked sizes (``shared.model_check.ModelShape``) plus what the forward pass needs."""
+    """The checked sizes (``shared.hf_config.ModelShape``) plus what the forward pass needs."""
 
     rms_norm_eps: float
     rope_theta: float

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shared.model_check import ModelShape, model_shape
+from shared.hf_config import ModelShape, model_shape
 
 from .attention import AttentionMetadata, paged_attention
 from .model import CausalLM, VocabEmbedding

@@ -2,7 +2,7 @@
 size of step.
 
 A small step's matmuls are short and bound by memory; waking a second OpenMP thread for each of
-them (where it sleeps between regions, ``shared/threads.py``) can cost more than it saves, and how much
+them (where it sleeps between regions, ``shared/cpu_threads.py``) can cost more than it saves, and how much
 depends on the machine and on what else runs on it. Measured with ``python -m loadtest.profile
 --batches 1,4,8,16,32 --prefill 0 --num-threads T`` (SmolLM2, bf16, 2-core AMD EPYC Zen 5), ms per
 decode step, 1 thread against 2: quiet, batch 1 14.2 / 15.8, batch 8 about 3 ms less on one
@@ -19,7 +19,7 @@ average of its step times, and the other candidate every ``explore_every``-th st
 change of load (a neighbour starting or stopping) changes the choice.
 
 Results do not depend on the choice where the tuner is used (``tuned_execute``'s caller enables
-it): oneDNN's packed matmuls give the same bits on one or two threads (``tests/test_thread_tuner.py``
+it): oneDNN's packed matmuls give the same bits on one or two threads (``tests/executor/test_thread_tuner.py``
 checks SmolLM2's shapes in both dtypes), the Numba kernels split work by rows and size their
 attention partitions by the process's thread count (``partition_threads``), not the step's.
 ``F.linear`` in float32 (the exactness mode) does not: its 7-row products differed between one

@@ -5,7 +5,7 @@ allocations. Then the paths those steps do not reach: the per-layer ops at a lon
 row count (``warm_layer_ops``) and the backend's own (its ``warm_up``, where it has one: the numba
 backend's partitioned decode and block copy).
 
-Measured on SmolLM2 in bfloat16 (2-core AMD EPYC, ``python -m loadtest.throughput``): the first
+Measured on SmolLM2 in bfloat16 (2-core AMD EPYC, ``python -m loadtest.bench.throughput``): the first
 step of a fresh server took about 300 ms for an 18-token prompt (2.5 s when the Numba cache was
 cold), where a warm one takes about 20 ms; every request of that first batch waited for it. With
 only the two steps, a server on a cold Numba cache (a fresh install, a new container) still took

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from shared.cpu_features import choose_cpu_dtype, read_cpu_features
-from shared.model_check import load_hf_config as checked_hf_config
+from shared.hf_config import load_hf_config as checked_hf_config
 from shared.model_source import ModelSource
 
 from .architectures import model_class
@@ -48,7 +48,7 @@ def resolve_dtype(name: str, device: torch.device) -> DtypeChoice:
 
 
 def load_hf_config(source: ModelSource):
-    """The model's transformers config, checked first (one-line errors; see ``shared.model_check``)."""
+    """The model's transformers config, checked first (one-line errors; see ``shared.hf_config``)."""
     return checked_hf_config(source)
 
 

@@ -10,7 +10,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.frontend.errors import APIError, bad_request, is_int, optional_bool
-from services.frontend.health import health_report
+from services.frontend.health_report import health_report
 from services.frontend.http_limits import read_body
 from services.frontend.input_limits import chat_chars, check_prompt_chars
 from services.frontend.openapi import openapi_spec

@@ -11,7 +11,7 @@ import structlog
 from services.frontend.config import FrontendConfig
 from services.frontend.generation_defaults import max_tokens_limit, read_generation_defaults
 from services.frontend.input_limits import body_limit_bytes, longest_token_chars, max_prompt_chars
-from shared.model_check import load_hf_config, model_shape, read_config_json
+from shared.hf_config import load_hf_config, model_shape, read_config_json
 from shared.model_source import ModelSource, eos_token_ids, load_tokenizer, resolve_model, resolve_tokenizer
 
 log = structlog.get_logger()

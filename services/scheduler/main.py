@@ -14,7 +14,7 @@ then waits on both sockets at once, so that while a step runs it still takes req
 heartbeats, and sends ``EngineStats`` every ``STATS_INTERVAL_S`` (the frontends' sign
 that the scheduler lives) and, while a playground watches, block-pool snapshots
 (``kv_publisher``). Every turn also touches the scheduler's heartbeat file
-(``shared.heartbeat``, for a container healthcheck), while a step is out too: the loop turning is
+(``shared.heartbeat_file``, for a container healthcheck), while a step is out too: the loop turning is
 the scheduler's health; an executor's is its own file and its heartbeats.
 
 Start-up and restarts: ``Hello`` (with this process's random epoch) goes out until every rank
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import zmq
 
 from shared.endpoints import Endpoints
-from shared.heartbeat import HeartbeatFile
+from shared.heartbeat_file import HeartbeatFile
 from shared.logging import configure_logging
 from shared.messages import AbortRequest, AddRequest, EngineStats, Shutdown, StepResult
 from shared.zmq_auth import load_keys, log_mode, start_authenticator

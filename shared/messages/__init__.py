@@ -10,7 +10,7 @@ The messages live in one module per concept, and are imported from here (``from 
 import Step``): ``requests`` (frontend <-> scheduler), ``steps`` (scheduler <-> executors),
 ``control`` (joining, liveness, shutdown, stats), ``kv`` (block-pool snapshots); ``codec`` holds
 the tag table (``MESSAGE_TYPES``), ``encode`` and ``decode``. A new message gets a unique ``TAG``,
-a place in ``MESSAGE_TYPES`` and a round-trip case in ``tests/test_messages.py``.
+a place in ``MESSAGE_TYPES`` and a round-trip case in ``tests/shared/test_messages.py``.
 """
 
 from shared.messages.codec import MESSAGE_TYPES, DecodeError, decode, encode

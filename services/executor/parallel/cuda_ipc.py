@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .segment import DATA_OFFSET, Segment
-from .flags import WaitPolicy
+from .peer_flags import WaitPolicy
 from .shm import DEFAULT_SLOT_BYTES, ShmCommunicator
 
 

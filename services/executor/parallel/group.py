@@ -66,7 +66,7 @@ def open_group(config: GroupConfig, device: torch.device | str = "cpu") -> Commu
 
         return TorchDistCommunicator(config.rank, config.world_size, config.dist_init_addr, device=device,
                                      timeout_s=config.timeout_s)
-    from .flags import WaitPolicy
+    from .peer_flags import WaitPolicy
     from .rendezvous import exchange_handles, file_store
 
     options = {"policy": WaitPolicy(timeout_s=config.timeout_s)}

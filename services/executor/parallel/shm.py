@@ -30,7 +30,7 @@ import msgpack
 import torch
 
 from .base import GroupError, check_tensor
-from .flags import PeerFlags, WaitPolicy
+from .peer_flags import PeerFlags, WaitPolicy
 from .segment import DATA_OFFSET, Segment, cleanup_group, process_identity, segment_name
 
 HANDLE_VERSION = 1

@@ -1,0 +1,3 @@
+from loadtest.profile.main import main
+
+raise SystemExit(main())

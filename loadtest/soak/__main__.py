@@ -1,0 +1,3 @@
+from loadtest.soak.main import main
+
+raise SystemExit(main())

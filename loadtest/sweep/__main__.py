@@ -1,0 +1,3 @@
+from loadtest.sweep.main import main
+
+raise SystemExit(main())
