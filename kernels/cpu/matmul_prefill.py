@@ -8,7 +8,7 @@ of bfloat16 here: fine for decodes, which read far more bytes than they multiply
 rows all read the same keys, and a matmul over tiles of rows does that arithmetic many times
 faster. Measured on a 2-core Intel Xeon with AMX (2026-12-02; SmolLM2's shapes: 9 query heads, 3 KV
 heads, head_dim 64, block size 16; 30 layers, median of 5, bfloat16; ``/tmp`` scripts quoted in
-``docs/profile.md``): one prompt of
+``docs/journal/profile-journal.md``, eighth session): one prompt of
 
 | rows (+ cached prefix) | Numba prefill | this | ratio |
 |---|---|---|---|

@@ -7,7 +7,8 @@ answers parse as JSON and follow the schema, and the output tokens per second of
 
 The schema is checked by hand here (``conforms``), not by the guide. Throughputs of the two modes
 are not a like-for-like cost comparison (the guided answers are shorter and end sooner); what a
-guided row costs the sampler per step is measured apart (``docs/profile.md``, twenty-third session).
+guided row costs the sampler per step is measured apart (``docs/journal/profile-journal.md``,
+twenty-third session).
 """
 
 from __future__ import annotations

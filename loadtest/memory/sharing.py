@@ -1,6 +1,6 @@
 """KV blocks saved by sharing: parallel sampling (n = 2, 4, 6) and beam search (width 2, 4, 6).
 
-    python -m loadtest.memory.paging.sharing [--num-requests 16] [--max-tokens 48]
+    python -m loadtest.memory.sharing [--num-requests 16] [--max-tokens 48]
 
 Runs SmolLM2 in the offline engine (``services.offline.LLM``: scheduler and model runner in one
 process) on short chat prompts like the paper's Alpaca run. At every step it records the blocks really in use, where the samples

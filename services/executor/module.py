@@ -8,7 +8,8 @@ miss in cache. Calling ``forward`` directly is the same computation where there 
 the engine registers none. Measured (SmolLM2 in bfloat16, decode batch 1 at context 256, a 2-core
 AMD EPYC Zen 4, 60 rounds of the variants in shuffled order, median of the per-round ratios): a
 step took 0.980 of its time with torch's call, 0.960 together with the numba backend's per-pass
-view (``kernels/cpu/pass_view.py``); docs/profile.md has the other batches.
+view (``kernels/cpu/pass_view.py``); docs/journal/profile-journal.md (2026-12-04, nineteenth session)
+has the other batches.
 
 A module with a forward or forward-pre hook of its own is called through torch's ``__call__``, so
 its hooks run; hooks registered globally (``torch.nn.modules.module.register_module_forward_hook``)

@@ -1,4 +1,4 @@
-"""The README's pictures of the playground: ``python -m tests.system.playground_screenshots --out docs``.
+"""The playground pictures in docs/playground.md: ``python -m tests.system.playground_screenshots --out docs``.
 
 Serves the default model (SmolLM2-135M-Instruct) twice and photographs the page in headless
 Chromium (``./dev browser``) at two moments:
