@@ -1,278 +1,37 @@
 """Structured output on the executor: for each guided sequence, the vocabulary's tokens that keep its
-output inside its guide (``shared.structured``), as a boolean mask the sampler applies last.
-
-``Vocabulary``: each token id's bytes (from the tokenizer: byte-level BPE, SentencePiece byte
-fallback, or each token decoded alone), special tokens left out, sorted so that the tokens sharing a
-prefix are one range (a trie without nodes). ``allowed`` walks it from the guide's state one byte
-column at a time, dropping a range as soon as its next byte is refused, and taking a whole range
-at once when the guide is inside a string and every token of the range writes only plain string
-bytes within the string's budget (most of the vocabulary, most of the time).
+output inside its guide (``shared.structured``), as a ``TokenSet`` the sampler applies last.
 
 ``GuidedSequences``: a sequence's state is recomputed from its output tokens (the executor's
 ``TokenHistories``), so a fork, a recompute, a resumed request or a restarted executor need nothing
-of their own; masks are kept per (guide, state) for the next time the state comes back.
+of their own; masks are made from the sorted vocabulary (``vocabulary``, from the tokenizer's bytes
+for each id: ``token_bytes``) and kept per (guide, state) for the next time the state comes back.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from shared.model_source import ModelSource
 from shared.structured import Guide, compile_guide
-from shared.structured.guide import utf8_suffix_start
 
 from .histories import TokenHistories
+from .token_bytes import token_bytes
+from .token_set import TokenSet
+from .vocabulary import Vocabulary, load_vocabulary
+
+# ``executor.main`` and ``offline`` import the vocabulary's loaders from here
+__all__ = ["GUIDES_KEPT", "MASK_CACHE_SIZE", "GuideUnavailable", "GuidedSequences", "Vocabulary",
+           "load_vocabulary", "token_bytes"]
 
 MASK_CACHE_SIZE = 1024  # masks kept per guide (a few KiB each: ids, not a bit per token)
 GUIDES_KEPT = 32  # guides kept for their masks after their last sequence, the least recently used dropped
-_SMALL_RANGE = 16  # below this many tokens, a range's bytes are read in Python rather than numpy
-
-
-# ---------------------------------------------------------------- token ids -> bytes
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's printable stand-ins for the 256 byte values (byte-level BPE writes tokens in them)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in keep:
-            chars[chr(byte)] = byte
-        else:
-            chars[chr(256 + extra)] = byte
-            extra += 1
-    return chars
-
-
-def _decoder_kinds(tokenizer) -> set[str]:
-    try:
-        spec = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
-    except Exception:  # a slow tokenizer, or one without a backend
-        return set()
-    kinds = {spec.get("type")}
-    for part in spec.get("decoders") or []:
-        kinds.add(part.get("type"))
-    return kinds
-
-
-def token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
-    """Each id's bytes as the detokenizer writes them, None for special tokens and ids the tokenizer
-    does not know (they are never allowed; a guide's end allows the EOS ids instead)."""
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    added_ids = set()  # added tokens: their bytes are whatever the tokenizer decodes them to
-    for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
-        added_ids.add(token_id)
-        if getattr(added, "special", False):
-            special.add(token_id)
-    pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
-    kinds = _decoder_kinds(tokenizer)
-    out: list[bytes | None] = [None] * vocab_size
-    if "ByteLevel" in kinds:
-        alphabet = _byte_level_alphabet()
-        for i, piece in enumerate(pieces):
-            if i in special or piece is None:
-                continue
-            if i in added_ids:  # written by the decoder as it writes them (not always as their text)
-                out[i] = tokenizer.decode([i]).encode()
-                continue
-            try:
-                out[i] = bytes(alphabet[c] for c in piece)
-            except KeyError:  # a piece outside the alphabet: taken as text
-                out[i] = piece.encode()
-        return out
-    for i, piece in enumerate(pieces):
-        if i in special or piece is None:
-            continue
-        if "ByteFallback" in kinds and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            out[i] = bytes([int(piece[3:5], 16)])
-        elif "Metaspace" in kinds or "Replace" in kinds or "▁" in piece:
-            out[i] = piece.replace("▁", " ").encode()
-        else:
-            text = tokenizer.decode([i])
-            out[i] = None if "\ufffd" in text else text.encode()
-    return out
-
-
-# ---------------------------------------------------------------- the sorted vocabulary
-
-
-class Vocabulary:
-    """The tokens' bytes, sorted: ``order[k]`` is the id of the k-th smallest, ``columns[k, d]`` its
-    d-th byte (-1 past its end). Per token: its length, the position from which its bytes are plain
-    string bytes (no '"', '\\' or control byte, well-formed UTF-8: a string takes them as they are)
-    and its number of characters (bytes that do not continue a UTF-8 sequence)."""
-
-    def __init__(self, pieces: list[bytes | None]) -> None:
-        self.size = len(pieces)
-        self.pieces = pieces
-        ids = [i for i, b in enumerate(pieces) if b]
-        ids.sort(key=lambda i: pieces[i])
-        self.order = np.asarray(ids, np.int64)
-        self.texts = [pieces[i] for i in ids]
-        width = max((len(t) for t in self.texts), default=1)
-        self.lengths = np.asarray([len(t) for t in self.texts], np.int64)
-        self.columns = np.full((len(ids), width), -1, np.int16)
-        for k, text in enumerate(self.texts):
-            self.columns[k, : len(text)] = np.frombuffer(text, np.uint8)
-        unsafe = (self.columns == 0x22) | (self.columns == 0x5C) | ((self.columns >= 0) & (self.columns < 0x20))
-        after_unsafe = np.where(unsafe, np.arange(width) + 1, 0).max(axis=1)
-        # from where on a token is plain string bytes: no '"', '\\' or control byte, well-formed UTF-8
-        self.plain_from = np.maximum(after_unsafe, [utf8_suffix_start(t) for t in self.texts])
-        starts = (self.columns >= 0) & ((self.columns < 0x80) | (self.columns >= 0xC0))
-        self.chars = starts.sum(axis=1)
-        self._starts = starts
-        # by id: the characters each token writes inside a string before closing it, and whether it does
-        self.string_chars = np.zeros(self.size, np.int64)
-        self.closes_string = np.zeros(self.size, bool)
-        for token_id, text in zip(ids, self.texts):
-            self.string_chars[token_id], self.closes_string[token_id] = _string_run(text)
-
-    def allowed(self, guide: Guide, state: tuple) -> np.ndarray:
-        """[size] bool: the tokens whose bytes ``guide`` takes from ``state``."""
-        mask = np.zeros(self.size, bool)
-        if not guide.can_continue(state):
-            return mask
-        chosen: list[np.ndarray] = []
-        work = [(0, len(self.texts), 0, state)]
-        columns, texts = self.columns, self.texts
-        while work:
-            lo, hi, depth, here = work.pop()
-            if depth:
-                # tokens that end here are allowed (sorted first in their range)
-                while lo < hi and self.lengths[lo] == depth:
-                    chosen.append(self.order[lo:lo + 1])
-                    lo += 1
-                if lo == hi:
-                    continue
-                budget = guide.free_string_budget(here)
-                if budget is not None and self.plain_from[lo:hi].max() <= depth:
-                    chosen.append(self._within(lo, hi, depth, budget))
-                    continue
-            if hi - lo <= _SMALL_RANGE:
-                groups = _groups_small(texts, lo, hi, depth)
-            else:
-                groups = _groups(columns[lo:hi, depth], lo)
-            for byte, start, end in groups:
-                after = guide.advance(here, byte)
-                if after is not None:
-                    work.append((start, end, depth + 1, after))
-        if chosen:
-            mask[np.concatenate(chosen)] = True
-        return mask
-
-    def _within(self, lo: int, hi: int, depth: int, budget: float) -> np.ndarray:
-        """The ids in [lo, hi) (tokens longer than ``depth`` sharing their first ``depth`` bytes,
-        and only plain string bytes after them) that write at most ``budget`` more characters."""
-        if budget == float("inf"):
-            return self.order[lo:hi]
-        before = int(self._starts[lo, :depth].sum())
-        return self.order[lo:hi][self.chars[lo:hi] - before <= budget]
-
-
-def _string_run(data: bytes) -> tuple[int, bool]:
-    """Read from between two characters of a string: the characters ``data`` writes before the
-    quote that closes the string (an escape is one, a surrogate pair of escapes one, a UTF-8
-    character one), and whether it closes it."""
-    chars, at = 0, 0
-    while at < len(data):
-        byte = data[at]
-        if byte == 0x22:
-            return chars, True
-        if byte == 0x5C:
-            chars += 1
-            if data[at + 1:at + 2] == b"u":
-                digits = data[at + 2:at + 6]
-                at += 6
-                if digits[:1] in (b"d", b"D") and digits[1:2] in (b"8", b"9", b"a", b"b", b"A", b"B") \
-                        and data[at:at + 2] == b"\\u":
-                    at += 6  # the low half of a surrogate pair: the same character
-            else:
-                at += 2
-            continue
-        chars += not 0x80 <= byte < 0xC0
-        at += 1
-    return chars, False
-
-
-def _groups(column: np.ndarray, offset: int) -> list[tuple[int, int, int]]:
-    """(byte, start, end) for each run of equal bytes in a sorted column (no -1 left in it)."""
-    cuts = np.flatnonzero(column[1:] != column[:-1]) + 1
-    starts = np.concatenate(([0], cuts))
-    ends = np.concatenate((cuts, [len(column)]))
-    values = column[starts]
-    return [(int(v), int(s) + offset, int(e) + offset) for v, s, e in zip(values, starts, ends)]
-
-
-def _groups_small(texts: list[bytes], lo: int, hi: int, depth: int) -> list[tuple[int, int, int]]:
-    out: list[tuple[int, int, int]] = []
-    for k in range(lo, hi):
-        byte = texts[k][depth]
-        if out and out[-1][0] == byte:
-            out[-1] = (byte, out[-1][1], k + 1)
-        else:
-            out.append((byte, k, k + 1))
-    return out
-
-
-def load_vocabulary(tokenizer: str | None, model: ModelSource, vocab_size: int, log=None) -> Vocabulary:
-    """The sorted vocabulary of ``tokenizer`` (a ``--tokenizer`` value) or else ``model``'s tokenizer,
-    over ``vocab_size`` ids (the model's): made on the first guided request, about 0.3 s for 49k tokens."""
-    from shared.model_source import load_tokenizer, resolve_tokenizer
-
-    start = time.monotonic()
-    source = resolve_tokenizer(tokenizer, model)
-    vocabulary = Vocabulary(token_bytes(load_tokenizer(source, "--tokenizer" if tokenizer else "--model"), vocab_size))
-    if log is not None:
-        log.info("guided decoding ready", tokenizer=source.where, tokens=len(vocabulary.texts),
-                 seconds=round(time.monotonic() - start, 2))
-    return vocabulary
-
-
-# ---------------------------------------------------------------- per sequence
 
 
 class GuideUnavailable(RuntimeError):
     """The executor cannot guide (its tokenizer did not load): the guided requests fail, alone."""
-
-
-@dataclass(frozen=True)
-class TokenSet:
-    """The ids a guided row may take: ``ids`` when ``keep``, else every id but ``ids`` (whichever
-    list is the shorter; most states allow a few hundred tokens or all but a few hundred)."""
-
-    keep: bool
-    ids: np.ndarray  # int64, sorted, unique
-
-    @classmethod
-    def from_mask(cls, mask: np.ndarray) -> "TokenSet":
-        allowed = int(mask.sum())
-        return cls(True, np.flatnonzero(mask)) if 2 * allowed <= mask.size else cls(False, np.flatnonzero(~mask))
-
-    @property
-    def empty(self) -> bool:
-        return self.keep and not len(self.ids)
-
-    def adding(self, token_ids: list[int]) -> "TokenSet":
-        extra = np.asarray(token_ids, np.int64)
-        if self.keep:
-            return TokenSet(True, np.union1d(self.ids, extra))
-        return TokenSet(False, np.setdiff1d(self.ids, extra))
-
-    def only_among(self, token_ids: list[int]) -> bool:
-        """Whether every allowed id is one of ``token_ids`` (false for a set of all but a few)."""
-        return self.keep and bool(np.isin(self.ids, token_ids).all())
-
-    def as_mask(self, size: int) -> np.ndarray:
-        ids = self.ids[self.ids < size]
-        mask = np.zeros(size, bool) if self.keep else np.ones(size, bool)
-        mask[ids] = self.keep
-        return mask
 
 
 @dataclass

@@ -29,24 +29,21 @@ import time
 import uuid
 from typing import Callable
 
-import msgpack
 import structlog
 import zmq
 import zmq.asyncio
 
 from shared.endpoints import Endpoints
 from shared.zmq_auth import CurveKeys, secure_client
+from services.frontend.malformed_frames import salvaged_outputs
 from services.frontend.request_routes import RequestRoutes
+from services.frontend.scheduler_history import SchedulerHistory
 from shared.messages import (
     AbortRequest, AddRequest, DecodeError, EngineStats, FrontendHello, KvSnapshot, KvWatch, RequestOutput,
     RequestOutputs, decode, encode,
 )
 
 log = structlog.get_logger()
-
-# EngineStats fields that only grow while one scheduler lives (it starts them at 0)
-COUNTERS = ("num_steps", "sum_slots_used", "sum_slots_allocated", "num_preemptions", "num_prefix_cache_queries",
-            "num_prefix_cache_hits", "num_swap_outs", "num_recomputes", "num_kv_snapshots")
 
 HELLO_INTERVAL_S = 1.0  # the scheduler sends stats every 0.5 s to the frontends it knows, even mid-step
 HEARTBEAT_TIMEOUT_S = 10.0  # silent this long, the scheduler is lost (restarting, we hope)
@@ -79,37 +76,42 @@ class EngineClient:
         self._last_frame_time: float | None = None  # time.monotonic() of anything from the scheduler
         self._waiting_since = 0.0  # when the first of the registered requests was sent
         self._lost_logged = False
-        self.latest_stats: EngineStats | None = None
-        self.latest_stats_time: float | None = None  # time.monotonic() when it arrived
         self._num_dropped_frames = 0
-        self.scheduler_epoch: int | None = None
+        self.history = SchedulerHistory()  # the latest stats; restarts and counters across schedulers
         self._resubmit: set[str] | None = None  # a new scheduler: the requests to hand it once it is ready
-        self.num_scheduler_restarts = 0
-        self._executor_restarts_before = 0  # reported by the schedulers before this one
-        self.ever_ready = False  # a scheduler of this link has said ready (one not ready since is being mended)
-        # the monotonic counters of the schedulers before this one, summed (``counters``)
-        self.counters_before: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.on_kv_snapshot: Callable[[KvSnapshot], None] | None = None
 
     @property
     def num_dropped_frames(self) -> int:
         return self._num_dropped_frames + self.routes.num_dropped
 
+    # what the link has seen of its schedulers (``scheduler_history``)
+
+    @property
+    def latest_stats(self) -> EngineStats | None:
+        return self.history.latest
+
+    @property
+    def scheduler_epoch(self) -> int | None:
+        return self.history.epoch
+
+    @property
+    def num_scheduler_restarts(self) -> int:
+        return self.history.num_restarts
+
     @property
     def num_executor_restarts(self) -> int:
-        reported = sum(e.num_restarts for e in self.latest_stats.executors) if self.latest_stats else 0
-        return self._executor_restarts_before + reported
+        return self.history.num_executor_restarts
+
+    @property
+    def ever_ready(self) -> bool:
+        return self.history.ever_ready
 
     def process_restarts(self) -> dict[str, int]:
-        """Restarts seen so far, by process (see ``metrics``)."""
-        lost_frontends = self.latest_stats.num_frontends_lost if self.latest_stats else 0
-        return {"executor": self.num_executor_restarts, "scheduler": self.num_scheduler_restarts,
-                "frontend": lost_frontends}
+        return self.history.process_restarts()
 
     def counters(self) -> dict[str, int]:
-        """``COUNTERS`` over every scheduler this link has known: they keep growing across restarts."""
-        latest = self.latest_stats
-        return {name: self.counters_before[name] + (getattr(latest, name) if latest else 0) for name in COUNTERS}
+        return self.history.counters()
 
     def scheduler_silence_s(self) -> float | None:
         """Seconds since the scheduler was last heard from (None: never)."""
@@ -227,14 +229,7 @@ class EngineClient:
             message = decode(frame)
         except DecodeError as exc:
             self._num_dropped_frames += 1
-            readable = _readable_outputs(frame)
-            failed = [o for o in readable if isinstance(o, str)]
-            log.error("dropped an undecodable frame from the scheduler", error=str(exc), size=len(frame),
-                      request_ids=failed)
-            for output in readable:  # the outputs that decode alone still go; the others fail their request
-                if isinstance(output, str):  # rather than leave it waiting forever
-                    output = RequestOutput(output, 0, [], "error", request_finished=True, error_kind="engine",
-                                           error=f"engine output was malformed: {exc}")
+            for output in salvaged_outputs(frame, exc):  # the outputs that decode alone, and the failures
                 self._route(output)
             return
         if isinstance(message, RequestOutputs):  # the one form outputs take (FrontendLink.send_outputs)
@@ -257,20 +252,12 @@ class EngineClient:
         scheduler is ready, hand it every request in flight."""
         if self.latest_stats is None or stats.ready != self.latest_stats.ready:
             log.info("scheduler readiness", ready=stats.ready)
-        if self.scheduler_epoch is not None and stats.epoch != self.scheduler_epoch:
-            self.num_scheduler_restarts += 1
-            self._executor_restarts_before = self.num_executor_restarts
-            for name in COUNTERS:
-                self.counters_before[name] += getattr(self.latest_stats, name)
+        if self.history.observe(stats):
             # Requests sent from now on reach the new scheduler; those before may have been lost.
             self._resubmit = (self._resubmit or set()) | self.routes.request_ids()
             log.warning("the scheduler restarted", epoch=stats.epoch, scheduler_pid=stats.pid,
                         num_requests=len(self.routes),
                         num_restarts=self.num_scheduler_restarts)
-        self.scheduler_epoch = stats.epoch
-        self.latest_stats = stats
-        self.ever_ready = self.ever_ready or stats.ready
-        self.latest_stats_time = time.monotonic()
         if self._resubmit is not None and stats.ready:
             messages = self.routes.resubmissions(self._resubmit)
             self._resubmit = None
@@ -278,26 +265,6 @@ class EngineClient:
                 self._send(encode(message))
             log.info("requests handed to the new scheduler", num_requests=len(self.routes),
                      num_messages=len(messages))
-
-
-def _readable_outputs(frame: bytes) -> list[RequestOutput | str]:
-    """What can still be read of a malformed ``RequestOutputs`` frame, in order: each output that
-    decodes on its own, else its request id where that can be read."""
-    try:
-        tag, fields = msgpack.unpackb(frame, raw=False)
-        if tag != RequestOutputs.TAG:
-            return []
-        items = list(fields[0])
-    except Exception:  # anything at all may be wrong with this frame
-        return []
-    readable: list[RequestOutput | str] = []
-    for item in items:
-        try:
-            readable.append(decode(msgpack.packb([RequestOutput.TAG, item], use_bin_type=True)))
-        except Exception:  # noqa: BLE001 - this output is broken: its request id, if readable
-            if isinstance(item, list) and item and isinstance(item[0], str):
-                readable.append(item[0])
-    return readable
 
 
 def _ignore_failure(future: asyncio.Future) -> None:

@@ -28,8 +28,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.frontend.engine_client import COUNTERS, EngineClient
+from services.frontend.engine_client import EngineClient
 from services.frontend.replica_router import ReplicaRouter
+from services.frontend.scheduler_history import COUNTERS
 from shared.messages import AddRequest, EngineStats, KvSnapshot, RequestOutput
 
 log = structlog.get_logger()

@@ -3,10 +3,15 @@ or freed for a recompute (the group is prefilled again, outputs included, when b
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .block_manager import BlockManager
 from .plan import Plan
 from .sequence import Sequence, SequenceStatus
 from .stats import SchedulerStats
+
+if TYPE_CHECKING:
+    from .groups import SequenceGroup
 
 
 def preempt_group(group: list[Sequence], plan: Plan, blocks: BlockManager, preemption_mode: str,
@@ -34,3 +39,16 @@ def preempt_group(group: list[Sequence], plan: Plan, blocks: BlockManager, preem
         seq.beam_candidates = None  # the re-prefill samples them again
         seq.status = SequenceStatus.WAITING
     return False
+
+
+def preempt_newest(running: list[Sequence], groups: dict[str, SequenceGroup], plan: Plan, blocks: BlockManager,
+                   preemption_mode: str, stats: SchedulerStats) -> tuple[list[Sequence], bool]:
+    """Preempt the request of the newest running sequence (``running`` is in arrival order): its
+    running sequences leave ``running`` and ``plan`` and give up their blocks (``preempt_group``).
+    Returns them, and whether they were swapped out (else they are to wait, to be prefilled again)."""
+    victim = running[-1]
+    group = [s for s in groups[victim.request_id].seqs if s.status is SequenceStatus.RUNNING]
+    plan.drop(group)
+    for s in group:
+        running.remove(s)
+    return group, preempt_group(group, plan, blocks, preemption_mode, stats)

@@ -8,8 +8,9 @@ while a group is swapped out. A long prompt is prefilled in chunks of at most th
 budget. When a running sequence cannot get a block, the most recently arrived group is preempted,
 all its sequences together: swapped to the CPU pool (``preemption_mode="swap"``, when there is
 room) or freed and re-queued at the head to be prefilled again with its generated tokens
-(recompute). ``update`` applies a step's sampled tokens. ``reset_executor_state`` starts every
-sequence over when the executors lost their state (``recovery``).
+(recompute; ``preemption``). ``update`` applies a step's sampled tokens (``step_results``).
+``reset_executor_state`` starts every sequence over when the executors lost their state
+(``recovery``).
 
 Async scheduling: the next step may be planned while the one before is in flight
 (``can_schedule_ahead``), each sequence that one samples holding a placeholder for its token
@@ -34,14 +35,14 @@ from .admission import admit, refusal
 from .block_manager import AllocStatus, BlockManager
 from .groups import GroupUpdate, SequenceGroup, new_group
 from .in_flight import StepsInFlight
-from .outputs import Sample, error_output
+from .outputs import error_output
 from .plan import Plan, SchedulerConfig
-from .preemption import preempt_group
-from .prefix import cache_computed_blocks
+from .preemption import preempt_newest
 from .recovery import CrashLedger, crash_message, requeue_all
 from .sequence import ErrorKind, Sequence, SequenceStatus
 from .stats import SchedulerStats
-from .step_builder import Scheduled, build_step
+from .step_builder import build_step
+from .step_results import apply_samples, failed_request_ids
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
@@ -201,32 +202,13 @@ class Scheduler:
             self._fail([s.seq.request_id for s in scheduled], f"the executor failed: {result.error}")
         else:
             if len(result.failed_seq_ids):  # before the samples: theirs are not to be kept
-                failed = set(result.failed_seq_ids.tolist())
-                self._fail([s.seq.request_id for s in scheduled if s.seq.seq_id in failed],
+                self._fail(failed_request_ids(scheduled, result),
                            f"the executor could not run this request as asked: {result.failure}")
-            self._apply_samples(scheduled, result)
+            apply_samples(scheduled, result, self.blocks, self.groups, self._apply)
             self.crashes.release_caught_up(self.groups)
         for seq_id in self._in_flight.release(result.step_id):
             self.blocks.free(seq_id)
             self._freed_seq_ids.append(seq_id)
-
-    def _apply_samples(self, scheduled: list[Scheduled], result: StepResult) -> None:
-        rows = {seq_id: row for row, seq_id in enumerate(result.seq_ids.tolist())}
-        for s in scheduled:
-            seq = s.seq
-            if s.scored_rows is not None:
-                seq.prompt_scores.add(result, s.scored_rows)
-            if seq.status is SequenceStatus.FINISHED:
-                continue  # it ended while the step was in flight (aborted, or stopped the step before)
-            seq.num_placeholders -= s.samples
-            if seq.status is SequenceStatus.RUNNING and seq.num_preemptions == s.num_preemptions:
-                cache_computed_blocks(self.blocks, seq, s.context_len)
-            row = rows.get(seq.seq_id)
-            group = self.groups[seq.request_id]
-            if row is not None:
-                self._apply(group, group.on_sample(seq, Sample.from_result(result, row)))
-            elif not s.samples and s.context_len == seq.num_planned_tokens:  # prompt in, max_tokens 0
-                self._apply(group, group.on_prompt_done(seq))
 
     def reset_executor_state(self, cause: str) -> None:
         """The executors lost their KV pools and sequences (a rank died, hung or was replaced).
@@ -285,12 +267,9 @@ class Scheduler:
         ``seq`` went."""
         while not self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new,
                                              seq.num_computed_tokens):
-            victim = self.running[-1]
-            group = [s for s in self.groups[victim.request_id].seqs if s.status is SequenceStatus.RUNNING]
-            plan.drop(group)
-            for s in group:
-                self.running.remove(s)
-            if preempt_group(group, plan, self.blocks, self.config.preemption_mode, self.stats):
+            group, swapped = preempt_newest(self.running, self.groups, plan, self.blocks,
+                                            self.config.preemption_mode, self.stats)
+            if swapped:
                 self.swapped.append(group)
             else:
                 self.waiting.extendleft(reversed(group))  # to wait at the head, in order

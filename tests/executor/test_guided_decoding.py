@@ -1,6 +1,7 @@
-"""Guided decoding on the executor (``services/executor/guided.py``): the vocabulary's masks equal a
-token-by-token check, the sampler keeps guided rows inside their guide, and the offline engine's
-output on a random model (which goes everywhere the mask lets it) is always what the guide says."""
+"""Guided decoding on the executor (``services/executor/guided.py``, ``vocabulary.py``): the
+vocabulary's masks equal a token-by-token check, the sampler keeps guided rows inside their guide,
+and the offline engine's output on a random model (which goes everywhere the mask lets it) is always
+what the guide says."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from services.executor.guided import GuidedSequences, Vocabulary, token_bytes
+from services.executor.guided import GuidedSequences
 from services.executor.histories import TokenHistories
 from services.executor.sampler import Sampler
+from services.executor.token_bytes import token_bytes
+from services.executor.vocabulary import Vocabulary
 from services.offline import LLM
 from shared.messages import NewSequence, SamplingParams
 from shared.structured import compile_guide
@@ -109,7 +112,7 @@ def test_the_sampler_keeps_guided_rows_in_their_guide_and_leaves_the_others(toke
 
 
 def test_token_sets_keep_the_shorter_list():
-    from services.executor.guided import TokenSet
+    from services.executor.token_set import TokenSet
 
     few = TokenSet.from_mask(np.array([False, True, False, False]))
     most = TokenSet.from_mask(np.array([True, True, False, True]))
@@ -189,7 +192,7 @@ def test_offline_refuses_guides_it_cannot_follow(llm):
 
 
 def test_the_executor_reads_the_models_tokenizer_or_the_one_named(tiny_model_dir, tokenizer, tmp_path):
-    from services.executor.guided import load_vocabulary
+    from services.executor.vocabulary import load_vocabulary
     from shared.model_source import resolve_model
 
     source = resolve_model(str(tiny_model_dir))

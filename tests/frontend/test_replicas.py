@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from services.frontend.config import FrontendConfig
-from services.frontend.engine_client import COUNTERS
 from services.frontend.replicas import sum_stats
+from services.frontend.scheduler_history import COUNTERS
 from shared.endpoints import Endpoints
 from shared.messages import EngineStats
 from tests.doubles.fake_scheduler import HOLD_MARKER, REPLY_TEXT, FakeScheduler, FrontendThread, cached_tokenizer, \

@@ -12,7 +12,8 @@ import numpy as np
 import structlog
 import zmq
 
-from services.frontend.engine_client import EngineClient, _readable_outputs
+from services.frontend.engine_client import EngineClient
+from services.frontend.malformed_frames import readable_outputs
 from services.scheduler.frontends import FrontendLink
 from shared.endpoints import Endpoints
 from shared.messages import (
@@ -144,8 +145,8 @@ def test_a_silent_frontend_is_forgotten_its_requests_orphaned_and_it_is_told(tmp
 def test_a_malformed_batch_still_delivers_its_good_outputs_and_fails_the_broken_ones():
     good = msgpack.unpackb(encode(RequestOutput("ok", 0, [5])))[1]  # its fields as the wire has them
     frame = msgpack.packb([RequestOutputs.TAG, [[good, ["broken", 0, "not a list"], [7]]]])
-    readable = _readable_outputs(frame)
+    readable = readable_outputs(frame)
     assert readable == [RequestOutput("ok", 0, [5]), "broken"]  # the last has no readable id
     # outputs only ever come in RequestOutputs frames: anything else yields nothing
-    assert _readable_outputs(msgpack.packb([RequestOutput.TAG, ["alone", 0]])) == []
-    assert _readable_outputs(b"\x00not msgpack") == []
+    assert readable_outputs(msgpack.packb([RequestOutput.TAG, ["alone", 0]])) == []
+    assert readable_outputs(b"\x00not msgpack") == []
