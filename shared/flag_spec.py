@@ -89,7 +89,7 @@ def help_text(f: dataclasses.Field, spec: FlagSpec) -> str:
 
 def add_flags(container: argparse._ActionsContainer, cls: type, only: Iterable[str] | None = None) -> None:
     """Add ``cls``' flags (or those in ``only``) to a parser or argument group. Each action keeps
-    its declaration (``action.flag_class``, ``action.flag_default``) for ``docs/flags.md``."""
+    its declaration (``flag_class``, ``flag_default``, ``flag_help``) for ``docs/flags.md``."""
     for f, spec in declared(cls, only):
         parser_default = f.default if spec.eager else None
         common = {"dest": dest(f, spec), "default": parser_default, "help": help_text(f, spec)}
@@ -107,7 +107,7 @@ def add_flags(container: argparse._ActionsContainer, cls: type, only: Iterable[s
             actions = [container.add_argument(*option_strings(f, spec), type=kind, choices=spec.choices,
                                               metavar=spec.metavar, **common)]
         for action in actions:
-            action.flag_class, action.flag_default = cls, doc_default(f, spec)
+            action.flag_class, action.flag_default, action.flag_help = cls, doc_default(f, spec), spec.help
 
 
 def given(args: argparse.Namespace, cls: type, only: Iterable[str] | None = None) -> dict[str, Any]:

@@ -35,6 +35,7 @@ import zmq
 import zmq.asyncio
 
 from shared.endpoints import Endpoints
+from shared.engine_flags import LivenessFlags
 from shared.zmq_auth import CurveKeys, secure_client
 from services.frontend.request_routes import RequestRoutes
 from shared.messages import (
@@ -49,7 +50,7 @@ COUNTERS = ("num_steps", "sum_slots_used", "sum_slots_allocated", "num_preemptio
             "num_prefix_cache_hits", "num_swap_outs", "num_recomputes", "num_kv_snapshots")
 
 HELLO_INTERVAL_S = 1.0  # the scheduler sends stats every 0.5 s to the frontends it knows, even mid-step
-HEARTBEAT_TIMEOUT_S = 10.0  # silent this long, the scheduler is lost (restarting, we hope)
+HEARTBEAT_TIMEOUT_S = LivenessFlags().heartbeat_timeout  # silent this long, the scheduler is lost (restarting, we hope)
 SILENCE_TIMEOUT_S = 60.0  # silent this long, the requests waiting for it fail
 
 

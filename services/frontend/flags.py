@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
 from shared.engine_flags import LivenessFlags, ModelFlags
 from shared.flag_spec import add_flags, declared, flag, from_args, option_strings
-from shared.zmq_auth import add_curve_argument
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,8 +95,10 @@ def add_frontend_arguments(parser: argparse.ArgumentParser, *, endpoint_flags: b
     for cls, only in FRONTEND_FLAGS:
         add_flags(parser.add_argument_group(cls.TITLE), cls, only)
     if endpoint_flags:
+        from shared.zmq_auth import add_curve_argument  # imports zmq, which `pagedserve health` must not
+
         group = parser.add_argument_group("endpoints and security")
-        group.add_argument("--request-endpoint", default=os.environ.get("PAGEDSERVE_REQUEST_ENDPOINT"),
+        group.add_argument("--request-endpoint", default=None,
                            help="the scheduler's ZMQ endpoint for frontends: requests go there, their outputs "
                                 "come back from it; several separated by commas: data-parallel replicas, each "
                                 "request routed to one (env PAGEDSERVE_REQUEST_ENDPOINT)")

@@ -119,7 +119,7 @@ def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | N
     Raises ``ValueError`` naming the bad flag."""
     if endpoints is None:
         endpoints = Endpoints(
-            request=getattr(args, "request_endpoint", None) or "",
+            request=getattr(args, "request_endpoint", None) or os.environ.get("PAGEDSERVE_REQUEST_ENDPOINT", ""),
             step=os.environ.get("PAGEDSERVE_STEP_ENDPOINT", ""),  # not used by the frontend
             result=os.environ.get("PAGEDSERVE_RESULT_ENDPOINT", ""),  # not used by the frontend
         )
