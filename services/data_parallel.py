@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 from services.group_layout import GroupLayout, layout_from_args
 from shared.endpoints import Endpoints
+from shared.engine_flags import RunnerFlags
 
-DEFAULT_SEED = 0  # the executor's, when --seed is not given
+DEFAULT_SEED = RunnerFlags().seed  # the executor's, when --seed is not given
 
 
 @dataclass(frozen=True)

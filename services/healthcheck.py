@@ -19,6 +19,7 @@ import sys
 import urllib.error
 import urllib.request
 
+from services.frontend.flags import HttpFlags
 from shared.heartbeat_file import health_dir, heartbeat_age_s, heartbeat_path
 
 DEFAULT_MAX_AGE_S = 30.0
@@ -30,8 +31,8 @@ def add_health_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-age-s", type=float, default=DEFAULT_MAX_AGE_S,
                         help="scheduler, executor: the oldest heartbeat that still counts (default: %(default)s)")
     parser.add_argument("--rank", type=int, default=0, help="executor: which rank (default: %(default)s)")
-    parser.add_argument("--host", default="127.0.0.1", help="frontend: where it listens (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="frontend: its HTTP port (default: %(default)s)")
+    parser.add_argument("--host", default=HttpFlags().host, help="frontend: where it listens (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=HttpFlags().port, help="frontend: its HTTP port (default: %(default)s)")
     parser.add_argument("--timeout-s", type=float, default=5.0,
                         help="frontend: how long to wait for /health (default: %(default)s)")
 

@@ -27,28 +27,15 @@ from typing import Any
 import numpy as np
 
 from services.executor.guided import Vocabulary, token_bytes
-from services.executor.loader import RunnerOptions, build_runner
+from services.executor.loader import build_runner
 from services.executor.runner import ModelRunner
+from services.offline_options import SchedulingOptions, split_options
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.contiguous import ContiguousBlockManager
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.messages import AddRequest, RequestOutput, SamplingParams, Step, StepResult
 from shared.model_source import eos_token_ids, load_tokenizer, resolve_model, resolve_tokenizer
 from shared.structured import compile_guide
-
-_RUNNER_OPTIONS = {f.name for f in dataclasses.fields(RunnerOptions)}
-
-
-@dataclass(frozen=True)
-class SchedulingOptions:
-    """The scheduler's flags of the same names (``--max-num-seqs`` and so on)."""
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    preemption_mode: str = "recompute"
-    kv_policy: str = "paged"
-    enable_prefix_caching: bool = True
-    async_scheduling: bool = False
 
 
 class EngineCore:
@@ -163,7 +150,7 @@ class LLM:
 
         source = resolve_model(model)
         tokenizer_source = resolve_tokenizer(tokenizer, source)  # before the slow part: a bad path is one line
-        runner_options, scheduling = _split_options(engine_kwargs)
+        runner_options, scheduling = split_options(engine_kwargs)
         runner = build_runner(load_hf_config(source), load_state_dict(source), runner_options)
         tokenizer = load_tokenizer(tokenizer_source, "--tokenizer" if tokenizer is not None else "--model")
         from services.frontend.generation_defaults import read_generation_defaults
@@ -180,7 +167,7 @@ class LLM:
         tokenizer, prompts must be token ids and outputs have no text. ``eos_token_ids`` default to
         the tokenizer's, else the model config's."""
         llm = cls.__new__(cls)
-        runner_options, scheduling = _split_options(engine_kwargs)
+        runner_options, scheduling = split_options(engine_kwargs)
         runner = build_runner(hf_model.config, hf_model.state_dict(), runner_options)
         if eos_token_ids is None:
             eos = tokenizer.eos_token_id if tokenizer is not None else hf_model.config.eos_token_id
@@ -317,13 +304,3 @@ def _ranked(token_id: int, logprob: float, rank: int, top_token_ids: list[int],
     for top_rank, (top_id, top_logprob) in enumerate(zip(top_token_ids, top_logprobs), start=1):
         ranked.setdefault(top_id, Logprob(top_logprob, top_rank))
     return ranked
-
-
-def _split_options(engine_kwargs: dict[str, Any]) -> tuple[RunnerOptions, SchedulingOptions]:
-    engine_kwargs = {"device": "auto", **engine_kwargs}  # as vLLM's LLM: the GPU where there is one
-    scheduling_names = {f.name for f in dataclasses.fields(SchedulingOptions)}
-    unknown = set(engine_kwargs) - _RUNNER_OPTIONS - scheduling_names
-    if unknown:
-        raise TypeError(f"LLM got unknown options {sorted(unknown)}; it takes {sorted(_RUNNER_OPTIONS | scheduling_names)}")
-    return (RunnerOptions(**{k: v for k, v in engine_kwargs.items() if k in _RUNNER_OPTIONS}),
-            SchedulingOptions(**{k: v for k, v in engine_kwargs.items() if k in scheduling_names}))

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
+from shared.engine_flags import SupervisorFlags
+
+_DEFAULTS = SupervisorFlags()  # the flags' defaults, declared there once
+
 
 class RestartBudget:
     """At most ``max_restarts`` restarts of each process within any ``window_s`` seconds."""
 
-    def __init__(self, max_restarts: int = 5, window_s: float = 600.0) -> None:
+    def __init__(self, max_restarts: int = _DEFAULTS.max_restarts,
+                 window_s: float = _DEFAULTS.restart_window_s) -> None:
         if max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
         if not window_s > 0:

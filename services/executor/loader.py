@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine_flags import RunnerFlags
+
 from .attention import select_backend
 from .device import check_device_name, resolve_device
 from .linear import check_linear_kernel, choose_linear_kernel, pack_linears
@@ -23,6 +25,7 @@ from .weights import build_model, resolve_dtype
 # is for activations, logits, the allocator's and cuBLAS's workspaces (vLLM's
 # --gpu-memory-utilization plays this part, as a share of the whole GPU).
 GPU_MEMORY_SHARE = 0.9
+_RUNNER = RunnerFlags()  # the flags' defaults, declared there once (shared.engine_flags)
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
           "g": 2**30, "gb": 2**30, "gib": 2**30}
@@ -46,17 +49,17 @@ class RunnerOptions:
     CPU swap pool ``num_cpu_blocks``, or as many as ``swap_space`` GiB hold. ``max_model_len``
     None: the model's own length (never more)."""
 
-    dtype: str | torch.dtype = "auto"
+    dtype: str | torch.dtype = _RUNNER.dtype
     device: str = "cpu"  # auto, cpu, cuda or cuda:N (device.py); the executor and LLM default to auto
-    block_size: int = 16
+    block_size: int = _RUNNER.block_size
     num_kv_blocks: int | None = None
-    kv_cache_memory: str = "1GiB"
+    kv_cache_memory: str = _RUNNER.kv_cache_memory
     num_cpu_blocks: int | None = None
-    swap_space: float = 1.0
+    swap_space: float = _RUNNER.swap_space
     max_model_len: int | None = None
-    attention_backend: str = "auto"
-    linear_kernel: str = "auto"
-    seed: int = 0
+    attention_backend: str = _RUNNER.attention_backend
+    linear_kernel: str = _RUNNER.linear_kernel
+    seed: int = _RUNNER.seed
 
     def __post_init__(self) -> None:
         check_device_name(self.device)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shared.endpoints import Endpoints
+from shared.engine_flags import ParallelFlags, RankFlags, RunnerFlags
 from shared.heartbeat_file import HeartbeatFile
 from shared.logging import configure_logging
 from shared.messages import DecodeError, ExecutorReady, Hello, Shutdown, Step, StepResult, decode, encode
@@ -52,6 +53,10 @@ EXIT_PEER_FAILED = 3  # this rank stopped because another rank of its group fail
 EXIT_RETIRED = 4  # the scheduler gave this process up (its group was lost): a new one must replace it
 
 
+# The flags' defaults (shared.engine_flags, where each is declared once).
+_RUNNER, _RANK, _PARALLEL = RunnerFlags(), RankFlags(), ParallelFlags()
+
+
 class StepFailed(Exception):
     """A step raised on this rank of a group of more than one: the group cannot go on."""
 
@@ -61,28 +66,28 @@ class ExecutorConfig:
     endpoints: Endpoints
     model: str | None = None
     tokenizer: str | None = None  # the frontend's --tokenizer: guided requests are masked over its tokens
-    dtype: str = "auto"
-    device: str = "auto"  # auto, cpu, cuda or cuda:N (device.py)
+    dtype: str = _RUNNER.dtype
+    device: str = _RUNNER.device  # auto, cpu, cuda or cuda:N (device.py)
     device_index: int | None = None  # which GPU cuda/auto takes (index % count; device.py); None: the rank
-    block_size: int = 16
+    block_size: int = _RUNNER.block_size
     num_kv_blocks: int | None = None
-    kv_cache_memory: str = "1GiB"
-    swap_space: float = 1.0  # GiB of CPU memory for swapped-out blocks
+    kv_cache_memory: str = _RUNNER.kv_cache_memory
+    swap_space: float = _RUNNER.swap_space  # GiB of CPU memory for swapped-out blocks
     max_model_len: int | None = None
-    attention_backend: str = "auto"
-    linear_kernel: str = "auto"
-    rank: int = 0
-    world_size: int = 1
+    attention_backend: str = _RUNNER.attention_backend
+    linear_kernel: str = _RUNNER.linear_kernel
+    rank: int = _RANK.rank
+    world_size: int = _RANK.world_size
     num_threads: int | None = None
-    adaptive_threads: bool = True  # one or all threads per step by timing (thread_tuner.py)
-    seed: int = 0
+    adaptive_threads: bool = _RUNNER.adaptive_threads  # one or all threads per step by timing (thread_tuner.py)
+    seed: int = _RUNNER.seed
     # The group (flags of the same names; parallel/group.py): how the ranks exchange tensors.
-    all_reduce: str = "auto"
-    num_nodes: int = 1
+    all_reduce: str = _PARALLEL.all_reduce
+    num_nodes: int = _PARALLEL.num_nodes
     dist_init_addr: str | None = None
     group_id: str | None = None  # shared memory: names the group's segments
     group_store: str | None = None  # shared memory: the file the ranks swap their handles through
-    group_timeout_s: float = 60.0
+    group_timeout_s: float = _PARALLEL.group_timeout_s
     zmq_curve: str | None = None  # --zmq-curve: the CURVE key directory; None: plain ZeroMQ
 
     def __post_init__(self) -> None:

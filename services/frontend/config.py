@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.frontend.flags import HttpLimits
+from services.frontend.flags import HttpFlags, HttpLimits
 from services.frontend.generation_defaults import check_setting
 from shared.endpoints import Endpoints
+from shared.engine_flags import LivenessFlags
+
+_HTTP, _LIVENESS = HttpFlags(), LivenessFlags()  # the flags' defaults, declared there once
 
 _ENDPOINT_SCHEMES = ("ipc://", "tcp://", "inproc://")
 
@@ -38,20 +41,20 @@ class FrontendConfig:
 
     model: str | None = None
     served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = _HTTP.host
+    port: int = _HTTP.port
     max_model_len: int | None = None
     endpoints: Endpoints
     max_body_bytes: int | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     max_queue_len: int | None = None
     api_key: str | None = field(default=None, repr=False)
-    heartbeat_timeout: float = 10.0
-    playground: bool = True
+    heartbeat_timeout: float = _LIVENESS.heartbeat_timeout
+    playground: bool = _HTTP.playground
     zmq_curve: str | None = None
     restarts_file: str | None = None
     chat_template: str | None = field(default=None, repr=False)
-    generation_config: str = "auto"
+    generation_config: str = _HTTP.generation_config
     tokenizer: str | None = None
 
     def __post_init__(self) -> None:

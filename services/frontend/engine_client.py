@@ -34,6 +34,7 @@ import zmq
 import zmq.asyncio
 
 from shared.endpoints import Endpoints
+from shared.engine_flags import LivenessFlags
 from shared.zmq_auth import CurveKeys, secure_client
 from services.frontend.malformed_frames import salvaged_outputs
 from services.frontend.request_routes import RequestRoutes
@@ -46,7 +47,7 @@ from shared.messages import (
 log = structlog.get_logger()
 
 HELLO_INTERVAL_S = 1.0  # the scheduler sends stats every 0.5 s to the frontends it knows, even mid-step
-HEARTBEAT_TIMEOUT_S = 10.0  # silent this long, the scheduler is lost (restarting, we hope)
+HEARTBEAT_TIMEOUT_S = LivenessFlags().heartbeat_timeout  # silent this long, the scheduler is lost (restarting, we hope)
 SILENCE_TIMEOUT_S = 60.0  # silent this long, the requests waiting for it fail
 
 

@@ -19,9 +19,11 @@ from services.frontend.config import FrontendConfig
 from services.frontend.connection_guard import ConnectionGuard, GuardedSite
 from services.frontend.engine_client import EngineClient
 from services.frontend.replicas import Replicas
-from services.frontend.flags import add_frontend_arguments, http_limits_from_args
+from services.frontend.flags import HttpFlags, add_frontend_arguments, http_limits_from_args
 from services.frontend.served_model import ServedModel, load_served_model
 from shared.endpoints import Endpoints
+from shared.engine_flags import ModelFlags
+from shared.flag_spec import given
 from shared.logging import configure_logging
 from shared.restart_counts import ENV_VAR as RESTARTS_ENV_VAR
 from shared.zmq_auth import CurveKeys, curve_dir, load_keys, log_mode
@@ -117,27 +119,22 @@ def frontend_config_from_args(args: argparse.Namespace, endpoints: Endpoints | N
     Raises ``ValueError`` naming the bad flag."""
     if endpoints is None:
         endpoints = Endpoints(
-            request=getattr(args, "request_endpoint", None) or "",
+            request=getattr(args, "request_endpoint", None) or os.environ.get("PAGEDSERVE_REQUEST_ENDPOINT", ""),
             step=os.environ.get("PAGEDSERVE_STEP_ENDPOINT", ""),  # not used by the frontend
             result=os.environ.get("PAGEDSERVE_RESULT_ENDPOINT", ""),  # not used by the frontend
         )
+    values = {**given(args, ModelFlags), **given(args, HttpFlags)}
+    if getattr(args, "heartbeat_timeout", None):  # 0 or not given: the default
+        values["heartbeat_timeout"] = args.heartbeat_timeout
+    for name in ("model", "tokenizer", "generation_config"):  # empty: not given
+        if not values.get(name, True):
+            del values[name]
+    api_key, template = values.pop("api_key", None), values.pop("chat_template", None)
     return FrontendConfig(
-        model=args.model or None,
-        served_model_name=args.served_model_name,
-        host=args.host,
-        port=args.port,
-        max_model_len=args.max_model_len,
-        endpoints=endpoints,
-        max_queue_len=getattr(args, "max_queue_len", None),
-        api_key=getattr(args, "api_key", None) or api_key_from_env(),
-        http_limits=http_limits_from_args(args),
-        playground=getattr(args, "playground", True),
+        **values, endpoints=endpoints, api_key=api_key or api_key_from_env(),
+        chat_template=resolve_chat_template(template), http_limits=http_limits_from_args(args),
         zmq_curve=curve_dir(args),
         restarts_file=os.environ.get(RESTARTS_ENV_VAR) or None,
-        chat_template=resolve_chat_template(getattr(args, "chat_template", None)),
-        generation_config=getattr(args, "generation_config", None) or "auto",
-        tokenizer=getattr(args, "tokenizer", None) or None,
-        **({"heartbeat_timeout": args.heartbeat_timeout} if getattr(args, "heartbeat_timeout", None) else {}),
     )
 
 

@@ -26,7 +26,9 @@ from typing import Sequence
 
 import numpy as np
 
-CHUNK_TOKENS = 16  # the scheduler's default block size
+from shared.engine_flags import RunnerFlags
+
+CHUNK_TOKENS = RunnerFlags().block_size  # the default KV block size
 MAX_CHUNKS_PER_REPLICA = 1 << 16  # 1M prompt tokens' worth of hashes per replica, about 8 MB
 MIN_SLACK = 4
 SLACK_FRACTION = 0.5

@@ -22,11 +22,12 @@ import zmq
 from shared.messages import (
     AddRequest, DecodeError, EngineStats, KvWatch, RequestOutput, RequestOutputs, decode, encode,
 )
+from shared.engine_flags import LivenessFlags
 from shared.zmq_auth import CurveKeys, secure_server
 
 
 class FrontendLink:
-    def __init__(self, context: zmq.Context, endpoint: str, log: Any, silence_timeout_s: float = 10.0,
+    def __init__(self, context: zmq.Context, endpoint: str, log: Any, silence_timeout_s: float = LivenessFlags().heartbeat_timeout,
                  curve: CurveKeys | None = None) -> None:
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import zmq
 
 from shared.endpoints import Endpoints
+from shared.engine_flags import LivenessFlags, RankFlags, SchedulingFlags
 from shared.heartbeat_file import HeartbeatFile
 from shared.logging import configure_logging
 from shared.messages import AbortRequest, AddRequest, EngineStats, Shutdown, StepResult
@@ -53,6 +54,7 @@ from .scheduler import Scheduler, SchedulerConfig
 from .step_timing import PLAN_AT_FRACTION, PlanAheadTimer
 
 STATS_INTERVAL_S = 0.5
+_SCHEDULING, _LIVENESS = SchedulingFlags(), LivenessFlags()  # the flags' defaults, declared there once
 IDLE_POLL_MS = 100
 STALL_S = 1.0  # a loop turn this much longer than its poll: the scheduler itself was stalled
 
@@ -60,18 +62,18 @@ STALL_S = 1.0  # a loop turn this much longer than its poll: the scheduler itsel
 @dataclass(frozen=True)
 class SchedulerProcessConfig:
     endpoints: Endpoints
-    world_size: int = 1
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    world_size: int = RankFlags().world_size
+    max_num_seqs: int = _SCHEDULING.max_num_seqs
+    max_num_batched_tokens: int = _SCHEDULING.max_num_batched_tokens
     max_model_len: int | None = None  # None: what the executors report
-    preemption_mode: str = "recompute"
-    kv_policy: str = "paged"
-    enable_prefix_caching: bool = True
-    step_timeout: float = 300.0  # seconds a step result may take
-    heartbeat_timeout: float = 10.0  # seconds an executor rank or a frontend may be silent
+    preemption_mode: str = _SCHEDULING.preemption_mode
+    kv_policy: str = _SCHEDULING.kv_policy
+    enable_prefix_caching: bool = _SCHEDULING.enable_prefix_caching
+    step_timeout: float = _LIVENESS.step_timeout  # seconds a step result may take
+    heartbeat_timeout: float = _LIVENESS.heartbeat_timeout  # seconds an executor rank or a frontend may be silent
     supervisor_endpoint: str | None = None  # where to report lost processes (pagedserve serve)
     zmq_curve: str | None = None  # --zmq-curve: the CURVE key directory; None: plain ZeroMQ
-    async_scheduling: bool = True  # plan step N + 1 while the executors run step N (False: lock-step)
+    async_scheduling: bool = _SCHEDULING.async_scheduling  # plan step N + 1 while the executors run step N (False: lock-step)
     plan_ahead_at: float = PLAN_AT_FRACTION  # ... when N is this far through its expected time (0: at once)
 
     def __post_init__(self) -> None:

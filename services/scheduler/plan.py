@@ -4,18 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.engine_flags import SchedulingFlags
+
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
 from .step_builder import Scheduled
 
 
+_FLAGS = SchedulingFlags()  # the flags' defaults, declared there once
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    preemption_mode: str = "recompute"  # or "swap"
-    kv_policy: str = "paged"  # or "contiguous" (the baseline that reserves up front)
+    max_num_seqs: int = _FLAGS.max_num_seqs
+    max_num_batched_tokens: int = _FLAGS.max_num_batched_tokens
+    max_model_len: int = 2048  # the process settles it from the executors' reports (the flag's default: none)
+    preemption_mode: str = _FLAGS.preemption_mode  # or "swap"
+    kv_policy: str = _FLAGS.kv_policy  # or "contiguous" (the baseline that reserves up front)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

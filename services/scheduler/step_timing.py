@@ -26,9 +26,12 @@ from collections import deque
 
 import numpy as np
 
+from shared.engine_flags import SchedulingFlags
+
 WINDOW = 32  # recent steps the fit uses
 MIN_SAMPLES = 4  # steps seen before the timing is trusted
-PLAN_AT_FRACTION = 0.75  # of the expected compute time, from the step's start
+# of the expected compute time, from the step's start: --plan-ahead-at's default (shared.engine_flags)
+PLAN_AT_FRACTION = SchedulingFlags().plan_ahead_at
 MIN_LEAD_S = 0.001
 
 

@@ -14,21 +14,24 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine_flags import ParallelFlags, RankFlags
+
 from .base import Communicator, SingleRank
 
 ALL_REDUCE_KINDS = ("auto", "shm", "torch")
+_RANK, _PARALLEL = RankFlags(), ParallelFlags()  # the flags' defaults, declared there once
 
 
 @dataclass(frozen=True)
 class GroupConfig:
-    rank: int = 0
-    world_size: int = 1
-    all_reduce: str = "auto"
-    num_nodes: int = 1
+    rank: int = _RANK.rank
+    world_size: int = _RANK.world_size
+    all_reduce: str = _PARALLEL.all_reduce
+    num_nodes: int = _PARALLEL.num_nodes
     group_id: str | None = None  # same host: names the shared-memory segments
     store_path: str | None = None  # same host: the FileStore of the handle exchange
     dist_init_addr: str | None = None  # torch: HOST:PORT of rank 0's store
-    timeout_s: float = 60.0  # start-up and per-collective limit before a peer is declared hung
+    timeout_s: float = _PARALLEL.group_timeout_s  # start-up and per-collective limit before a peer is declared hung
     slot_bytes: int | None = None  # same host: the size of each data slot (None: the default)
 
     def __post_init__(self) -> None:
