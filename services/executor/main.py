@@ -32,11 +32,7 @@ import secrets
 import signal
 import time
 import traceback
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from shared.endpoints import Endpoints
-from shared.engine_flags import ParallelFlags, RankFlags, RunnerFlags
 from shared.heartbeat_file import HeartbeatFile
 from shared.logging import configure_logging
 from shared.messages import DecodeError, ExecutorReady, Hello, Shutdown, Step, StepResult, decode, encode
@@ -45,72 +41,15 @@ from shared.openmp import loaded_runtimes
 from shared.cpu_threads import configure_cpu_threads
 from shared.zmq_auth import load_keys, log_mode, secure_client
 
-if TYPE_CHECKING:  # the loader imports torch, which must wait for the thread settings
-    from .loader import RunnerOptions
-    from .parallel.group import GroupConfig
+from .process_config import ExecutorConfig
+
 
 EXIT_PEER_FAILED = 3  # this rank stopped because another rank of its group failed
 EXIT_RETIRED = 4  # the scheduler gave this process up (its group was lost): a new one must replace it
 
 
-# The flags' defaults (shared.engine_flags, where each is declared once).
-_RUNNER, _RANK, _PARALLEL = RunnerFlags(), RankFlags(), ParallelFlags()
-
-
 class StepFailed(Exception):
     """A step raised on this rank of a group of more than one: the group cannot go on."""
-
-
-@dataclass(frozen=True)
-class ExecutorConfig:
-    endpoints: Endpoints
-    model: str | None = None
-    tokenizer: str | None = None  # the frontend's --tokenizer: guided requests are masked over its tokens
-    dtype: str = _RUNNER.dtype
-    device: str = _RUNNER.device  # auto, cpu, cuda or cuda:N (device.py)
-    device_index: int | None = None  # which GPU cuda/auto takes (index % count; device.py); None: the rank
-    block_size: int = _RUNNER.block_size
-    num_kv_blocks: int | None = None
-    kv_cache_memory: str = _RUNNER.kv_cache_memory
-    swap_space: float = _RUNNER.swap_space  # GiB of CPU memory for swapped-out blocks
-    max_model_len: int | None = None
-    attention_backend: str = _RUNNER.attention_backend
-    linear_kernel: str = _RUNNER.linear_kernel
-    rank: int = _RANK.rank
-    world_size: int = _RANK.world_size
-    num_threads: int | None = None
-    adaptive_threads: bool = _RUNNER.adaptive_threads  # one or all threads per step by timing (thread_tuner.py)
-    seed: int = _RUNNER.seed
-    # The group (flags of the same names; parallel/group.py): how the ranks exchange tensors.
-    all_reduce: str = _PARALLEL.all_reduce
-    num_nodes: int = _PARALLEL.num_nodes
-    dist_init_addr: str | None = None
-    group_id: str | None = None  # shared memory: names the group's segments
-    group_store: str | None = None  # shared memory: the file the ranks swap their handles through
-    group_timeout_s: float = _PARALLEL.group_timeout_s
-    zmq_curve: str | None = None  # --zmq-curve: the CURVE key directory; None: plain ZeroMQ
-
-    def __post_init__(self) -> None:
-        if self.device_index is not None and self.device_index < 0:
-            raise ValueError(f"--device-index must be >= 0, got {self.device_index}")
-        self.runner_options()  # validates the flags it shares with the offline engine
-        self.group_config()
-
-    def group_config(self) -> "GroupConfig":
-        from .parallel.group import GroupConfig
-
-        return GroupConfig(rank=self.rank, world_size=self.world_size, all_reduce=self.all_reduce,
-                           num_nodes=self.num_nodes, group_id=self.group_id, store_path=self.group_store,
-                           dist_init_addr=self.dist_init_addr, timeout_s=self.group_timeout_s)
-
-    def runner_options(self) -> "RunnerOptions":
-        from .loader import RunnerOptions
-
-        return RunnerOptions(
-            dtype=self.dtype, device=self.device, block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
-            kv_cache_memory=self.kv_cache_memory, swap_space=self.swap_space, max_model_len=self.max_model_len,
-            attention_backend=self.attention_backend, linear_kernel=self.linear_kernel, seed=self.seed,
-        )
 
 
 class ExecutorProcess:
