@@ -84,6 +84,7 @@ def _start_group(tmp_path, model_dir: str):
     return group, group_id, ctx, pub, pull
 
 
+@pytest.mark.slow  # starts a group of rank processes
 def test_a_failed_step_stops_the_group_naming_the_rank(tmp_path):
     hf_model = tiny_llama(seed=8, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
     hf_model.save_pretrained(tmp_path / "model")

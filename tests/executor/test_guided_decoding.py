@@ -191,6 +191,7 @@ def test_offline_refuses_guides_it_cannot_follow(llm):
     assert out.choices[0].text == "ok"  # the engine goes on
 
 
+@pytest.mark.slow  # loads two tokenizers' vocabularies
 def test_the_executor_reads_the_models_tokenizer_or_the_one_named(tiny_model_dir, tokenizer, tmp_path):
     from services.executor.vocabulary import load_vocabulary
     from shared.model_source import resolve_model

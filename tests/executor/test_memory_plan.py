@@ -104,6 +104,7 @@ def _run_cli(tmp_path: Path, *argv: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # starts an executor and a server process
 def test_executor_and_serve_exit_2_with_one_line(tmp_path):
     """As a user runs them: no traceback, the error as the last line, exit code 2."""
     endpoints = ["--step-endpoint", f"ipc://{tmp_path}/step", "--result-endpoint", f"ipc://{tmp_path}/result"]

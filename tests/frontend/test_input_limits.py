@@ -46,6 +46,7 @@ async def _timed_post(session: aiohttp.ClientSession, url: str, body: object) ->
         return resp.status, payload, time.monotonic() - started
 
 
+@pytest.mark.slow  # tokenizes megabyte prompts
 def test_big_prompts_do_not_hold_up_small_requests(frontend, fake, model):
     """A 30 MB prompt is refused on its characters, untokenized; a 3M-character prompt (under that
     limit) is tokenized on its own thread; one-token chats sent meanwhile are not held up."""

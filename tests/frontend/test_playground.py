@@ -133,6 +133,7 @@ def test_events_watch_the_scheduler_only_while_a_client_is_connected(server, fak
     assert len(fake.kv_watches) == num_after  # no renewal once the last client left
 
 
+@pytest.mark.slow  # fills a socket's buffers
 def test_a_client_that_never_reads_gets_updates_dropped_not_queued(server, fake, model):
     dropped_before = _metric(server.base_url, "kv_events_dropped_total")
     slow = socket.socket()

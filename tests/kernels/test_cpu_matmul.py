@@ -123,6 +123,7 @@ _AVX2_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # compiles the kernels again for another target
 def test_matmul_compiles_and_matches_on_an_avx2_target(tmp_path):
     """Compiled for Haswell (no AVX-512 BF16), the kernel widens the pairs and multiplies them with
     FMAs; the same bound holds."""

@@ -131,6 +131,7 @@ _AVX2_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # compiles the kernels again for another target
 def test_decode_compiles_and_matches_on_an_avx2_target(tmp_path):
     """Compiled for Haswell (AVX2, no AVX-512, no BF16), the kernels take the widening paths and
     still match the reference: what a machine without AVX-512 BF16 runs."""

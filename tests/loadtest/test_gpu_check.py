@@ -38,6 +38,7 @@ def config_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # loads and runs a model through the whole check
 def test_model_then_greedy_on_the_cpu(config_dir, tmp_path, capsys):
     """``model`` saves seeded random weights of the config's sizes (the same seed, the same
     weights); ``greedy`` runs the offline engine against transformers and passes in float32."""

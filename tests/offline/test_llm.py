@@ -105,6 +105,7 @@ def test_chat_renders_conversations_with_the_template():
         LLM.from_hf_model(tiny_llama(), num_kv_blocks=8, block_size=4).chat(messages)
 
 
+@pytest.mark.slow  # loads a model from disk with its generation config
 def test_prompts_without_sampling_params_sample_as_the_model_recommends(tmp_path, tiny_model_dir):
     """As vLLM's ``LLM``: the model's generation_config.json recommendations (``--generation-config
     auto``'s) are what ``generate`` uses when given no ``SamplingParams``."""

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from shared import cpu_threads as threads, openmp
@@ -72,6 +73,7 @@ def test_loaded_runtimes_counts_files_once(tmp_path):
     assert openmp.loaded_runtimes(str(maps)) == sorted([str(lib), str(other)])
 
 
+@pytest.mark.slow  # starts processes and times their spinning threads
 def test_one_runtime_spins_and_separate_ones_sleep():
     shared = _probe()
     assert len(shared["runtimes"]) == 1, shared
@@ -97,6 +99,7 @@ def test_spinning_is_read_from_the_waiting_settings():
     assert not threads._spins({"OMP_WAIT_POLICY": " Passive "}) and not threads._spins({"GOMP_SPINCOUNT": "0"})
 
 
+@pytest.mark.slow  # starts an executor process
 def test_the_executor_command_shares_the_runtime(tmp_path, tiny_model_dir):
     """The real ``pagedserve executor`` (whose flag checks import torch early) ends its warm-up with
     one runtime, without a scheduler to talk to."""
