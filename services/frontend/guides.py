@@ -11,9 +11,10 @@
 Each reads into a spec ``shared.structured.compile_guide`` takes (``{"json_object": true}``,
 ``{"json_schema": schema}``, ``{"choice": [...]}``; ``None``: free text), compiled here so that a
 schema it cannot follow is a 400 naming the field rather than a failure in the executor. The spec
-reaches ``SamplingParams.guided`` as JSON text; ``request_rules`` allows one guide per request and
-none with beam search. vLLM's ``guided_regex`` and ``guided_grammar`` are refused
-(``request_body``), not ignored: output that silently ignores them would look guided.
+reaches ``SamplingParams.guided`` as JSON text; ``request_rules`` allows one guide per request, and
+the rulebook (``shared.messages.sampling_rules``) none with beam search. vLLM's ``guided_regex`` and
+``guided_grammar`` are refused (``request_body``), not ignored: output that silently ignores them
+would look guided.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ import numpy as np
 
 @dataclass
 class SamplingParams:
-    """How one request samples and stops. ``None`` means "off" (no top-k, no seed)."""
+    """How one request samples and stops. ``None`` means "off" (no top-k, no seed). Its ranges and
+    cross-field rules are ``shared.messages.sampling_rules``' (``verify``), which the frontend and
+    the offline ``LLM`` both run."""
 
     n: int = 1
     temperature: float = 1.0

@@ -85,7 +85,7 @@ class Range:
         above = value > self.low if self.exclusive_low else value >= self.low
         return above and (self.high is None or value <= self.high)
 
-    def reason(self, value: Any) -> str:
+    def reason(self, value: Any) -> str | None:
         """Why ``value`` is refused, or None when it holds."""
         if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
             return f"must be {'an integer' if self.integer else 'a number'}, got {value!r}"
@@ -126,14 +126,14 @@ BEAM_REFUSED = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalt
 BEAM_ONLY = ("length_penalty", "early_stopping")
 _DEFAULTS = SamplingParams()
 _TOP_K_OFF = (None, -1, 0)
+_OFF_WHEN_NONE = ("top_k", "seed", "best_of", "logprobs", "prompt_logprobs")
 
 
 def verify(params: SamplingParams) -> None:
     """Raise ``SamplingParamsError`` for the first rule ``params`` breaks (see the module's docstring)."""
     for name, valid in RANGES.items():
         value = getattr(params, name)
-        reason = None if value is None and name in ("top_k", "seed", "best_of", "logprobs", "prompt_logprobs") \
-            else valid.reason(value)
+        reason = None if value is None and name in _OFF_WHEN_NONE else valid.reason(value)
         if reason is not None:
             raise SamplingParamsError(name, reason)
     _check_token_lists(params)
@@ -153,7 +153,7 @@ def verify(params: SamplingParams) -> None:
                 raise SamplingParamsError(name, f"applies only with use_beam_search; got {getattr(params, name)!r} "
                                                 "without it")
     if params.guided is not None:
-        error = guide_error(params.guided)
+        error = guide_error(params.guided) if isinstance(params.guided, str) else "it is not a spec's JSON text"
         if error is not None:
             raise SamplingParamsError("guided", f"cannot be followed: {error}")
 

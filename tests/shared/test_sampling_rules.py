@@ -165,6 +165,7 @@ def test_what_only_llm_can_send_is_refused_too(llm):
         ({"temperature": float("nan")}, "temperature", "must be a finite number"),
         ({"n": 2.0}, "n", "must be an integer"),
         ({"early_stopping": 1}, "early_stopping", 'must be true, false or "never"'),
+        ({"guided": {"choice": ["a"]}}, "guided", "not a spec's JSON text"),
         ({"use_beam_search": True, "n": 2}, "temperature", "must be 0 with use_beam_search, got 1.0"),
     ):
         with pytest.raises(SamplingParamsError) as info:
