@@ -34,8 +34,8 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.contiguous import ContiguousBlockManager
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.messages import AddRequest, RequestOutput, SamplingParams, Step, StepResult
+from shared.messages.sampling_rules import verify
 from shared.model_source import eos_token_ids, load_tokenizer, resolve_model, resolve_tokenizer
-from shared.structured import compile_guide
 
 
 class EngineCore:
@@ -193,16 +193,16 @@ class LLM:
         """Run every prompt (text, tokenized here, or token ids) to the end, batched together;
         returns one ``PromptOutput`` per prompt, in order. ``sampling_params``: one for all prompts
         or one each (default: ``default_sampling_params``, the model's recommendations). Raises ``ValueError`` if the engine refuses a
-        prompt (too long for the model or the KV pool)."""
+        prompt (too long for the model or the KV pool), and ``SamplingParamsError`` (a ``ValueError``) for
+        parameters the rulebook refuses (``shared.messages.sampling_rules``), before any prompt is queued."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         all_ids = [self._token_ids(prompt) for prompt in prompts]  # every prompt checked before any is queued
-        for p in params:
-            if p is not None and p.guided:  # add_request checks again; here before any is queued
-                self._check_guided(p)
+        for p in params:  # add_request checks again; here before any is queued
+            self._check(p or self.default_sampling_params)
         results: dict[str, PromptOutput] = {}
         for prompt, token_ids, p in zip(prompts, all_ids, params):
             results[self.add_request(token_ids, p)] = PromptOutput(prompt if isinstance(prompt, str) else None,
@@ -258,23 +258,18 @@ class LLM:
         request_id = f"offline-{next(self._request_ids)}"
         params = sampling_params or self.default_sampling_params
         params = dataclasses.replace(params, eos_token_ids=list(params.eos_token_ids or self.eos_token_ids))
-        if params.guided:
-            self._check_guided(params)
+        self._check(params)
         self.engine.add_request(AddRequest(request_id, np.asarray(self._token_ids(prompt), np.int32), params,
-                                           list(self.eos_token_ids), time.time()))
+                                           time.time()))
         return request_id
 
-    def _check_guided(self, params: SamplingParams) -> None:
-        """A guided request (``SamplingParams.guided``, a spec's JSON text) needs a tokenizer, a spec
-        ``compile_guide`` takes and no beam search; else a ``ValueError`` saying which."""
-        if self.tokenizer is None:
+    def _check(self, params: SamplingParams) -> None:
+        """The rulebook's checks (``sampling_rules.verify``, the HTTP frontend's too: a
+        ``SamplingParamsError``, a ``ValueError``), and a tokenizer for a guided request (its
+        tokens' bytes)."""
+        verify(params)
+        if params.guided is not None and self.tokenizer is None:
             raise ValueError("guided decoding needs a tokenizer (its tokens' bytes)")
-        if params.use_beam_search:
-            raise ValueError("guided decoding is not available with beam search")
-        try:
-            compile_guide(params.guided)
-        except ValueError as exc:  # json's errors too
-            raise ValueError(f"guided: {exc}") from None
 
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
         """The prompt's ids, each one the model embeds (a ``ValueError`` names the first that is not:

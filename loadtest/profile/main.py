@@ -103,7 +103,7 @@ class StepBench:
             request_id = f"profile-{self._num_requests}"
             self._num_requests += 1
             prompt = np.array([self._rng.randrange(100, vocab) for _ in range(num_prompt_tokens)], np.int32)
-            self.scheduler.add_request(AddRequest(request_id, prompt, params, [], time.time()))
+            self.scheduler.add_request(AddRequest(request_id, prompt, params, time.time()))
             ids.append(request_id)
         return ids
 

@@ -76,7 +76,8 @@ def replay(workload: Workload, num_requests: int, kv_policy: str, reservation: s
         max_tokens = max_tokens_for(reservation, p, o, workload.max_model_len)
         wanted[f"r{i}"] = o
         sched.add_request(AddRequest(f"r{i}", np.full(p, FILLER_TOKEN_ID, np.int32),
-                                     SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), [0],
+                                     SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                                    eos_token_ids=[0]),
                                      float(i)))
     refused = [o.error for o in sched.take_outputs() if o.error]
     if refused:

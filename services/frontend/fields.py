@@ -4,8 +4,8 @@ and how it reaches ``SamplingParams``.
 
 A declared field is a dataclass field made with ``declare(kind, default, ...)``. Its JSON name is
 the attribute's name unless ``json_name`` says otherwise; its ``FieldSpec`` (kept in the field's
-metadata) says which routes accept it and under which names, how it is described, what beam
-search makes of it, and how it reaches the engine. Its ``Kind`` (``field_kinds``) reads one JSON
+metadata) says which routes accept it and under which names, how it is described and how it
+reaches the engine. Its ``Kind`` (``field_kinds``) reads one JSON
 value and describes it in JSON Schema. ``null`` is never handed to a kind: everywhere in this
 API, as in OpenAI's, ``null`` means "left out". A field made with ``nested(cls)`` holds another
 declared dataclass read from the same (flat) JSON object.
@@ -35,14 +35,6 @@ class Route(enum.Flag):
     BOTH = COMPLETIONS | CHAT
 
 
-class BeamSearch(enum.Enum):
-    """What vLLM's beam search (``use_beam_search``) makes of a field."""
-
-    ANY = "any"  # the same with or without it
-    REFUSED = "refused"  # beam search ignores it: a value other than the default is refused with it
-    ONLY = "only"  # only beam search uses it: a value other than the default is refused without it
-
-
 @dataclass(frozen=True)
 class FieldSpec:
     """Everything about one request field but its attribute name and default (see ``declare``).
@@ -67,7 +59,6 @@ class FieldSpec:
     required: bool = False
     convert: Callable[[Any], Any] | None = None
     sampling: bool | Callable[[Any, Any], dict[str, Any]] = False
-    beam_search: BeamSearch = BeamSearch.ANY
     pending: str | None = None
     requires: str | None = None
     route_kinds: dict[Route, Kind] = dataclasses.field(default_factory=dict)

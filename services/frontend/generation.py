@@ -87,7 +87,6 @@ class Generation:
         request_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
-        eos_token_ids: list[int],
         tokenizer: Any,
         stop: list[str],
         *,
@@ -100,7 +99,6 @@ class Generation:
         self.index_base = index_base
         self.prompt_token_ids = prompt_token_ids
         self._sampling = sampling
-        self._eos_token_ids = eos_token_ids
         self._all_choices = [ChoiceState(index_base + i, tokenizer, stop) for i in range(max(1, sampling.n))]
         self.choices = list(self._all_choices)
         self._observer = observer
@@ -148,7 +146,6 @@ class Generation:
             request_id=self.request_id,
             prompt_token_ids=np.asarray(self.prompt_token_ids, dtype=np.int32),
             sampling=self._sampling,
-            eos_token_ids=list(self._eos_token_ids),
             arrival_time=time.time(),
         )
         self._queue = self._client.add_request(request)

@@ -23,26 +23,29 @@ from typing import Any, Callable
 
 import structlog
 
+from shared.messages.sampling_rules import RANGES
+
 log = structlog.get_logger()
 
 FILE_NAME = "generation_config.json"
 SETTINGS = ("auto", "vllm")  # or a directory
 
-# generation_config.json key -> (request field, transformers' default, the values the API accepts)
+def _in_range(name: str) -> Callable[[Any], bool]:
+    return lambda value: RANGES[name].reason(value) is None
+
+
+# generation_config.json key -> (request field, transformers' default, the values the API accepts:
+# the rulebook's range, ``shared.messages.sampling_rules.RANGES``, where it has one)
 _KEYS: dict[str, tuple[str, Any, Callable[[Any], bool]]] = {
-    "temperature": ("temperature", 1.0, lambda v: _number(v) and 0.0 <= v <= 2.0),
-    "top_p": ("top_p", 1.0, lambda v: _number(v) and 0.0 < v <= 1.0),
+    "temperature": ("temperature", 1.0, _in_range("temperature")),
+    "top_p": ("top_p", 1.0, _in_range("top_p")),
     "top_k": ("top_k", 50, lambda v: _integer(v) and v >= 1),
-    "min_p": ("min_p", None, lambda v: _number(v) and 0.0 <= v <= 1.0),
-    "repetition_penalty": ("repetition_penalty", 1.0, lambda v: _number(v) and 0.0 < v <= 2.0),
-    "presence_penalty": ("presence_penalty", None, lambda v: _number(v) and -2.0 <= v <= 2.0),
-    "frequency_penalty": ("frequency_penalty", None, lambda v: _number(v) and -2.0 <= v <= 2.0),
+    "min_p": ("min_p", None, _in_range("min_p")),
+    "repetition_penalty": ("repetition_penalty", 1.0, _in_range("repetition_penalty")),
+    "presence_penalty": ("presence_penalty", None, _in_range("presence_penalty")),
+    "frequency_penalty": ("frequency_penalty", None, _in_range("frequency_penalty")),
     "max_new_tokens": ("max_tokens", None, lambda v: _integer(v) and v >= 1),
 }
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _integer(value: Any) -> bool:

@@ -11,20 +11,20 @@
 Each reads into a spec ``shared.structured.compile_guide`` takes (``{"json_object": true}``,
 ``{"json_schema": schema}``, ``{"choice": [...]}``; ``None``: free text), compiled here so that a
 schema it cannot follow is a 400 naming the field rather than a failure in the executor. The spec
-reaches ``SamplingParams.guided`` as JSON text; ``request_rules`` allows one guide per request and
-none with beam search. vLLM's ``guided_regex`` and ``guided_grammar`` are refused
-(``request_body``), not ignored: output that silently ignores them would look guided.
+reaches ``SamplingParams.guided`` as JSON text; ``request_rules`` allows one guide per request, and
+the rulebook (``shared.messages.sampling_rules``) none with beam search. vLLM's ``guided_regex`` and
+``guided_grammar`` are refused (``request_body``), not ignored: output that silently ignores them
+would look guided.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any
 
 from services.frontend.errors import APIError, bad_request, describe, json_type, reject_constant
 from services.frontend.field_kinds import Custom
-from shared.structured import compile_guide
+from shared.messages.sampling_rules import guide_error
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 # ``GenerationOptions``' guides
@@ -38,32 +38,17 @@ _STRUCTURED_PASSED = ("disable_fallback", "disable_any_whitespace", "disable_add
 
 def checked(spec: dict[str, Any], name: str, where: str) -> dict[str, Any]:
     """``spec`` once ``compile_guide`` takes it; else a 400 naming ``name`` (``where``: the part of
-    the field that holds the spec, for the message). Runs on the event loop: the verdicts of the
-    last ``COMPILED_KEPT`` specs are kept, as clients send the same schema again and again (a large
-    one takes tens of milliseconds to compile)."""
+    the field that holds the spec, for the message). Runs on the event loop: the rulebook keeps
+    the verdicts of the last ``sampling_rules.GUIDES_KEPT`` specs (``guide_error``), as clients send
+    the same schema again and again (a large one takes tens of milliseconds to compile)."""
     try:
         text = json.dumps(spec)
     except (ValueError, RecursionError):
         raise bad_request(f"{where}: the schema is nested too deeply", name) from None
-    error = _compile_error(text)
+    error = guide_error(text)
     if error is not None:
         raise bad_request(f"{where}: {error}", name)
     return spec
-
-
-COMPILED_KEPT = 256
-
-
-@functools.lru_cache(maxsize=COMPILED_KEPT)
-def _compile_error(text: str) -> str | None:
-    """Why ``compile_guide`` refuses the spec ``text``, or None when it takes it."""
-    try:
-        compile_guide(text)
-    except RecursionError:
-        return "the schema is nested too deeply"
-    except ValueError as exc:  # what the spec asks is malformed or not supported
-        return str(exc)
-    return None
 
 
 def _read_response_format(name: str, value: Any) -> dict[str, Any] | None:

@@ -3,18 +3,19 @@
 ``GenerationOptions`` is the one place a sampling, stopping, logprobs or streaming field is
 written: its type, range, default, routes, aliases, description, what beam search makes of it and
 how it reaches ``SamplingParams``. Parsing, the 400s, /openapi.json and the conversion to
-``SamplingParams`` are derived from it (``fields``); the rules that tie several fields together
-are in ``request_rules``. Ranges follow OpenAI where it defines them (temperature, penalties,
-logit_bias, logprobs) and vLLM for its extensions (top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, stop_token_ids, beam search, prompt_logprobs). Token ids are checked against the
-vocabulary later, in ``preprocess``, which knows the model.
+``SamplingParams`` are derived from it (``fields``). The ranges are the rulebook's
+(``shared.messages.sampling_rules.RANGES``, which the offline ``LLM`` checks too), read here so
+that a value out of range is refused as it is read, in the rulebook's words; the rulebook's
+cross-field rules run on the ``SamplingParams`` built (``preprocess``), and the rules only a
+request's JSON can break are in ``request_rules``. Token ids are checked against the vocabulary
+later, in ``preprocess``, which knows the model.
 
 Several choices per prompt: ``n`` (1 to ``MAX_N``) samples, or ``best_of`` (``n`` to ``MAX_N``)
 samples of which the ``n`` with the highest cumulative log-probability are returned (OpenAI's
 completions field; accepted on chat too, as vLLM does), or vLLM's beam search (``use_beam_search``,
 beam width ``n``, ``length_penalty``, ``early_stopping``). Beam search scores candidates by the
-model's raw log-probabilities, greedily, so the fields it would ignore are refused with it rather
-than silently dropped, and the fields only it uses are refused without it.
+model's raw log-probabilities, greedily, so the rulebook refuses the fields it would ignore with it
+rather than silently dropping them, and the fields only it uses without it.
 
 Structured outputs (``guides``): OpenAI's ``response_format`` and vLLM's ``guided_json`` and
 ``guided_choice``, one per request, each read into a guide spec that reaches ``SamplingParams.guided``;
@@ -28,19 +29,26 @@ from typing import Any
 
 from services.frontend.errors import bad_request, describe, is_int, json_type
 from services.frontend.field_kinds import Boolean, Custom, Integer, Number
-from services.frontend.fields import BeamSearch, Route, declare, declared_fields
+from services.frontend.fields import Route, declare, declared_fields
 from services.frontend.guides import (
     GUIDED_CHOICE, GUIDED_JSON, RESPONSE_FORMAT, STRUCTURED_OUTPUTS, guided_text,
 )
+from shared.messages.sampling_rules import (
+    LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, RANGES, TOKEN_IDS_RULE, Range,
+    early_stopping_reason, logit_bias_id_reason,
+)
 
 MAX_STOP_STRINGS = 4
-MAX_LOGPROBS = 20
-MAX_LOGIT_BIAS_ENTRIES = 1024
-MAX_N = 128  # choices (n), samples (best_of) or beams per prompt, OpenAI's limit for n
-MAX_LENGTH_PENALTY = 10.0  # |length_penalty|: length ** penalty stays a finite, non-zero float
 
 _COMPLETIONS, _CHAT = Route.COMPLETIONS, Route.CHAT
-_REFUSED, _ONLY = BeamSearch.REFUSED, BeamSearch.ONLY
+
+
+def _ranged(name: str) -> Integer | Number:
+    """The kind of a field whose range is the rulebook's (``shared.messages.sampling_rules``)."""
+    r: Range = RANGES[name]
+    if r.integer:
+        return Integer(int(r.low), None if r.high is None else int(r.high), r.rule)
+    return Number(r.low, r.high, exclusive_minimum=r.exclusive_low)
 
 
 # ---------------------------------------------------------------- values with a shape of their own
@@ -59,9 +67,12 @@ def _read_logit_bias(name: str, value: Any) -> dict[int, float]:
         except ValueError:
             raise bad_request(f"{name} keys must be token ids (integers), got {key!r}", name) from None
         if token_id < 0:
-            raise bad_request(f"{name}: token id {token_id} is negative", name)
-        if isinstance(number, bool) or not isinstance(number, (int, float)) or not -100 <= number <= 100:
-            raise bad_request(f"{name}[{key!r}] must be a number between -100 and 100, got {describe(number)}", name)
+            raise bad_request(f"{name} {logit_bias_id_reason(token_id)}", name)
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise bad_request(f"{name}[{key!r}] must be a number between -{MAX_LOGIT_BIAS} and {MAX_LOGIT_BIAS}, "
+                              f"got {describe(number)}", name)
+        if (reason := LOGIT_BIAS_RANGE.reason(float(number))) is not None:
+            raise bad_request(f"{name} {reason}", name)
         bias[token_id] = bias.get(token_id, 0.0) + float(number)  # "5" and "05" name one token
     return bias
 
@@ -79,7 +90,7 @@ def _read_stop(name: str, value: Any) -> list[str]:
 
 def _read_token_ids(name: str, value: Any) -> list[int]:
     if not isinstance(value, list) or not all(is_int(t) and t >= 0 for t in value):
-        raise bad_request(f"{name} must be a list of non-negative integer token ids", name)
+        raise bad_request(f"{name} {TOKEN_IDS_RULE}", name)
     return list(value)
 
 
@@ -96,7 +107,7 @@ def _read_include_usage(name: str, value: Any) -> bool:
 def _read_early_stopping(name: str, value: Any) -> bool | str:
     if isinstance(value, bool) or value == "never":
         return value
-    raise bad_request(f'{name} must be true, false or "never", got {describe(value)}', name)
+    raise bad_request(f"{name} {early_stopping_reason(value)}", name)
 
 
 def _positive_or_off(top_k: int) -> int | None:
@@ -108,13 +119,15 @@ def _logit_bias_lists(bias: dict[int, float], options: Any) -> dict[str, Any]:
 
 
 def _held_back_samples(best_of: int | None, options: Any) -> dict[str, Any]:
-    """``best_of`` equal to ``n`` holds nothing back: the engine runs it as plain ``n``."""
-    return {"best_of": best_of if best_of is not None and best_of > options.n else None}
+    """``best_of`` equal to ``n`` holds nothing back: the engine runs it as plain ``n`` (one below
+    ``n`` reaches the rulebook, which refuses it)."""
+    return {"best_of": None if best_of == options.n else best_of}
 
 
 _TOKEN_ID_LIST = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 LOGIT_BIAS = Custom(_read_logit_bias, {
-    "type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+    "type": "object",
+    "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
     "propertyNames": {"pattern": "^[0-9]+$"},
 })
 STOP = Custom(_read_stop, {"oneOf": [
@@ -123,8 +136,9 @@ STOP = Custom(_read_stop, {"oneOf": [
 ]})
 TOKEN_IDS = Custom(_read_token_ids, _TOKEN_ID_LIST)
 STREAM_OPTIONS = Custom(_read_include_usage, {"type": "object", "properties": {"include_usage": {"type": "boolean"}}})
-EARLY_STOPPING = Custom(_read_early_stopping, {"oneOf": [{"type": "boolean"}, {"const": "never"}]}, has_default=True)
-NUM_LOGPROBS = Integer(0, MAX_LOGPROBS)
+EARLY_STOPPING_KIND = Custom(_read_early_stopping, {"oneOf": [{"type": "boolean"}, {"const": "never"}]},
+                             has_default=True)
+NUM_LOGPROBS = _ranged("logprobs")
 
 
 # ---------------------------------------------------------------- the declaration
@@ -138,36 +152,34 @@ class GenerationOptions:
     maps each attribute the body set to the JSON name it came under."""
 
     max_tokens: int | None = declare(
-        Integer(minimum=1), route_kinds={_COMPLETIONS: Integer(minimum=0, rule="must be at least 1")}, nullable=True,
+        Integer(minimum=1), route_kinds={_COMPLETIONS: _ranged("max_tokens")}, nullable=True,
         aliases=("max_completion_tokens",), alias_routes=_CHAT,
         description="Most tokens to generate; left out: 16 on completions, the context left on chat (or the "
                     "model's recommended length, --generation-config). 0 only on completions with echo (the prompt "
                     "alone, for scoring).")
-    temperature: float = declare(Number(0.0, 2.0), 1.0, sampling=True)
-    top_p: float = declare(Number(0.0, 1.0, exclusive_minimum=True), 1.0, sampling=True, beam_search=_REFUSED)
+    temperature: float = declare(_ranged("temperature"), 1.0, sampling=True)
+    top_p: float = declare(_ranged("top_p"), 1.0, sampling=True)
     top_k: int | None = declare(
-        Integer(minimum=-1, rule="must be -1 or 0 (off) or a positive integer"), convert=_positive_or_off,
-        sampling=True, beam_search=_REFUSED, description="-1 or 0: off.")
-    min_p: float = declare(Number(0.0, 1.0), 0.0, sampling=True, beam_search=_REFUSED)
-    presence_penalty: float = declare(Number(-2.0, 2.0), 0.0, sampling=True, beam_search=_REFUSED)
-    frequency_penalty: float = declare(Number(-2.0, 2.0), 0.0, sampling=True, beam_search=_REFUSED)
-    repetition_penalty: float = declare(
-        Number(0.0, 2.0, exclusive_minimum=True), 1.0, sampling=True, beam_search=_REFUSED)
+        _ranged("top_k"), convert=_positive_or_off, sampling=True, description="-1 or 0: off.")
+    min_p: float = declare(_ranged("min_p"), 0.0, sampling=True)
+    presence_penalty: float = declare(_ranged("presence_penalty"), 0.0, sampling=True)
+    frequency_penalty: float = declare(_ranged("frequency_penalty"), 0.0, sampling=True)
+    repetition_penalty: float = declare(_ranged("repetition_penalty"), 1.0, sampling=True)
     logit_bias: dict[int, float] = declare(
-        LOGIT_BIAS, factory=dict, sampling=_logit_bias_lists, beam_search=_REFUSED,
+        LOGIT_BIAS, factory=dict, sampling=_logit_bias_lists,
         description="Token id (as a string) -> bias added to its logit.")
-    seed: int | None = declare(Integer(-(2**63), 2**64 - 1, rule="must fit in 64 bits"), sampling=True)
-    min_tokens: int = declare(Integer(minimum=0), 0, sampling=True, beam_search=_REFUSED)
+    seed: int | None = declare(_ranged("seed"), sampling=True)
+    min_tokens: int = declare(_ranged("min_tokens"), 0, sampling=True)
     ignore_eos: bool = declare(Boolean(), False, sampling=True)
-    stop_token_ids: list[int] = declare(TOKEN_IDS, factory=list, sampling=True, beam_search=_REFUSED)
+    stop_token_ids: list[int] = declare(TOKEN_IDS, factory=list, sampling=True)
     stop: list[str] = declare(STOP, factory=list)
     stream: bool = declare(Boolean(), False)
     include_usage: bool = declare(STREAM_OPTIONS, False, json_name="stream_options", requires="stream",
                                   description="Only with stream: a last chunk carries the usage.")
-    n: int = declare(Integer(1, MAX_N), 1, sampling=True,
+    n: int = declare(_ranged("n"), 1, sampling=True,
                      description="Choices per prompt (beam width with use_beam_search).")
     best_of: int | None = declare(
-        Integer(1, MAX_N), sampling=_held_back_samples,
+        _ranged("best_of"), sampling=_held_back_samples,
         description="Sample this many (at least n) and return the n most likely; not with stream unless equal to n.")
     use_beam_search: bool = declare(
         Boolean(), False, sampling=True,
@@ -175,32 +187,31 @@ class GenerationOptions:
                     "fields, logit_bias, min_tokens, stop_token_ids, logprobs and structured outputs are refused "
                     "with it. Streamed, each hypothesis comes as one chunk when the search ends.")
     length_penalty: float = declare(
-        Number(-MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY), 1.0, sampling=True, beam_search=_ONLY,
+        _ranged("length_penalty"), 1.0, sampling=True,
         description="Beam search only: scores are divided by length ** this.")
-    early_stopping: bool | str = declare(EARLY_STOPPING, False, sampling=True, beam_search=_ONLY,
+    early_stopping: bool | str = declare(EARLY_STOPPING_KIND, False, sampling=True,
                                          description="Beam search only, as in transformers.")
-    logprobs: int | None = declare(NUM_LOGPROBS, nullable=True, routes=_COMPLETIONS, sampling=True,
-                                   beam_search=_REFUSED)
+    logprobs: int | None = declare(NUM_LOGPROBS, nullable=True, routes=_COMPLETIONS, sampling=True)
     top_logprobs: int | None = declare(NUM_LOGPROBS, routes=_CHAT, description="Only with logprobs true.")
-    chat_logprobs: bool = declare(Boolean(), False, json_name="logprobs", routes=_CHAT, beam_search=_REFUSED)
+    chat_logprobs: bool = declare(Boolean(), False, json_name="logprobs", routes=_CHAT)
     prompt_logprobs: int | None = declare(
-        NUM_LOGPROBS, nullable=True, sampling=True, beam_search=_REFUSED,
+        _ranged("prompt_logprobs"), nullable=True, sampling=True,
         description="vLLM's extension: the logprob of every prompt token after the first and of the k most "
                     "likely tokens at its position, in the response's prompt_logprobs (per choice on "
                     "completions, once on chat). Not with stream.")
     response_format: dict[str, Any] | None = declare(
-        RESPONSE_FORMAT, sampling=guided_text, beam_search=_REFUSED,
+        RESPONSE_FORMAT, sampling=guided_text,
         description='OpenAI\'s structured outputs: {"type": "text"} (free text, the default), {"type": '
                     '"json_object"} (any JSON object) or {"type": "json_schema", "json_schema": {"name": ..., '
                     '"schema": {...}}} (a value valid against the schema). Decoding is constrained token by token; '
                     'a schema keyword that is not supported is a 400. One guide per request; not with beam search.')
     guided_json: dict[str, Any] | None = declare(
-        GUIDED_JSON, beam_search=_REFUSED,
+        GUIDED_JSON,
         description="vLLM's extension: a JSON schema (or its text) the output must be valid against.")
     guided_choice: dict[str, Any] | None = declare(
-        GUIDED_CHOICE, beam_search=_REFUSED, description="vLLM's extension: the output is exactly one of these.")
+        GUIDED_CHOICE, description="vLLM's extension: the output is exactly one of these.")
     structured_outputs: dict[str, Any] | None = declare(
-        STRUCTURED_OUTPUTS, beam_search=_REFUSED,
+        STRUCTURED_OUTPUTS,
         description="vLLM's newer form of the guides: one of json (a schema or its text), choice or json_object: "
                     "true; disable_any_whitespace: true writes the JSON compact. regex, grammar, structural_tag "
                     "and whitespace_pattern are refused.")

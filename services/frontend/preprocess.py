@@ -16,8 +16,10 @@ from services.frontend.generation_defaults import with_generation_defaults
 from services.frontend.input_limits import chat_chars
 from services.frontend.options import GenerationOptions
 from services.frontend.request_body import ChatBody, CompletionBody
+from services.frontend.request_rules import as_bad_request
 from services.frontend.served_model import ServedModel
 from shared.messages import SamplingParams
+from shared.messages.sampling_rules import SamplingParamsError, verify
 
 # The legacy completions API's default; chat defaults to whatever context is left.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -89,7 +91,8 @@ def sampling_params(
     the model's recommended defaults where the client gave none (``generation_defaults``), checked
     against the model, with ``max_tokens`` settled (``settle_max_tokens``), the EOS ids, and
     the prompt scored when the response shows its logprobs (``scored_prompt_top``; ``echo``: the
-    prompt is echoed)."""
+    prompt is echoed); then checked by the rulebook (``sampling_rules.verify``), a violation being
+    a 400 naming the JSON field the client sent."""
     # the model's recommended defaults (--generation-config) for what the client left out; its length
     # replaces only chat's default (the context left), as in vLLM, and a directory's caps every request
     options = with_generation_defaults(options, model.generation_defaults)
@@ -98,15 +101,18 @@ def sampling_params(
     max_tokens = settle_max_tokens(options, num_prompt_tokens, model, default_max_tokens, prompt_param)
     if model.max_tokens_limit is not None:
         max_tokens = min(max_tokens, model.max_tokens_limit)
-    if options.min_tokens > max_tokens:
-        raise bad_request(f"min_tokens ({options.min_tokens}) exceeds the {max_tokens} tokens left", "min_tokens")
     _check_token_ids(options.stop_token_ids, model.vocab_size, "stop_token_ids")
     _check_token_ids(list(options.logit_bias), model.vocab_size, "logit_bias")
     values = sampling_values(options)
     if options.top_k is not None and options.top_k >= model.vocab_size:
         values["top_k"] = None  # a top_k beyond the vocabulary is no top_k
     values["prompt_logprobs"] = scored_prompt_top(options, echo)
-    return SamplingParams(**values, max_tokens=max_tokens, eos_token_ids=list(model.eos_token_ids))
+    params = SamplingParams(**values, max_tokens=max_tokens, eos_token_ids=list(model.eos_token_ids))
+    try:
+        verify(params)  # the rulebook LLM runs too: ranges, min/max tokens, best_of, beam search, guide
+    except SamplingParamsError as error:
+        raise as_bad_request(error, options) from None
+    return params
 
 
 def scored_prompt_top(options: GenerationOptions, echo: bool) -> int | None:

@@ -156,7 +156,7 @@ async def _generate(
     gens = [
         Generation(
             state.client, shapes.request_id if single else f"{shapes.request_id}-{idx}", prompt.token_ids,
-            sampling, model.eos_token_ids, model.tokenizer, options.stop,
+            sampling, model.tokenizer, options.stop,
             index_base=idx * options.n, arrival_time=arrival, observer=state.metrics,
         )
         for idx, (prompt, sampling) in enumerate(zip(inputs, samplings))

@@ -89,7 +89,7 @@ class SequenceGroup:
             self.seqs.append(Sequence(
                 seq_id=next(seq_ids), request_id=request.request_id, choice_idx=choice_idx,
                 prompt_token_ids=prompt, sampling=seq_sampling,
-                eos_token_ids=frozenset(request.eos_token_ids), arrival_time=request.arrival_time,
+                eos_token_ids=frozenset(sampling.eos_token_ids), arrival_time=request.arrival_time,
             ))
         resumed = [int(t) for t in request.resumed_token_ids]  # sent before a scheduler restart
         self.seqs[0].output_token_ids, self.seqs[0].num_output_sent = resumed, len(resumed)
@@ -211,7 +211,7 @@ class BeamGroup(SequenceGroup):
     def __init__(self, request: AddRequest, max_model_len: int, seq_ids: Iterator[int]) -> None:
         sampling = request.sampling
         max_tokens = min(sampling.max_tokens, max_model_len - len(request.prompt_token_ids))
-        self.search = BeamSearch(sampling.n, max_tokens, frozenset(request.eos_token_ids), sampling.ignore_eos,
+        self.search = BeamSearch(sampling.n, max_tokens, frozenset(sampling.eos_token_ids), sampling.ignore_eos,
                                  sampling.length_penalty, sampling.early_stopping)
         super().__init__(request, max_model_len, seq_ids)
 

@@ -55,8 +55,8 @@ def simulate(requests: list[tuple[int, int]], num_slots: int, block_size: int, m
             raise ValueError(f"request {i}: {prompt} + {answer} tokens exceed --max-model-len {max_model_len}")
         rid = f"r{i}"
         answer_len[rid] = answer
-        params = SamplingParams(temperature=0.0, max_tokens=max_model_len - prompt)
-        sched.add_request(AddRequest(rid, np.full(prompt, FILLER, np.int32), params, [EOS], float(i)))
+        params = SamplingParams(temperature=0.0, max_tokens=max_model_len - prompt, eos_token_ids=[EOS])
+        sched.add_request(AddRequest(rid, np.full(prompt, FILLER, np.int32), params, float(i)))
         errors = sched.take_outputs()
         if errors:
             raise ValueError(errors[0].error)

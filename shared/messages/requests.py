@@ -11,7 +11,9 @@ import numpy as np
 
 @dataclass
 class SamplingParams:
-    """How one request samples and stops. ``None`` means "off" (no top-k, no seed)."""
+    """How one request samples and stops. ``None`` means "off" (no top-k, no seed). Its ranges and
+    cross-field rules are ``shared.messages.sampling_rules``' (``verify``), which the frontend and
+    the offline ``LLM`` both run."""
 
     n: int = 1
     temperature: float = 1.0
@@ -36,8 +38,8 @@ class SamplingParams:
     logit_bias_values: list[float] = field(default_factory=list)  # same length as the ids
     # None: no logprobs. k >= 0: the sampled token's logprob and the k most likely tokens'.
     logprobs: int | None = None
-    # The request's EOS ids again (AddRequest has them for the scheduler), so that the executor
-    # can ban them until min_tokens; empty is fine when min_tokens is 0.
+    # The request's EOS ids: the scheduler ends a sequence on one (unless ignore_eos), the executor
+    # bans them until min_tokens and lets a guide end on them. The frontend and LLM set them.
     eos_token_ids: list[int] = field(default_factory=list)
     # Sequence groups. best_of: sample this many, return the n with the highest cumulative
     # logprob. Beam search: width n, transformers' length_penalty and early_stopping (true, false
@@ -69,8 +71,7 @@ class AddRequest:
     TAG: ClassVar[int] = 1
     request_id: str
     prompt_token_ids: np.ndarray  # [num_prompt_tokens] int32
-    sampling: SamplingParams
-    eos_token_ids: list[int]
+    sampling: SamplingParams  # its eos_token_ids are the request's
     arrival_time: float
     # A request resumed after a scheduler restart: the outputs it had already produced (and the
     # frontend streamed) before, [num_resumed] int32. The scheduler continues after them as if it

@@ -73,7 +73,8 @@ class InProcessEngine(EngineCore):
 
     def add(self, request_id: str, prompt: list[int], eos: list[int] = (), **sampling) -> list[RequestOutput]:
         """Queue a request; returns what the scheduler answered at once (an error, or nothing)."""
-        req = AddRequest(request_id, np.array(prompt, np.int32), SamplingParams(**sampling), list(eos), time.time())
+        params = SamplingParams(**{"eos_token_ids": list(eos), **sampling})
+        req = AddRequest(request_id, np.array(prompt, np.int32), params, time.time())
         self.add_request(decode(encode(req)))
         return [decode(encode(out)) for out in self.scheduler.take_outputs()]
 

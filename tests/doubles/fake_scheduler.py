@@ -218,12 +218,12 @@ class FakeScheduler:
                 choices.append(_Choice((ids * (max_tokens // len(ids) + 1))[:max_tokens], "length"))
             interval = 0.02
         elif said := SAY_PATTERN.search(prompt):
-            ids = list(self.tokenizer.encode(said.group(1), add_special_tokens=False)) + [request.eos_token_ids[0]]
+            ids = list(self.tokenizer.encode(said.group(1), add_special_tokens=False)) + [request.sampling.eos_token_ids[0]]
             finish = "length" if len(ids) > max_tokens else "stop"
             choices = [_Choice(ids[:max_tokens], finish) for _ in range(num_samples)]
             interval = 0.0
         else:
-            eos = request.eos_token_ids[0]
+            eos = request.sampling.eos_token_ids[0]
             choices = [_Choice(*self.expected_reply(max_tokens, eos, c)) for c in range(num_samples)]
             interval = 0.0
         if sampling.use_beam_search:

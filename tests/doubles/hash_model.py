@@ -21,7 +21,8 @@ VOCAB = 50
 
 
 def add_request(sched: Scheduler, rid: str, prompt: list[int], eos=(), **sampling) -> None:
-    sched.add_request(AddRequest(rid, np.array(prompt, np.int32), SamplingParams(**sampling), list(eos), 0.0))
+    params = SamplingParams(**{"eos_token_ids": list(eos), **sampling})
+    sched.add_request(AddRequest(rid, np.array(prompt, np.int32), params, 0.0))
 
 
 class HashModel:

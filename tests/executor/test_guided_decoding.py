@@ -175,15 +175,15 @@ def test_greedy_json_object_and_choice_offline(llm):
 
 
 def test_offline_refuses_guides_it_cannot_follow(llm):
-    with pytest.raises(ValueError, match="guided: schema: the keyword 'pattern' is not supported"):
+    with pytest.raises(ValueError, match="guided cannot be followed: schema: the keyword 'pattern' is not supported"):
         llm.generate([[1, 2]], SamplingParams(guided=json.dumps({"json_schema": {"type": "string", "pattern": "a"}})))
-    with pytest.raises(ValueError, match="not available with beam search"):
+    with pytest.raises(ValueError, match="guided is not supported with use_beam_search"):
         llm.generate([[1, 2]], SamplingParams(n=2, use_beam_search=True, temperature=0.0,
                                               guided=json.dumps({"json_object": True})))
     assert not llm.engine.has_work()
     with pytest.raises(ValueError, match="'pattern' is not supported"):  # add_request alone checks too
         llm.add_request([1, 2], SamplingParams(guided=json.dumps({"json_schema": {"pattern": "a"}})))
-    with pytest.raises(ValueError, match="not available with beam search"):
+    with pytest.raises(ValueError, match="guided is not supported with use_beam_search"):
         llm.add_request([1, 2], SamplingParams(n=2, use_beam_search=True, temperature=0.0,
                                                guided=json.dumps({"choice": ["yes"]})))
     assert not llm.engine.has_work()
@@ -236,7 +236,7 @@ def test_an_executor_that_cannot_guide_fails_the_guided_requests_alone(tiny_mode
     params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
               *(SamplingParams(temperature=0.0, max_tokens=6, guided=g, eos_token_ids=[0]) for g in guides)]
     for i, p in enumerate(params):
-        llm.engine.add_request(AddRequest(f"r{i}", np.asarray([1, 2, 3], np.int32), p, [0], 0.0))
+        llm.engine.add_request(AddRequest(f"r{i}", np.asarray([1, 2, 3], np.int32), p, 0.0))
     outputs: dict[str, list] = {}
     while llm.engine.has_work():
         for out in llm.engine.step():

@@ -70,7 +70,7 @@ def test_completion_defaults_to_16_tokens(client, fake, model):
     sent = fake.added[-1]
     assert sent.request_id == result.id
     assert sent.prompt_token_ids.tolist() == model.tokenizer.encode("Say something")
-    assert sent.sampling.max_tokens == 16 and sent.eos_token_ids == model.eos_token_ids
+    assert sent.sampling.max_tokens == 16 and sent.sampling.eos_token_ids == model.eos_token_ids
 
 
 def test_completion_runs_to_eos_and_passes_sampling(client, fake, model):

@@ -13,7 +13,7 @@ import pytest
 from services.frontend.errors import APIError
 from services.frontend.field_kinds import Boolean, Integer, Number
 from services.frontend.fields import (
-    BeamSearch, Route, declare, declared_fields, read_declared, sampling_values, schema_properties,
+    Route, declare, declared_fields, read_declared, sampling_values, schema_properties,
 )
 from services.frontend.openapi import openapi_spec
 from services.frontend.options import GenerationOptions
@@ -33,6 +33,11 @@ def completion(**fields):
 
 def chat(**fields):
     return parse_chat_body({"messages": MESSAGES} | fields, "m")
+
+
+def to_engine(parse, model, **fields):
+    """A body's ``SamplingParams``, as the routes build them (the rulebook checks them there)."""
+    return sampling_params(parse(**fields).options, 3, model, 16, "prompt")
 
 
 def refused(fn, param, *fragments):
@@ -56,7 +61,7 @@ class Toy:
                            alias_routes=Route.CHAT)
     loud: bool = declare(Boolean(), False, routes=Route.COMPLETIONS, json_name="shout")
     volume: int | None = declare(Integer(minimum=0), nullable=True, requires="loud", routes=Route.COMPLETIONS)
-    later: int | None = declare(Integer(minimum=0), pending="not yet", beam_search=BeamSearch.REFUSED)
+    later: int | None = declare(Integer(minimum=0), pending="not yet")
     given: dict = dataclasses.field(default_factory=dict)
 
 
@@ -123,7 +128,7 @@ def test_prompt_logprobs_reach_the_engine_with_echoed_logprobs_folded_in(model):
         refused(lambda: parse(prompt_logprobs=-1), "prompt_logprobs", "between 0 and 20, got -1")
         refused(lambda: parse(prompt_logprobs="2"), "prompt_logprobs", "must be an integer")
         refused(lambda: parse(prompt_logprobs=0, stream=True), "prompt_logprobs", "not available with stream")
-        refused(lambda: parse(prompt_logprobs=1, use_beam_search=True, n=2), "prompt_logprobs",
+        refused(lambda: to_engine(parse, model, prompt_logprobs=1, use_beam_search=True, n=2), "prompt_logprobs",
                 "prompt_logprobs is not supported with use_beam_search")
 
     def engine_top(echo: bool, **fields) -> int | None:
@@ -135,17 +140,18 @@ def test_prompt_logprobs_reach_the_engine_with_echoed_logprobs_folded_in(model):
     assert engine_top(True, logprobs=2) == 2  # echo with logprobs: OpenAI's way to score the prompt
     assert engine_top(True, logprobs=4, prompt_logprobs=1) == engine_top(True, logprobs=1, prompt_logprobs=4) == 4
     params = sampling_params(completion(prompt_logprobs=3).options, 3, model, 16, "prompt")
-    request = AddRequest("r", np.array([1, 2, 3], np.int32), params, [2], 0.0)
+    request = AddRequest("r", np.array([1, 2, 3], np.int32), params, 0.0)
     assert decode(encode(request)).sampling == params
 
 
-def test_max_tokens_zero_only_on_completions_with_echo():
+def test_max_tokens_zero_only_on_completions_with_echo(model):
     assert completion(max_tokens=0, echo=True).options.max_tokens == 0
     refused(lambda: completion(max_tokens=0), "max_tokens", "max_tokens must be at least 1, got 0", "with echo")
     refused(lambda: completion(max_tokens=-1, echo=True), "max_tokens", "at least 1, got -1")
     refused(lambda: chat(max_tokens=0), "max_tokens", "max_tokens must be at least 1, got 0")
     refused(lambda: chat(max_completion_tokens=0), "max_completion_tokens", "at least 1, got 0")
-    refused(lambda: completion(max_tokens=0, echo=True, min_tokens=1), "min_tokens", "must not exceed max_tokens (0)")
+    refused(lambda: to_engine(completion, model, max_tokens=0, echo=True, min_tokens=1), "min_tokens",
+            "min_tokens must not exceed max_tokens (0), got 1")
 
 
 # ---------------------------------------------------------------- prompt scoring, served

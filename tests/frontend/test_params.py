@@ -180,7 +180,7 @@ def test_refusals_through_the_client(client, model, field, value, fragment):
     (b'{"prompt": "hi", "logit_bias": {"1": true}}', "logit_bias", "got boolean"),
     (b'{"prompt": "hi", "top_k": 100000000000000000000000}', None, None),
     (b'{"prompt": "hi", "max_tokens": 100000000000000000000000}', "max_tokens", "maximum context length"),
-    (b'{"prompt": "hi", "min_tokens": 100000000000000000000000}', "min_tokens", "exceeds the 16 tokens left"),
+    (b'{"prompt": "hi", "min_tokens": 100000000000000000000000}', "min_tokens", "min_tokens must not exceed max_tokens (16)"),
     (b'{"prompt": "hi", "seed": 100000000000000000000000}', "seed", "64 bits"),
     (b'{"prompt": "hi", "stream_options": {"include_usage": true}}', "stream_options", "only allowed"),
     (b'{"prompt": "\\ud800"}', None, "lone UTF-16 surrogate"),

@@ -148,7 +148,6 @@ def test_accepted_fields():
     assert (opts.min_p, opts.presence_penalty, opts.frequency_penalty, opts.repetition_penalty) == (0.1, -2, 1.5, 1.2)
     assert (opts.logit_bias, opts.logprobs) == ({5: 10.0, 7: -100.0}, 3)
     assert completion(echo=True).echo is True
-    rejects(lambda: completion(min_tokens=5, max_tokens=4), "min_tokens", "must not exceed")
 
 
 def test_chat_logprobs():
@@ -232,6 +231,8 @@ def test_sampling_params_carry_the_fields(model):
     assert (params.n, params.temperature, params.top_p, params.top_k, params.seed) == (1, 0.5, 0.9, 5, 3)
     assert (params.max_tokens, params.min_tokens, params.ignore_eos, params.stop_token_ids) == (8, 1, True, [9])
     assert params.eos_token_ids == model.eos_token_ids and params.logprobs is None
+    rejects(lambda: sampling_params(completion(min_tokens=5, max_tokens=4).options, 3, model, 16, "prompt"),
+            "min_tokens", "min_tokens must not exceed max_tokens (4), got 5")
     opts = completion(min_p=0.05, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3,
                       logit_bias={"11": 5, "12": -5}, logprobs=2, top_k=10**9).options
     params = sampling_params(opts, 3, model, 16, "prompt")

@@ -21,7 +21,8 @@ from shared.messages import (
 
 
 def _add(request_id="r", **sampling) -> AddRequest:
-    return AddRequest(request_id, np.array([1, 2, 3], np.int32), SamplingParams(**sampling), [0], 12.5)
+    params = SamplingParams(**{"eos_token_ids": [0], **sampling})
+    return AddRequest(request_id, np.array([1, 2, 3], np.int32), params, 12.5)
 
 
 def _drain(queue) -> list:

@@ -12,7 +12,7 @@ import pytest
 from services.frontend.openapi import openapi_spec
 from services.frontend.preprocess import sampling_params
 from tests.doubles.http import http
-from tests.frontend.test_fields import chat, completion, refused
+from tests.frontend.test_fields import chat, completion, refused, to_engine
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
           "required": ["city"], "additionalProperties": False}
@@ -126,10 +126,10 @@ def test_one_guide_per_request(parse):
 
 
 @BOTH
-def test_no_guide_with_beam_search(parse):
+def test_no_guide_with_beam_search(parse, model):
     for field, value in (("response_format", {"type": "json_object"}), ("guided_json", SCHEMA),
                          ("guided_choice", ["a", "b"])):
-        refused(lambda: parse(use_beam_search=True, n=2, **{field: value}), field,
+        refused(lambda: to_engine(parse, model, use_beam_search=True, n=2, **{field: value}), field,
                 f"{field} is not supported with use_beam_search")
     assert parse(use_beam_search=True, n=2, response_format={"type": "text"}).options.use_beam_search
 
@@ -229,7 +229,8 @@ def test_vllms_structured_outputs(parse, model):
         refused(lambda: parse(structured_outputs=value), "structured_outputs", fragment)
     refused(lambda: parse(structured_outputs={"json": SCHEMA}, guided_choice=["a"]), "structured_outputs",
             "cannot be combined with guided_choice")
-    refused(lambda: parse(use_beam_search=True, n=2, structured_outputs={"choice": ["a"]}), "structured_outputs",
+    refused(lambda: to_engine(parse, model, use_beam_search=True, n=2, structured_outputs={"choice": ["a"]}),
+            "structured_outputs",
             "not supported with use_beam_search")
     refused(lambda: parse(guided_whitespace_pattern=r"\s*"), "guided_whitespace_pattern", "")
 
@@ -239,7 +240,7 @@ def test_structured_outputs_with_a_falsy_guide_says_what_it_got():
 
 
 def test_the_frontend_keeps_its_verdicts_on_specs_it_has_compiled():
-    from services.frontend.guides import _compile_error
+    from shared.messages.sampling_rules import guide_error as _compile_error
 
     schema = {"type": "object", "properties": {"kept": {"type": "integer"}}}
     before = _compile_error.cache_info()

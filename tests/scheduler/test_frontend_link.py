@@ -24,7 +24,7 @@ STATS = EngineStats(0, 0, 10, 0, 0, 0, True)
 
 
 def _add(request_id: str) -> AddRequest:
-    return AddRequest(request_id, np.array([1, 2, 3], np.int32), SamplingParams(), [0], 0.0)
+    return AddRequest(request_id, np.array([1, 2, 3], np.int32), SamplingParams(eos_token_ids=[0]), 0.0)
 
 
 def _dealer(ctx: zmq.Context, endpoint: str, identity: bytes) -> zmq.Socket:

@@ -102,8 +102,9 @@ def _scheduler(num_blocks: int = 16, **config) -> Scheduler:
 
 
 def _add(sched: Scheduler, request_id: str, num_prompt: int, n: int = 1, max_tokens: int = 8) -> None:
-    sampling = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    sched.add_request(AddRequest(request_id, np.arange(1, num_prompt + 1, dtype=np.int32), sampling, [0], 0.0))
+    sampling = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                              eos_token_ids=[0])
+    sched.add_request(AddRequest(request_id, np.arange(1, num_prompt + 1, dtype=np.int32), sampling, 0.0))
 
 
 def _step(sched: Scheduler) -> None:

@@ -233,7 +233,7 @@ def test_a_resumed_request_continues_exactly(model, sampling):
     expected = _run(whole)["r"]
     assert len(expected) > 12
     resumed = InProcessEngine(model, num_blocks=64)
-    request = AddRequest("r.1", np.array(prompt, np.int32), SamplingParams(**params), [7], 0.0,
+    request = AddRequest("r.1", np.array(prompt, np.int32), SamplingParams(**params), 0.0,
                          resumed_token_ids=np.array(expected[:9], np.int32))
     resumed.add_request(request)
     assert resumed.scheduler.take_outputs() == []
@@ -243,7 +243,7 @@ def test_a_resumed_request_continues_exactly(model, sampling):
 def test_a_resumed_request_must_be_a_single_sequence(model):
     engine = InProcessEngine(model, num_blocks=64)
     for sampling in (SamplingParams(n=2), SamplingParams(best_of=2), SamplingParams(use_beam_search=True)):
-        engine.add_request(AddRequest("x", np.array([1, 2], np.int32), sampling, [], 0.0,
+        engine.add_request(AddRequest("x", np.array([1, 2], np.int32), sampling, 0.0,
                                       resumed_token_ids=np.array([3], np.int32)))
         [out] = engine.scheduler.take_outputs()
         assert out.finish_reason == "error" and "resumed" in out.error

@@ -19,8 +19,8 @@ SAMPLING = SamplingParams(n=2, temperature=0.7, top_k=5, seed=2**62, stop_token_
                           logit_bias_values=[-1.5], prompt_logprobs=1)
 
 EXAMPLES = [
-    AddRequest("r1", np.array([5, 6, 7], np.int32), SAMPLING, [2], 1234.5),
-    AddRequest("r1.r1.c0", np.array([5, 6], np.int32), SamplingParams(), [2], 1.5,
+    AddRequest("r1", np.array([5, 6, 7], np.int32), SAMPLING, 1234.5),
+    AddRequest("r1.r1.c0", np.array([5, 6], np.int32), SamplingParams(eos_token_ids=[2]), 1.5,
                resumed_token_ids=np.array([9, 10, 11], np.int32)),
     AbortRequest("r1"),
     RequestOutput("r1", 1, [8, 9], "length", num_prompt_tokens=3, num_cached_tokens=2, num_preemptions=1,

@@ -168,7 +168,8 @@ def _stranger(server: CurveKeys, role: str) -> CurveKeys:
 
 
 def _add_request(request_id: str) -> bytes:
-    return encode(AddRequest(request_id, np.array([1, 2, 3], np.int32), SamplingParams(max_tokens=4), [0], 0.0))
+    params = SamplingParams(max_tokens=4, eos_token_ids=[0])
+    return encode(AddRequest(request_id, np.array([1, 2, 3], np.int32), params, 0.0))
 
 
 @pytest.fixture

@@ -45,7 +45,8 @@ def _complete(url: str, prompt: str) -> str:
 
 
 def _rogue_request(request_id: str) -> bytes:
-    return encode(AddRequest(request_id, np.array([1, 2, 3], np.int32), SamplingParams(max_tokens=4), [0], 0.0))
+    params = SamplingParams(max_tokens=4, eos_token_ids=[0])
+    return encode(AddRequest(request_id, np.array([1, 2, 3], np.int32), params, 0.0))
 
 
 def test_serves_over_curve_and_refuses_strangers(curve_server):
