@@ -21,7 +21,6 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,12 +29,17 @@ from services.executor.guided import Vocabulary, token_bytes
 from services.executor.loader import build_runner
 from services.executor.runner import ModelRunner
 from services.offline_options import SchedulingOptions, split_options
+from services.offline_outputs import ChoiceOutput, Logprob, PromptOutput
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.contiguous import ContiguousBlockManager
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.messages import AddRequest, RequestOutput, SamplingParams, Step, StepResult
 from shared.messages.sampling_rules import verify
 from shared.model_source import eos_token_ids, load_tokenizer, resolve_model, resolve_tokenizer
+
+
+# What a user of ``LLM`` imports from here, as from vLLM (the outputs are built in offline_outputs).
+__all__ = ["LLM", "EngineCore", "SchedulingOptions", "PromptOutput", "ChoiceOutput", "Logprob"]
 
 
 class EngineCore:
@@ -87,55 +91,6 @@ class EngineCore:
     def execute(self, step: Step) -> StepResult:
         """Run one step on the model (a subclass may wrap it)."""
         return self.runner.execute(step)
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """A token's log-probability in the model's raw distribution and its rank there (1: the most
-    likely), as vLLM's ``Logprob``."""
-
-    logprob: float
-    rank: int
-
-
-@dataclass
-class ChoiceOutput:
-    """One choice of a prompt: its generated tokens, their text (with a tokenizer), why it ended."""
-
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str | None = None
-    finish_reason: str | None = None
-    logprobs: list[float] = field(default_factory=list)  # per token, when SamplingParams.logprobs is set
-
-
-@dataclass
-class PromptOutput:
-    """What ``LLM.generate`` returns for one prompt, its choices in index order."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    choices: list[ChoiceOutput] = field(default_factory=list)
-    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
-    num_preemptions: int = 0
-    # With SamplingParams.prompt_logprobs = k, vLLM's shape: per prompt token, None for the first,
-    # then {token id: Logprob} for the prompt token and the k most likely tokens at its position.
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-
-    def add(self, delta: RequestOutput) -> None:
-        """Fold one ``RequestOutput`` delta into the choices."""
-        if delta.prompt_logprobs:
-            self.prompt_logprobs = [None, *map(_ranked, self.prompt_token_ids[1:], delta.prompt_logprobs,
-                                               delta.prompt_ranks, delta.prompt_top_token_ids,
-                                               delta.prompt_top_logprobs)]
-        while len(self.choices) <= delta.choice_idx:
-            self.choices.append(ChoiceOutput(len(self.choices)))
-        choice = self.choices[delta.choice_idx]
-        choice.token_ids += delta.new_token_ids
-        choice.logprobs += delta.logprobs
-        choice.finish_reason = delta.finish_reason or choice.finish_reason
-        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        self.num_preemptions = max(self.num_preemptions, delta.num_preemptions)
 
 
 class LLM:
@@ -290,12 +245,3 @@ class LLM:
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-
-def _ranked(token_id: int, logprob: float, rank: int, top_token_ids: list[int],
-            top_logprobs: list[float]) -> dict[int, Logprob]:
-    """One scored prompt position: its token first, then the most likely tokens (rank 1, 2, ...)."""
-    ranked = {token_id: Logprob(logprob, rank)}
-    for top_rank, (top_id, top_logprob) in enumerate(zip(top_token_ids, top_logprobs), start=1):
-        ranked.setdefault(top_id, Logprob(top_logprob, top_rank))
-    return ranked
