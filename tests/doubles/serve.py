@@ -33,14 +33,18 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 240.0) -> No
     raise TimeoutError("server not healthy in time")
 
 
-def start_server(tmp_root, *flags: str):
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def start_server(tmp_root, *flags: str, dev: bool = False):
+    """``pagedserve serve --port <free> flags``; with ``dev``, as the README's quick start says:
+    ``./dev serve`` from the checkout (its setup step, then the console script it installed)."""
     port = free_port()
     log = open(tmp_root / "serve.log", "w")
     env = {**os.environ, "TMPDIR": str(tmp_root)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--port", str(port), *flags],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
+    command = [os.path.join(ROOT, "dev"), "serve"] if dev else [sys.executable, "-m", "services.cli", "serve"]
+    proc = subprocess.Popen([*command, "--port", str(port), *flags], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, cwd=ROOT if dev else None)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)
     return proc, url

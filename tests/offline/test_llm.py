@@ -123,3 +123,17 @@ def test_prompts_without_sampling_params_sample_as_the_model_recommends(tmp_path
     [greedy] = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=5))
     assert out.choices[0].token_ids == greedy.choices[0].token_ids and len(out.choices[0].token_ids) <= 5
     assert LLM.from_hf_model(tiny_llama(), num_kv_blocks=8, block_size=4).default_sampling_params == SamplingParams()
+
+
+@pytest.mark.slow  # loads the embedded SmolLM2
+def test_the_readmes_llm_example_runs_as_printed(capsys):
+    from tests.docs.readme_blocks import readme_block
+
+    namespace: dict = {}
+    exec(compile(readme_block("python", "LLM()"), "README.md", "exec"), namespace)
+    first, ids = namespace["outputs"]
+    assert ids.prompt_token_ids == [1, 2, 3] and first.prompt == "The capital of France is"
+    for out in (first, ids):
+        [choice] = out.choices
+        assert 0 < len(choice.token_ids) <= 16 and choice.finish_reason in ("length", "stop") and choice.text
+    assert len(capsys.readouterr().out.splitlines()) == 2

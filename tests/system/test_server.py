@@ -10,17 +10,20 @@ import urllib.request
 
 import pytest
 
+from tests.docs.readme_blocks import curl_request, readme_block
 from tests.doubles.serve import children_of, openai_client, start_server
 
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 512
+README_URL = "http://127.0.0.1:8000"  # where the README's examples send, replaced by the test server's
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """The embedded model served by the README's quick-start command, ``./dev serve``."""
     root = tmp_path_factory.mktemp("serve")
-    proc, url = start_server(root, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "256MiB")
+    proc, url = start_server(root, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "256MiB", dev=True)
     yield proc, url, root
     if proc.poll() is None:
         proc.kill()
@@ -48,6 +51,26 @@ def test_streamed_chat_knows_paris(server):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "Paris" in text
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_readmes_curl_example_streams_the_answer(server):
+    _, url, _ = server
+    readme_url, headers, body = curl_request(readme_block("sh", "curl "))
+    request = urllib.request.Request(readme_url.replace(README_URL, url), data=body, headers=headers)
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        events = [line[len("data: "):] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1]
+                   if json.loads(e)["choices"])
+    assert "Paris" in text
+
+
+def test_the_readmes_openai_example_prints_the_answer(server, capsys):
+    _, url, _ = server
+    code = readme_block("python", "OpenAI(")
+    assert README_URL in code
+    exec(compile(code.replace(README_URL, url), "README.md", "exec"), {})
+    assert "Paris" in capsys.readouterr().out
 
 
 def test_completion_usage_matches_tokenizer(server, tokenizer):
