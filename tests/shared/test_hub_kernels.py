@@ -80,3 +80,55 @@ def test_in_this_process_transformers_takes_hub_kernels_as_unavailable():
     import kernels.reference
 
     assert Path(kernels.reference.__file__) == ROOT / "kernels" / "reference.py"
+
+
+
+def _imports_before_the_switch(source: str) -> list[int]:
+    """The lines of each transformers import in ``source`` with no ``hide_hub_kernels()`` call
+    before it in the same function (or at module level)."""
+    import ast
+
+    tree = ast.parse(source)
+    scopes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    owner = {}  # node -> innermost scope (outer scopes come first; inner ones overwrite)
+    for scope in scopes:
+        for node in ast.walk(scope):
+            owner[node] = scope
+    missing = []
+    for node in ast.walk(tree):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        if not any(name == "transformers" or name.startswith("transformers.") for name in names):
+            continue
+        calls = [c.lineno for c in ast.walk(owner[node]) if isinstance(c, ast.Call)
+                 and getattr(c.func, "id", getattr(c.func, "attr", None)) == "hide_hub_kernels"]
+        if not any(line < node.lineno for line in calls):
+            missing.append(node.lineno)
+    return sorted(missing)
+
+
+def test_the_import_checker_sees_a_missing_or_late_switch():
+    source = textwrap.dedent("""
+        def good():
+            hide_hub_kernels()
+            from transformers import AutoConfig
+        def late():
+            import transformers.utils
+            hide_hub_kernels()
+        def nested():
+            hide_hub_kernels()
+            def inner():
+                from transformers import AutoTokenizer
+    """)
+    assert _imports_before_the_switch(source) == [6, 11]
+
+
+def test_every_transformers_import_of_the_product_and_load_tests_turns_hub_kernels_off_first():
+    """A code path that imports transformers calls ``hide_hub_kernels()`` before, in the same
+    function (the tests' own imports come after tests/conftest.py's call)."""
+    paths = [p for top in ("services", "shared", "loadtest") for p in sorted((ROOT / top).rglob("*.py"))]
+    sources = {p: p.read_text(encoding="utf-8") for p in paths}
+    importing = [p for p, text in sources.items() if "transformers" in text and p != ROOT / "shared" / "hub_kernels.py"]
+    assert len(importing) > 5
+    missing = [f"{p.relative_to(ROOT)}:{line}" for p in importing for line in _imports_before_the_switch(sources[p])]
+    assert not missing, "transformers imported before hide_hub_kernels():\n" + "\n".join(missing)
