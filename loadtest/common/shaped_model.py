@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from shared.hub_kernels import hide_hub_kernels
+
 
 def head_dim_for(hidden_size: int, kv_width: int, world_size: int, head_dim: int) -> int | None:
     """The widest head dimension (at most ``head_dim``) whose heads and KV heads ``world_size``
@@ -27,6 +29,7 @@ def head_dim_for(hidden_size: int, kv_width: int, world_size: int, head_dim: int
 def smollm2_shaped_for(world_size: int, directory: str) -> str | None:
     """None when SmolLM2 itself splits ``world_size`` ways; else a SmolLM2-sized random model
     (with SmolLM2's tokenizer) saved under ``directory``, and its path."""
+    hide_hub_kernels()
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
     from shared.model_source import resolve_model

@@ -27,6 +27,8 @@ import sys
 import time
 import urllib.request
 
+from shared.hub_kernels import hide_hub_kernels
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -47,6 +49,7 @@ def say(*parts) -> None:
 
 def export_config(out: str) -> None:
     """SmolLM2-135M-Instruct's config.json and tokenizer files (from the embedded GGUF), no weights."""
+    hide_hub_kernels()
     from transformers import AutoConfig, AutoTokenizer
 
     from shared.model_source import resolve_model
@@ -60,6 +63,7 @@ def export_config(out: str) -> None:
 def make_model(config_dir: str, out: str, seed: int) -> None:
     """A Llama of ``config_dir``'s sizes with seeded random weights, saved with its tokenizer."""
     import torch
+    hide_hub_kernels()
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
     t0 = time.perf_counter()
@@ -79,6 +83,7 @@ def _prompt_ids(tokenizer, count: int) -> list[list[int]]:
 def hf_greedy(model_dir: str, device: str, dtype_name: str, prompt_ids: list[list[int]], tokens: int):
     """transformers' greedy continuations (EOS ignored), one prompt at a time, on ``device``."""
     import torch
+    hide_hub_kernels()
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, dtype_name)
@@ -119,6 +124,7 @@ def _min_agreement(args) -> float:
 
 
 def greedy(args) -> int:
+    hide_hub_kernels()
     from transformers import AutoTokenizer
 
     from services.offline import LLM
@@ -146,6 +152,7 @@ def _post(url: str, body: dict) -> dict:
 
 def compare(args) -> int:
     """The server's greedy completions (token-id prompts, all at once) against transformers'."""
+    hide_hub_kernels()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)

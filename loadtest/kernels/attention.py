@@ -121,9 +121,9 @@ def _cpu_backend(threads: int):
 
     print("compiling the Numba CPU kernels (cached after the first run)...", flush=True)
     t0 = time.perf_counter()
-    from kernels.cpu import NumbaCPUBackend
+    from services.executor.attention import select_backend
 
-    backend = NumbaCPUBackend()
+    backend = select_backend("numba", torch.device("cpu"))  # as the executor builds it
     kc, vc, bt, lens, q, _, _ = _make_case(1, 64, "cpu", torch.Generator().manual_seed(1))
     backend.decode(torch.empty_like(q), q, kc, vc, bt, lens, 0.125)
     torch.set_num_threads(threads)  # the backend follows torch's count; keep ours

@@ -16,6 +16,7 @@ import statistics
 import time
 
 from loadtest.memory.paging import questions
+from shared.hub_kernels import hide_hub_kernels
 
 
 def run(model, tokenizer, prompts, max_tokens: int, **sampling) -> dict[str, float]:
@@ -45,6 +46,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
+    hide_hub_kernels()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from shared.model_source import resolve_model

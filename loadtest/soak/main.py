@@ -33,6 +33,7 @@ import aiohttp
 from loadtest.common.procs import child_argvs
 from loadtest.soak.clients import GREEDY_PROMPTS, Outcome, Soak, greedy_tokens, one_request
 from loadtest.bench.throughput import _get_json, say, start_server
+from shared.hub_kernels import hide_hub_kernels
 
 SERVICES = ("scheduler", "executor", "frontend")
 
@@ -50,6 +51,7 @@ def rss_mib(pid: int) -> float:
 
 
 def tiny_model_dir() -> str:
+    hide_hub_kernels()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from shared.model_source import load_tokenizer, resolve_model

@@ -72,8 +72,13 @@ class TorchBackend:
 
 def _numba_backend():
     from kernels.cpu import NumbaCPUBackend  # imported lazily: compiling takes a few seconds
+    from shared.cpu_features import read_cpu_features
+    from shared.cpu_threads import idle_threads_spin
 
-    return NumbaCPUBackend()
+    # What the kernels may not import themselves (``kernels/`` imports only numba, numpy, torch):
+    # the CPU's native bf16 path (AMX turns on the fused-attention prefill) and whether idle
+    # OpenMP threads spin (small row kernels in parallel), read here and passed in.
+    return NumbaCPUBackend(native_bf16=read_cpu_features().native_bf16(), idle_threads_spin=idle_threads_spin)
 
 
 def _cuda_backend():

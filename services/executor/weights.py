@@ -14,6 +14,7 @@ import torch
 
 from shared.cpu_features import choose_cpu_dtype, read_cpu_features
 from shared.hf_config import load_hf_config as checked_hf_config
+from shared.hub_kernels import hide_hub_kernels
 from shared.model_source import ModelSource
 
 from .architectures import model_class
@@ -55,6 +56,7 @@ def load_hf_config(source: ModelSource):
 def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
     """Read every weight of ``source`` into CPU tensors with Hugging Face parameter names."""
     if source.gguf_file:
+        hide_hub_kernels()
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(

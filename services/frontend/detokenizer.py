@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from shared.hub_kernels import hide_hub_kernels
+
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -30,6 +32,7 @@ def window_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     raw = getattr(tokenizer, "_tokenizer", None)
     try:
         from tokenizers import Tokenizer
+        hide_hub_kernels()
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:
         Tokenizer = TokenizersBackend = None

@@ -153,3 +153,25 @@ def test_the_kernel_bench_without_cpu_or_gpu_measures_nothing_and_says_so(capsys
     with pytest.raises(SystemExit) as info:
         bench.main(["--no-cpu"])
     assert info.value.code == 2 and "--no-cpu leaves nothing to measure" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("native,spins", [("amx", True), ("avx512_bf16", False), (None, True)])
+def test_the_numba_backend_gets_what_shared_reads_of_the_cpu(native, spins, monkeypatch):
+    """The executor reads the machine for the CPU kernels (``kernels/`` imports no ``shared``): the
+    CPU's native bf16 path (AMX turns on the fused-attention prefill) and whether idle OpenMP threads
+    spin, asked again at each ``parallel_small_rows`` call."""
+    from services.executor.attention import select_backend
+
+    class Features:
+        def native_bf16(self):
+            return native
+
+    spinning = [spins]
+    monkeypatch.setattr("shared.cpu_features.read_cpu_features", lambda: Features())
+    monkeypatch.setattr("shared.cpu_threads.idle_threads_spin", lambda: spinning[0])
+    backend = select_backend("numba", torch.device("cpu"))
+    assert backend.name == "numba" and backend.matmul_prefill_path is (native == "amx")
+    assert backend.parallel_small_rows(True) is spins
+    spinning[0] = not spins
+    assert backend.parallel_small_rows(True) is (not spins)
+    assert backend.parallel_small_rows(False) is False

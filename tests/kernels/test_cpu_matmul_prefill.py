@@ -144,15 +144,10 @@ def test_other_formats_keep_the_numba_kernel(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("found,expected", [("amx", True), ("avx512_bf16", False), (None, False)])
-def test_default_follows_the_cpu(found, expected, monkeypatch):
-    """By default the path is on only where the CPU has AMX (where it was measured faster), and the
-    start-up log says which prefill runs."""
-    class Features:
-        def native_bf16(self):
-            return found
-
-    monkeypatch.setattr("shared.cpu_features.read_cpu_features", lambda: Features())
-    backend = backend_module.NumbaCPUBackend()
+def test_default_follows_the_cpu(found, expected):
+    """By default the path is on only where the CPU the caller read has AMX (where it was measured
+    faster), and the start-up log says which prefill runs."""
+    backend = backend_module.NumbaCPUBackend(native_bf16=found)
     assert backend.matmul_prefill_path is expected
     assert ("torch fused attention" in backend.prefill_kind()) is expected
 

@@ -58,13 +58,11 @@ def _layer_calls(backend, stream, weight, gate_up, qkv, pools, rope, meta):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_seqs, small_rows", [(3, False), (64, True)])  # serial; parallel kernels
 def test_the_pass_gives_the_backends_bits(dtype, num_seqs, small_rows, monkeypatch):
-    if small_rows:
-        monkeypatch.setattr("shared.cpu_threads.idle_threads_spin", lambda: True)
     step = _step(num_seqs, dtype, seed=num_seqs)
     torch_before, numba_before = torch.get_num_threads(), numba.get_num_threads()
     torch.set_num_threads(2)
     try:
-        backend = NumbaCPUBackend(matmul_prefill_path=False)
+        backend = NumbaCPUBackend(matmul_prefill_path=False, idle_threads_spin=lambda: small_rows)
         assert backend.parallel_small_rows(small_rows) is small_rows
         want = _layer_calls(backend, *step)
         view = backend.for_pass(step[-1], step[-2], num_seqs, dtype)

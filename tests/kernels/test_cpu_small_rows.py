@@ -37,11 +37,11 @@ def test_small_rows_in_parallel_give_the_same_bits(dtype, num_tokens, monkeypatc
 
     serial = outputs(cpu.NumbaCPUBackend(matmul_prefill_path=False))
     assert ran == []
-    monkeypatch.setattr("shared.cpu_threads.idle_threads_spin", lambda: False)
-    asleep = cpu.NumbaCPUBackend(matmul_prefill_path=False)
+    asleep = cpu.NumbaCPUBackend(matmul_prefill_path=False, idle_threads_spin=lambda: False)
     assert asleep.parallel_small_rows(True) is False and outputs(asleep) and ran == []
-    monkeypatch.setattr("shared.cpu_threads.idle_threads_spin", lambda: True)
-    spinning = cpu.NumbaCPUBackend(matmul_prefill_path=False)
+    unknown = cpu.NumbaCPUBackend(matmul_prefill_path=False)  # no idle_threads_spin passed: asleep
+    assert unknown.parallel_small_rows(True) is False and outputs(unknown) and ran == []
+    spinning = cpu.NumbaCPUBackend(matmul_prefill_path=False, idle_threads_spin=lambda: True)
     assert spinning.parallel_small_rows(True) is True
     parallel = outputs(spinning)
     from kernels.cpu.backend import SMALL_ROWS_PARALLEL_FROM

@@ -97,12 +97,14 @@ def test_amx_counts_only_where_onednn_can_use_it(cap, permitted, native):
 def test_the_prefill_path_follows_a_cap_below_amx(monkeypatch):
     """On any machine: with oneDNN capped below its AMX kernels, the backend keeps the Numba
     prefill (torch's fused attention took 754 ms instead of 6 ms for a 64-row prompt there)."""
-    from kernels.cpu.backend import NumbaCPUBackend
+    import torch
+
+    from services.executor.attention import select_backend
 
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     features = read_cpu_features()
     assert features.native_bf16() != "amx" and "amx_permitted" in features.summary()
-    assert NumbaCPUBackend().matmul_prefill_path is False
+    assert select_backend("numba", torch.device("cpu")).matmul_prefill_path is False
 
 
 def test_torch_without_a_flag_view_relies_on_cpuinfo():

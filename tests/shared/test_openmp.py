@@ -30,7 +30,7 @@ torch.randn(128, 128) @ torch.randn(128, 128)
 from shared.openmp import loaded_runtimes
 from shared.cpu_threads import idle_threads_spin
 from kernels.cpu import NumbaCPUBackend
-small_rows = NumbaCPUBackend(matmul_prefill_path=False).parallel_small_rows(True)
+small_rows = NumbaCPUBackend(matmul_prefill_path=False, idle_threads_spin=idle_threads_spin).parallel_small_rows(True)
 print(json.dumps({"openmp": choice.openmp, "runtimes": loaded_runtimes(), "layer": numba.threading_layer(),
                   "spin": os.environ.get("GOMP_SPINCOUNT"), "policy": os.environ.get("OMP_WAIT_POLICY"),
                   "spins": idle_threads_spin(), "small_rows": small_rows}))
