@@ -25,6 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from shared.hub_kernels import hide_hub_kernels
+
+hide_hub_kernels()  # a script that imports LLM and then transformers' models: `kernels` is ours (shared/hub_kernels.py)
+
 from services.executor.guided import Vocabulary, token_bytes
 from services.executor.loader import build_runner
 from services.executor.runner import ModelRunner

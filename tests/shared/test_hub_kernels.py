@@ -19,6 +19,8 @@ LOAD = textwrap.dedent("""
     if sys.argv[1] == "guarded":
         from shared.hub_kernels import hide_hub_kernels
         assert hide_hub_kernels() is True and os.environ["USE_HUB_KERNELS"] == "NO"
+    elif sys.argv[1] == "offline":  # a user's script: the offline engine first, then transformers' models
+        from services.offline import LLM
     from transformers import AutoModelForCausalLM, LlamaConfig
     from transformers.utils import import_utils
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -54,6 +56,12 @@ def test_with_hub_kernels_off_transformers_loads_a_model_beside_hugging_faces_ke
     done = _load("guarded", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["loaded", "LlamaForCausalLM", "False", str(ROOT / "kernels" / "reference.py")]
+
+
+def test_a_script_that_imports_the_offline_engine_first_uses_transformers_as_it_likes(tmp_path):
+    done = _load("offline", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[:3] == ["loaded", "LlamaForCausalLM", "False"]
 
 
 def test_without_it_the_clash_is_there(tmp_path):
