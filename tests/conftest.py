@@ -6,8 +6,7 @@ A test module sets ``MAX_MODEL_LEN`` to choose the served model's length (defaul
 """
 
 import os
-import shutil
-import tempfile
+import sys
 
 import openai
 import pytest
@@ -20,18 +19,14 @@ from shared.endpoints import Endpoints  # noqa: E402
 from tests.doubles.fake_scheduler import FakeScheduler, FrontendThread, default_served_model  # noqa: E402
 
 
-_made_gguf_cache: str | None = None  # the directory this process made, and removes at the end
-
-
 def pytest_configure(config):
-    """One converted copy of the embedded GGUF model for the whole run (``shared.gguf_cache``), in
-    a directory of its own: every process the tests start inherits it, pytest-xdist's workers
-    too (they start after this ran in the controller, and keep its directory); removed at the end
-    by the process that made it."""
-    global _made_gguf_cache
-    if "PAGEDSERVE_GGUF_CACHE" not in os.environ:
-        _made_gguf_cache = tempfile.mkdtemp(prefix="pagedserve-gguf-cache-")
-        os.environ["PAGEDSERVE_GGUF_CACHE"] = _made_gguf_cache
+    """One converted copy of the embedded GGUF model for the test runs, in a directory of the
+    virtualenv's (``shared.gguf_cache``: an entry is keyed by the file and the transformers
+    version, so a venv with another transformers converts again): every process the tests start
+    inherits it, pytest-xdist's workers too. It outlives the run, as the product's cache outlives a
+    server, so a run converts only where the venv is new (8 s of a fast loop otherwise); the
+    conversion itself is tested in its own directories (``tests/shared/test_gguf_cache.py``)."""
+    os.environ.setdefault("PAGEDSERVE_GGUF_CACHE", os.path.join(sys.prefix, "pagedserve-gguf-cache"))
     _share_the_cores_between_workers()
 
 
@@ -49,11 +44,6 @@ def _share_the_cores_between_workers() -> None:
     share = max(1, len(os.sched_getaffinity(0)) // workers)
     torch.set_num_threads(share)
     numba.set_num_threads(min(share, numba.config.NUMBA_NUM_THREADS))
-
-
-def pytest_unconfigure(config):
-    if _made_gguf_cache is not None:
-        shutil.rmtree(_made_gguf_cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -87,6 +87,7 @@ def test_tiny_opt_bf16_agrees_with_transformers_bf16():
     assert agree >= 0.9 * 32 * len(prompts), f"{agree} of {32 * len(prompts)} tokens agree"
 
 
+@pytest.mark.slow  # saves and loads two checkpoints
 def test_checkpoint_saved_from_opt_model_and_untied_head():
     """Names starting at ``decoder.`` (as ``OPTModel`` saves them) load; so does an untied LM head."""
     from services.executor.loader import RunnerOptions, build_runner

@@ -75,6 +75,7 @@ def test_slow_headers_get_408_and_are_closed(limited):
     assert limited.server.guard.num_closed["header"] >= 1
 
 
+@pytest.mark.slow  # waits out the idle deadline
 def test_idle_connections_are_closed(limited):
     silent = connect(limited)  # never sends a byte
     used = connect(limited)  # one request, then idle on keep-alive
@@ -87,6 +88,7 @@ def test_idle_connections_are_closed(limited):
     assert limited.server.guard.num_closed["idle"] >= 2
 
 
+@pytest.mark.slow  # waits out a read deadline
 def test_slow_body_gets_408(limited):
     sock = connect(limited)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -99,6 +101,7 @@ def test_slow_body_gets_408(limited):
     assert elapsed >= LIMITS.body_timeout_s
 
 
+@pytest.mark.slow  # waits out a read deadline
 def test_the_rest_of_an_unread_body_is_not_a_new_request(limited):
     """A handler that answers without reading the body (a 404 here): the body's later bytes are not
     a next request's headers, so no 408 follows the 404; the idle deadline ends the connection."""
@@ -108,6 +111,7 @@ def test_the_rest_of_an_unread_body_is_not_a_new_request(limited):
     assert received.startswith(b"HTTP/1.1 404 ") and received.count(b"HTTP/1.1 ") == 1, received
 
 
+@pytest.mark.slow  # streams past every deadline
 def test_a_long_stream_outlives_every_deadline(limited, model):
     """A reading client is never cut: 120 tokens at 20 ms each take longer than every limit."""
     status, _, raw = http("POST", limited.base_url + "/v1/completions", body={

@@ -124,6 +124,7 @@ def test_an_abort_goes_to_the_replica_holding_the_request(replicas):
         assert [r.request_id for r in fake.added] == fake.aborted
 
 
+@pytest.mark.slow  # waits out a replica's silence
 def test_a_silent_replica_takes_no_requests_before_it_counts_as_lost(replicas):
     front, fakes, _ = replicas
     fakes[1].stop()

@@ -163,7 +163,7 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)])  # slow to simulate
 def test_16bit_caches_match_the_reference_from_the_same_values(dtype):
     """bf16 (int16 bits) and fp16 caches and queries: the kernels widen every element and
     accumulate in float32, so they equal the float32 reference over the same 16-bit values as

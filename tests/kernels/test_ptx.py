@@ -100,6 +100,7 @@ def test_occupancy_arithmetic(registers, threads, shared, blocks, fraction, limi
     assert resources.occupancy((9, 0), 32, 128, 48 * 1024).blocks_per_sm == 4
 
 
+@pytest.mark.slow  # assembles every kernel with ptxas
 @needs_ptxas
 def test_ptxas_assembles_every_kernel_without_spills():
     """Every kernel assembles for sm_80 and sm_90 under its own register cap, spills nothing, and
@@ -119,6 +120,7 @@ def test_ptxas_assembles_every_kernel_without_spills():
             assert occ.fraction >= 0.5, (r, occ)
 
 
+@pytest.mark.slow  # assembles every kernel with ptxas
 @needs_ptxas
 def test_bench_ptxas_prints_the_table(capsys):
     from loadtest.kernels import attention as bench

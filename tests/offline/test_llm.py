@@ -82,6 +82,7 @@ def test_llm_generate_equals_the_servers_greedy_output(served):
     assert len(chat.prompt_token_ids) == reply.usage.prompt_tokens
 
 
+@pytest.mark.slow  # loads the embedded model's tokenizer and template
 def test_chat_renders_conversations_with_the_template():
     """``LLM.chat``: the tokenizer's template or one given, one conversation or several; the prompt
     ids are the rendered text's without special tokens added, as a chat request's."""

@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # A tiny Llama through transformers' own loading path (its model classes import the hub
@@ -52,18 +54,21 @@ def _load(mode: str, tmp_path: Path) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.slow  # a fresh process loads transformers' model code
 def test_with_hub_kernels_off_transformers_loads_a_model_beside_hugging_faces_kernels(tmp_path):
     done = _load("guarded", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["loaded", "LlamaForCausalLM", "False", str(ROOT / "kernels" / "reference.py")]
 
 
+@pytest.mark.slow  # a fresh process loads the engine and transformers' model code
 def test_a_script_that_imports_the_offline_engine_first_uses_transformers_as_it_likes(tmp_path):
     done = _load("offline", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[:3] == ["loaded", "LlamaForCausalLM", "False"]
 
 
+@pytest.mark.slow  # a fresh process loads transformers' model code
 def test_without_it_the_clash_is_there(tmp_path):
     """The same load without ``hide_hub_kernels``: transformers finds the distribution, imports
     ``kernels`` for its hub integration, gets ours, and fails (what the test above is guarded

@@ -53,6 +53,7 @@ def _back_to_back_worker(rank, world_size, report, spec, num_calls):
     report({"num_correct": num_correct})
 
 
+@pytest.mark.slow  # a thousand all-reduces between processes
 def test_thousand_back_to_back_calls(spec):
     group = RankGroup(_back_to_back_worker, 3, spec, 1000)
     assert group.join(120) == [0, 0, 0], group.messages
