@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from services.frontend.flags import HttpFlags, HttpLimits
 from services.frontend.generation_defaults import check_setting
+from services.frontend.reasoning import PARSERS as REASONING_PARSERS
 from shared.endpoints import Endpoints
 from shared.engine_flags import LivenessFlags
 
@@ -36,6 +37,7 @@ class FrontendConfig:
     ``generation_config``: where requests' sampling defaults come from (``--generation-config``:
     auto, vllm or a directory; ``generation_defaults``). ``tokenizer``: ``--tokenizer``, where the
     tokenizer comes from when not from the model (``shared.model_source.resolve_tokenizer``).
+    ``reasoning_parser``: ``--reasoning-parser`` (``reasoning.PARSERS``; None: chat answers are all content).
     Keyword arguments only.
     """
 
@@ -56,6 +58,7 @@ class FrontendConfig:
     chat_template: str | None = field(default=None, repr=False)
     generation_config: str = _HTTP.generation_config
     tokenizer: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.served_model_name is not None and not self.served_model_name.strip():
@@ -77,6 +80,9 @@ class FrontendConfig:
             raise ValueError(f"--heartbeat-timeout must be a positive number of seconds, "
                              f"got {self.heartbeat_timeout!r}")
         check_setting(self.generation_config)
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         if not self.endpoints.request:
             raise ValueError("--request-endpoint is required (or set PAGEDSERVE_REQUEST_ENDPOINT)")
         for value in self.request_endpoints:

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from services.frontend.reasoning import PARSERS as REASONING_PARSERS
 from shared.engine_flags import LivenessFlags, ModelFlags
 from shared.flag_spec import add_flags, declared, flag, from_args, option_strings
 
@@ -35,6 +36,10 @@ class HttpFlags:
                                   "top_k, min_p, the penalties; max_new_tokens as chat's max_tokens): 'auto' the "
                                   "model's generation_config.json, as vLLM; 'vllm' none (OpenAI's defaults); or a "
                                   "directory holding that file, whose max_new_tokens also limits every request")
+    reasoning_parser: str | None = flag(None, "split a reasoning model's thinking from its answer on chat: "
+                                        "message.reasoning_content and delta.reasoning_content (the <think> family "
+                                        "of DeepSeek-R1 and Qwen3, as vLLM's parsers of these names)",
+                                        choices=REASONING_PARSERS, shown="none")
     max_queue_len: int | None = flag(None, "most requests waiting for their first token; more get a 503", type=int,
                                      shown="no limit")
     api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every route but /health (or set "

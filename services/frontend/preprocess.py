@@ -66,11 +66,12 @@ def chat_inputs(body: ChatBody, model: ServedModel) -> list[PromptInput]:
 
 def chat_prompt_ids(body: ChatBody, model: ServedModel, add_generation_prompt: bool = True) -> list[int]:
     """The messages through the chat template, with the tools (OpenAI's shape, which transformers
-    takes as it is) for templates that show them; with tool_choice "none" too, as vLLM passes them."""
+    takes as it is) for templates that show them; with tool_choice "none" too, as vLLM passes them; and
+    the request's ``chat_template_kwargs`` (``template_kwargs``)."""
     try:
         ids = model.tokenizer.apply_chat_template(
             body.messages, tools=body.tools or None, add_generation_prompt=add_generation_prompt, tokenize=True,
-            return_dict=False,
+            return_dict=False, **body.chat_template_kwargs,
         )
     except Exception as exc:  # a Jinja template may raise anything (TemplateError, ValueError...)
         raise bad_request(f"cannot apply the chat template to these messages: {exc}", "messages") from None

@@ -21,6 +21,7 @@ from services.frontend.field_kinds import Boolean, Custom, Refused, String, igno
 from services.frontend.fields import Route, declare, nested, read_declared
 from services.frontend.options import GenerationOptions
 from services.frontend.request_rules import check_options
+from services.frontend.template_kwargs import TEMPLATE_KWARGS
 from services.frontend.tools import MAX_TOOLS, TOOL_CHOICE, TOOLS, ToolChoice, settle_tool_choice
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's newer system
@@ -274,6 +275,7 @@ class ChatBody(RequestBody):
                                  '"auto" (the default with tools), refused: it needs a tool-call parser.')
     parallel_tool_calls: bool = declare(
         Boolean(), True, description='With tool_choice "required": false allows one call only.')
+    chat_template_kwargs: dict[str, Any] = declare(TEMPLATE_KWARGS, factory=dict)
 
 
 def parse_completion_body(body: dict[str, Any], served_model_name: str) -> CompletionBody:

@@ -19,6 +19,7 @@ from services.frontend.preprocess import chat_prompt_ids
 from services.frontend.request_body import ChatBody, check_model, parse_json_body, parse_messages
 from services.frontend.served_model import ServedModel
 from services.frontend.state import STATE
+from services.frontend.template_kwargs import read_template_kwargs
 from services.frontend.tools import read_tools
 
 
@@ -72,8 +73,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     """``{"prompt": str, "add_special_tokens": bool}`` or ``{"messages": [...], "add_generation_prompt":
-    bool, "tools": [...]}`` -> ``{"tokens": [...], "count": n, "max_model_len": m}`` (the tools go to
-    the chat template, as chat's do)."""
+    bool, "tools": [...], "chat_template_kwargs": {...}}`` -> ``{"tokens": [...], "count": n,
+    "max_model_len": m}`` (the tools and the template's variables go to the chat template, as chat's do)."""
     state = request.app[STATE]
     model = state.model
     raw = await read_body(request)
@@ -81,7 +82,9 @@ async def tokenize(request: web.Request) -> web.Response:
     check_model(body, model.name)
     if "messages" in body and body.get("prompt") is None:
         tools = [] if body.get("tools") is None else read_tools("tools", body["tools"])
-        chat = ChatBody(messages=parse_messages(body.get("messages")), tools=tools)
+        template_kwargs = body.get("chat_template_kwargs")
+        chat = ChatBody(messages=parse_messages(body.get("messages")), tools=tools, chat_template_kwargs={} if
+                        template_kwargs is None else read_template_kwargs("chat_template_kwargs", template_kwargs))
         add_generation_prompt = body.get("add_generation_prompt", True)
         if not isinstance(add_generation_prompt, bool):
             raise bad_request("add_generation_prompt must be a boolean", "add_generation_prompt")

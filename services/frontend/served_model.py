@@ -34,6 +34,8 @@ class ServedModel:
     model_vocab_size: int | None = None
     # the most tokens any request generates (``generation_defaults.max_tokens_limit``; None: no limit)
     max_tokens_limit: int | None = None
+    # --reasoning-parser (``reasoning``): chat's answers split into reasoning and content (None: not)
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.max_token_chars:
@@ -104,4 +106,5 @@ def load_served_model(config: FrontendConfig) -> ServedModel:
         generation_defaults=generation_defaults,
         model_vocab_size=model_vocab_size,
         max_tokens_limit=max_tokens_limit(config.generation_config, generation_defaults),
+        reasoning_parser=config.reasoning_parser,
     )

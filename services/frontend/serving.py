@@ -42,8 +42,9 @@ from services.frontend.preprocess import (
     completion_text_chars, sampling_params,
 )
 from services.frontend.request_body import RequestBody, parse_chat_body, parse_completion_body, parse_json_body
+from services.frontend.reasoning_shapes import ReasoningChatShapes, chat_reasoning
 from services.frontend.responses import (
-    SSE_DONE, ChatShapes, Choice, CompletionShapes, ResponseShapes, sse_event, usage,
+    SSE_DONE, Choice, CompletionShapes, ResponseShapes, sse_event, usage,
 )
 from services.frontend.served_model import ServedModel
 from services.frontend.state import REQUEST_ID, STATE, FrontendState
@@ -63,12 +64,14 @@ class Endpoint:
     default_max_tokens: int | None  # when the client gives none (None: the context left)
     prompt_param: str  # the field to blame for a prompt that does not fit
     shape_options: Callable[[Any], dict[str, Any]] = lambda body: {}  # body -> more arguments of ``shapes``
+    # body, model, prompts -> more arguments of ``shapes`` (chat's reasoning parser, ``reasoning_shapes``)
+    prompt_options: Callable[[Any, ServedModel, list[PromptInput]], dict[str, Any]] = lambda body, model, inputs: {}
 
 
 COMPLETIONS = Endpoint("cmpl", parse_completion_body, completion_inputs, completion_text_chars, CompletionShapes,
                        DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
-CHAT = Endpoint("chatcmpl", parse_chat_body, chat_inputs, chat_text_chars, ChatShapes, None, "messages",
-                lambda body: {"tool_choice": body.tool_choice})
+CHAT = Endpoint("chatcmpl", parse_chat_body, chat_inputs, chat_text_chars, ReasoningChatShapes, None, "messages",
+                lambda body: {"tool_choice": body.tool_choice}, chat_reasoning)
 
 
 @dataclass
@@ -105,7 +108,8 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
         inputs: list[PromptInput] = await state.tokenize(len(raw), endpoint.inputs, body, model)
         echoes = [_echo(prompt, body.options) for prompt in inputs]
         shapes = endpoint.shapes(request_id, int(time.time()), state.model.name, body.options.include_usage,
-                                 state.token_formatter, **endpoint.shape_options(body))
+                                 state.token_formatter, **endpoint.shape_options(body),
+                                 **endpoint.prompt_options(body, model, inputs))
         return await _generate(request, state, shapes, inputs, body.options, echoes, endpoint, arrival)
 
 
