@@ -176,3 +176,31 @@ def test_chat_template_kwargs_refusals(frontend, qwen3):
             status, _, raw = http("POST", url, body={"messages": say("x"), "chat_template_kwargs": kwargs})
             error = json.loads(raw)["error"]
             assert (status, error["param"]) == (400, "chat_template_kwargs"), (url, error)
+
+
+def test_the_flag_reaches_the_frontend_from_serve(capsys, tiny_model_dir):
+    import argparse
+
+    from services.cli import build_parser
+    from services.command_flags import frontend_argv
+    from services.frontend.config import FrontendConfig
+    from services.frontend.main import add_frontend_arguments, frontend_config_from_args
+    from services.frontend.served_model import load_served_model
+    from shared.endpoints import Endpoints
+
+    argv = frontend_argv(build_parser().parse_args(["serve", "--reasoning-parser", "qwen3"]))
+    assert argv[argv.index("--reasoning-parser") + 1] == "qwen3"
+    assert "--reasoning-parser" not in frontend_argv(build_parser().parse_args(["serve"]))
+    parser = argparse.ArgumentParser()
+    add_frontend_arguments(parser)
+    endpoint = ["--request-endpoint", "ipc:///tmp/x.sock"]
+    assert frontend_config_from_args(parser.parse_args([*endpoint, *argv])).reasoning_parser == "qwen3"
+    assert frontend_config_from_args(parser.parse_args(endpoint)).reasoning_parser is None
+    with pytest.raises(SystemExit):
+        parser.parse_args([*endpoint, "--reasoning-parser", "granite"])
+    assert "invalid choice: 'granite'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--reasoning-parser must be one of deepseek_r1, qwen3"):
+        FrontendConfig(endpoints=Endpoints.in_directory("/tmp"), reasoning_parser="granite")
+    config = FrontendConfig(model=str(tiny_model_dir), endpoints=Endpoints.in_directory("/tmp"), port=0,
+                            reasoning_parser="deepseek_r1")
+    assert load_served_model(config).reasoning_parser == "deepseek_r1"
