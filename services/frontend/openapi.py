@@ -10,6 +10,7 @@ from typing import Any
 
 from services.frontend.fields import Route, schema_properties
 from services.frontend.request_body import CHAT_MESSAGE_SCHEMA, ChatBody, CompletionBody
+from services.frontend.template_kwargs import TEMPLATE_KWARGS
 from shared.kv_json import kv_snapshot_schema
 
 
@@ -41,7 +42,7 @@ def _schemas() -> dict[str, Any]:
                 "add_special_tokens": {"type": "boolean"}}},
             {"type": "object", "required": ["messages"], "properties": {
                 "model": {"type": "string"}, "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
-                "add_generation_prompt": {"type": "boolean"}}},
+                "add_generation_prompt": {"type": "boolean"}, "chat_template_kwargs": TEMPLATE_KWARGS.schema()}},
         ]},
         "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
             "model": {"type": "string"}, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},

@@ -87,6 +87,12 @@ def test_deepseek_r1_whole_and_streamed(client, model, output, parts):
     assert streamed(client, model.name, messages=say(output), n=2) == expected
 
 
+def test_beam_search_hypotheses_are_split(client, model):
+    request = {"messages": say(R1_OUTPUT), "n": 2, "extra_body": {"use_beam_search": True}}
+    expected = {i: (THOUGHT, ANSWER, "stop") for i in range(2)}
+    assert whole(client, model.name, **request) == expected == streamed(client, model.name, **request)
+
+
 def test_the_raw_message_and_chunks(frontend):
     url = frontend.base_url + "/v1/chat/completions"
     status, _, raw = http("POST", url, body={"messages": say(R1_OUTPUT)})
@@ -176,6 +182,10 @@ def test_chat_template_kwargs_refusals(frontend, qwen3):
             status, _, raw = http("POST", url, body={"messages": say("x"), "chat_template_kwargs": kwargs})
             error = json.loads(raw)["error"]
             assert (status, error["param"]) == (400, "chat_template_kwargs"), (url, error)
+    status, _, raw = http("GET", frontend.base_url + "/openapi.json")
+    schemas = json.loads(raw)["components"]["schemas"]
+    assert schemas["ChatCompletionRequest"]["properties"]["chat_template_kwargs"]["type"] == "object"
+    assert schemas["TokenizeRequest"]["oneOf"][1]["properties"]["chat_template_kwargs"]["type"] == "object"
 
 
 def test_the_flag_reaches_the_frontend_from_serve(capsys, tiny_model_dir):
