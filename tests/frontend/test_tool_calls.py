@@ -32,8 +32,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMETERS, "strict": True}}
 TOOLS = [WEATHER, TIME]
 CALL_ID = re.compile(r"chatcmpl-tool-[0-9a-f]{32}")
-AUTO_REASON = ('"auto" tool choice needs a tool-call parser, which pagedserve does not have: use tool_choice '
-               '"required" or a named function, or "none"')
+AUTO_REASON = ('"auto" tool choice needs a tool-call parser, which this server was started without '
+               '(--enable-auto-tool-choice, with --tool-call-parser when the chat template does not show the '
+               'format): use tool_choice "required" or a named function, or "none"')
 
 
 def named(name: str) -> dict:
@@ -511,7 +512,7 @@ def test_required_bounds_its_tools_and_parallel_tool_calls():
 
 
 def test_required_calls_keep_their_arguments_as_generated():
-    from services.frontend.tools import parse_required
+    from services.frontend.tool_responses import parse_required
 
     text = ('[ {"name": "a", "parameters": {"x": 1e400, "y": 0.10000000000000000001}} ,\n'
             '{"name":"b","parameters":{"k":1,"k":2}}]')

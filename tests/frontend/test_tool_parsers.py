@@ -21,8 +21,8 @@ TOKYO = ToolCall("get_time", '{"zone": "東京"}')
 # (format, the model's text, content, calls)
 EXAMPLES = [
     # hermes: Qwen2.5 / Qwen3 / Hermes 3 write each call in its tags on its own lines
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>',
-     None, [PARIS]),
+    ("hermes",
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>', None, [PARIS]),
     ("hermes", 'Let me check both.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
                '"C"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "東京"}}\n</tool_call>\n',
      "Let me check both.", [PARIS, TOKYO]),
@@ -150,7 +150,8 @@ def test_the_parser_a_template_shows():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from(PARSER_NAMES), st.text(alphabet=st.sampled_from(list('<>[]{}(),;:"=_ \n|/tool_cal')), max_size=40))
+@given(st.sampled_from(PARSER_NAMES),
+       st.text(alphabet=st.sampled_from(list('<>[]{}(),;:"=_ \n|/tool_cal')), max_size=40))
 def test_never_raises(name, text):
     content, calls = parse(name, text)
     assert calls or content == text

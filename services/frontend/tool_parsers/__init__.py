@@ -72,6 +72,18 @@ def parser_from_template(template: str | None) -> str | None:
     return next((name for sign, name in TEMPLATE_SIGNS if template and sign in template), None)
 
 
+def auto_tool_parser(enabled: bool, given: str | None, template: str | None) -> str | None:
+    """The parser of tool_choice "auto" (None: "auto" is refused): ``--tool-call-parser``, else the
+    chat template's; ``ValueError`` when enabled with neither."""
+    if not enabled:
+        return None
+    name = given or parser_from_template(template)
+    if name is None:
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(PARSER_NAMES)}): the chat "
+                         "template does not show which format the model writes its tool calls in")
+    return name
+
+
 def call_start(fmt: ModuleType, text: str, since: int = 0) -> int | None:
     """Where the calls start in ``text`` (a marker at or after ``since``, or an ``AT_START`` one)."""
     first = len(text) - len(text.lstrip())
