@@ -158,3 +158,16 @@ def test_never_raises(name, text):
     for call in calls:
         assert isinstance(json.loads(call.arguments), dict)
     assert streamed(name, list(text))[:2] == whole(name, text)
+
+
+@pytest.mark.parametrize("name", PARSER_NAMES)
+def test_a_long_answer_streams_as_it_comes(name):
+    """Plain text goes out piece by piece, holding back no more than a marker's length (a long
+    answer costs each piece the piece, not the text so far)."""
+    parser = StreamingToolParser(name, lambda: "id")
+    sent = ""
+    for i in range(2000):
+        sent += "".join(d["content"] for d in parser.feed(f"Word {i} <tool [TOOL <|python "))
+        assert len(parser._tail) <= len("<|python_tag|>")
+    sent += "".join(d["content"] for d in parser.finish())
+    assert sent == "".join(f"Word {i} <tool [TOOL <|python " for i in range(2000))

@@ -84,12 +84,14 @@ def auto_tool_parser(enabled: bool, given: str | None, template: str | None) -> 
     return name
 
 
-def call_start(fmt: ModuleType, text: str, since: int = 0) -> int | None:
-    """Where the calls start in ``text`` (a marker at or after ``since``, or an ``AT_START`` one)."""
-    first = len(text) - len(text.lstrip())
-    if any(text.startswith(s, first) for s in fmt.AT_START):
-        return first
-    found = [at for at in (text.find(m, since) for m in fmt.MARKERS) if at >= 0]
+def call_start(fmt: ModuleType, text: str, at_start: bool = True) -> int | None:
+    """Where the calls start in ``text``: a marker, or an ``AT_START`` one unless ``at_start`` is
+    false (``text`` is not the output's start)."""
+    if fmt.AT_START and at_start:
+        first = len(text) - len(text.lstrip())
+        if any(text.startswith(s, first) for s in fmt.AT_START):
+            return first
+    found = [at for at in (text.find(m) for m in fmt.MARKERS) if at >= 0]
     return min(found) if found else None
 
 

@@ -21,50 +21,55 @@ class StreamingToolParser:
     def __init__(self, name: str, new_id: Callable[[], str], first_only: bool = False) -> None:
         self.name, self.new_id, self.first_only = name, new_id, first_only
         self._fmt = parser_format(name)
-        self._text = ""
+        self._pieces: list[str] = []  # the whole text
         self._sent = 0  # characters of the text sent as content
+        self._tail = ""  # the text after them, until the calls start
         self._calls_started = False
         self.num_calls = 0  # calls sent, once finished
 
     def feed(self, piece: str) -> list[dict[str, Any]]:
-        self._text += piece
+        self._pieces.append(piece)
         if self._calls_started:
             return []
-        start = call_start(self._fmt, self._text, self._sent)
+        self._tail += piece
+        start = call_start(self._fmt, self._tail, at_start=self._sent == 0)
         if start is not None:
             self._calls_started = True
-            return self._content(len(self._text[:start].rstrip()))
+            return self._content(len(self._tail[:start].rstrip()))
         return self._content(self._held_from())
 
     def finish(self) -> list[dict[str, Any]]:
-        content, calls = parse(self.name, self._text)
+        text = "".join(self._pieces)
+        content, calls = parse(self.name, text)
+        self._tail = text[self._sent:]
         if not calls:
-            return self._content(len(self._text))
-        deltas = self._content(len(content or ""))
+            return self._content(len(self._tail))
+        deltas = self._content(len(content or "") - self._sent)
         for index, call in enumerate(calls[:1] if self.first_only else calls):
             deltas += call_deltas(index, call, self.new_id())
         self.num_calls = 1 if self.first_only else len(calls)
         return deltas
 
     def _held_from(self) -> int:
-        """Where the text that might start a call begins (its end when none may)."""
-        text = self._text
-        if not text.strip() or any(s.startswith(text.lstrip()) for s in self._fmt.AT_START) and self._sent == 0:
-            return self._sent
-        held = len(text)
+        """Where, in the unsent tail, the text that might start a call begins (its end when none may)."""
+        tail = self._tail
+        if self._sent == 0 and (not tail.strip() or any(s.startswith(tail.lstrip()) for s in self._fmt.AT_START)):
+            return 0  # (content sent: the output does not start with calls, nor with whitespace only)
+        held = len(tail)
         for marker in self._fmt.MARKERS:
-            for size in range(min(len(marker) - 1, len(text)), 0, -1):
-                if text.endswith(marker[:size]):
-                    held = min(held, len(text) - size)
+            for size in range(min(len(marker) - 1, len(tail)), 0, -1):
+                if tail.endswith(marker[:size]):
+                    held = min(held, len(tail) - size)
                     break
-        while held > self._sent and text[held - 1].isspace():
+        while held > 0 and tail[held - 1].isspace():
             held -= 1
-        return max(held, self._sent)
+        return held
 
     def _content(self, upto: int) -> list[dict[str, Any]]:
-        if upto <= self._sent:
+        """The tail's first ``upto`` characters as content."""
+        if upto <= 0:
             return []
-        piece, self._sent = self._text[self._sent:upto], upto
+        piece, self._tail, self._sent = self._tail[:upto], self._tail[upto:], self._sent + upto
         return [{"content": piece}]
 
 
