@@ -1,5 +1,6 @@
-"""Tool calling on /v1/chat/completions: the part of vLLM's that needs no tool-call parser (which
-is written per model family).
+"""Tool calling on /v1/chat/completions: the fields read, defaulted and settled, and the guide of a
+named or "required" choice (the responses' calls: ``tool_responses``; "auto"'s parsers, written
+per model family: ``tool_parsers``).
 
 - ``tools``: at most ``MAX_TOOLS`` function tools, ``{"type": "function", "function": {"name",
   "description", "parameters", "strict"}}``; names match ``^[a-zA-Z0-9_-]{1,64}$`` and are unique;
@@ -10,8 +11,8 @@ is written per model family).
   (one call or more, each to one of the tools), ``{"type": "function", "function": {"name": N}}``
   (one call to N), or ``"auto"``: free output, its calls told from its text by the parser for the
   model's own tool-call format (``tool_parsers``), so refused unless the server was started with
-  ``--enable-auto-tool-choice`` (as vLLM refuses it). Left out: ``"none"`` without tools, ``"auto"`` with them, as in
-  OpenAI's API, so a request with tools must choose.
+  ``--enable-auto-tool-choice`` (as vLLM refuses it); it sets no guide. Left out: ``"none"``
+  without tools, ``"auto"`` with them, as in OpenAI's API.
 - A named or ``"required"`` choice guides decoding (``SamplingParams.guided``, through
   ``GenerationOptions.tool_guide``): named, by the tool's parameters; required, by an array of
   ``{"name": <a tool's name>, "parameters": <its parameters>}`` objects (``required_schema``). So
@@ -24,7 +25,8 @@ is written per model family).
   vLLM leaves ``"stop"``), or, when the text cannot be parsed (cut short), the text as ``content``
   and no calls. Streamed: a named call's header (id, name) comes in the opening chunk and its
   arguments as they are generated; a required choice's calls come whole in one chunk when it
-  finishes (the array is known to be complete only then), then the finish chunk.
+  finishes (the array is known to be complete only then), then the finish chunk. "auto": see
+  ``responses.ChatShapes`` and ``tool_parsers.streaming``.
 """
 
 from __future__ import annotations

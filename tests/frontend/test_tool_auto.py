@@ -182,3 +182,24 @@ def test_the_flags_and_the_parser_the_template_shows(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match=r"^--enable-auto-tool-choice needs --tool-call-parser \(hermes, "):
         load_served_model(FrontendConfig(model=str(tiny_model_dir), endpoints=endpoints, port=0,
                                          chat_template="{{ messages }}", enable_auto_tool_choice=True))
+
+
+def test_each_choice_parses_its_own_calls(auto, model):
+    _, server = auto
+    response = ask(auto, model, f"Sure.\n{PARIS}", n=3)
+    assert [(c.message.content, calls_of(c.message), c.finish_reason) for c in response.choices] == [
+        ("Sure.", CALLS[:1], "tool_calls")] * 3
+    assert len({c.message.tool_calls[0].id for c in response.choices}) == 3
+    status, _, raw = http("POST", server.base_url + "/v1/chat/completions",
+                          body={"messages": say(f"Sure.\n{PARIS}"), "tools": TOOLS, "stream": True, "n": 3})
+    assert status == 200
+    per_choice: dict[int, dict] = {}
+    for event in sse_events(raw)[:-1]:
+        for choice in json.loads(event)["choices"]:
+            seen = per_choice.setdefault(choice["index"], {"content": "", "arguments": "", "finish": None})
+            seen["content"] += choice["delta"].get("content") or ""
+            for call in choice["delta"].get("tool_calls", []):
+                seen["arguments"] += call["function"]["arguments"]
+            seen["finish"] = choice["finish_reason"] or seen["finish"]
+    assert per_choice == {i: {"content": "Sure.", "arguments": json.dumps(CALLS[0][1]), "finish": "tool_calls"}
+                          for i in range(3)}
