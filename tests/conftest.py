@@ -70,14 +70,14 @@ def tiny_api_server(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="session")
 def tiny_f32_server(tmp_path_factory, tiny_model_dir):
     """``pagedserve serve`` on the tiny model in float32 (served as ``tiny``, 16 MiB of KV cache) for
-    ``test_locust``, ``test_offline`` and ``test_server_frontends`` (one server for them: two
-    starts fewer): ``(URL, folder)``; the folder holds its ``serve.log`` and its socket directory
-    (``TMPDIR``)."""
+    ``test_locust``, ``test_offline``, ``test_server_frontends`` and the tiny model's tool calls
+    (tool_choice "auto" on, hermes' parser) (one server for them: starts fewer): ``(URL, folder)``;
+    the folder holds its ``serve.log`` and its socket directory (``TMPDIR``)."""
     from tests.doubles.serve import start_server, stop
 
     root = tmp_path_factory.mktemp("serve-f32")
     proc, url = start_server(root, "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--dtype", "float32",
-                       "--kv-cache-memory", "16MiB")
+                             "--kv-cache-memory", "16MiB", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield url, root
     stop(proc)
 

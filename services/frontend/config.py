@@ -38,6 +38,8 @@ class FrontendConfig:
     auto, vllm or a directory; ``generation_defaults``). ``tokenizer``: ``--tokenizer``, where the
     tokenizer comes from when not from the model (``shared.model_source.resolve_tokenizer``).
     ``reasoning_parser``: ``--reasoning-parser`` (``reasoning.PARSERS``; None: chat answers are all content).
+    ``enable_auto_tool_choice``, ``tool_call_parser``: tool_choice "auto" answered, its calls
+    parsed in that format (None: the chat template's, ``tool_parsers.auto_tool_parser``).
     Keyword arguments only.
     """
 
@@ -59,6 +61,8 @@ class FrontendConfig:
     generation_config: str = _HTTP.generation_config
     tokenizer: str | None = None
     reasoning_parser: str | None = None
+    enable_auto_tool_choice: bool = _HTTP.enable_auto_tool_choice
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.served_model_name is not None and not self.served_model_name.strip():

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from services.frontend.reasoning import PARSERS as REASONING_PARSERS
+from services.frontend.tool_parsers import PARSER_NAMES
 from shared.engine_flags import LivenessFlags, ModelFlags
 from shared.flag_spec import add_flags, declared, flag, from_args, option_strings
 
@@ -32,6 +33,14 @@ class HttpFlags:
     chat_template: str | None = flag(None, "a Jinja chat template for /v1/chat/completions, instead of the "
                                      "tokenizer's own: a file's path, or the template inline (a model without "
                                      "one answers chat requests 400)", shown="the tokenizer's")
+    enable_auto_tool_choice: bool = flag(False, 'answer tool_choice "auto" (the default with tools): the model '
+                                         "writes freely and its tool calls are parsed from the text by "
+                                         "--tool-call-parser (off: \"auto\" answers 400)")
+    tool_call_parser: str | None = flag(None, "the format the model writes tool calls in, for "
+                                        "--enable-auto-tool-choice: hermes (Hermes, Qwen2.5, Qwen3), llama3_json, "
+                                        "mistral or pythonic; left out, the chat template's: hermes when it writes "
+                                        "tool_call tags, mistral [TOOL_CALLS], llama3_json Llama's python tag",
+                                        choices=PARSER_NAMES, shown="the chat template's")
     generation_config: str = flag("auto", "sampling defaults for requests that leave them out (temperature, top_p, "
                                   "top_k, min_p, the penalties; max_new_tokens as chat's max_tokens): 'auto' the "
                                   "model's generation_config.json, as vLLM; 'vllm' none (OpenAI's defaults); or a "

@@ -108,7 +108,10 @@ def run_frontend(config: FrontendConfig) -> None:
     log.info("starting frontend", model=config.model or "default", request_endpoint=config.endpoints.request)
     curve = load_keys(config.zmq_curve, "frontend") if config.zmq_curve else None  # before the slow part
     log_mode(log, curve)
-    model = load_served_model(config)
+    try:
+        model = load_served_model(config)
+    except ValueError as exc:  # a flag the model cannot go with: one line, not a traceback
+        raise SystemExit(f"pagedserve frontend: {exc}") from None
     log.info("model ready", served_model_name=model.name, max_model_len=model.max_model_len,
              eos_token_ids=model.eos_token_ids, max_token_chars=model.max_token_chars)
     uvloop.run(serve_until_signal(config, model, curve))

@@ -272,9 +272,10 @@ class ChatBody(RequestBody):
     tool_choice: ToolChoice | None = declare(
         TOOL_CHOICE, description='"none" (text; the default without tools), "required" (one call or more: its '
                                  'output follows the tools\' parameters), a named function (one call to it), or '
-                                 '"auto" (the default with tools), refused: it needs a tool-call parser.')
+                                 '"auto" (the default with tools): free text, its tool calls read by the '
+                                 'server\'s tool-call parser; refused unless it runs with --enable-auto-tool-choice.')
     parallel_tool_calls: bool = declare(
-        Boolean(), True, description='With tool_choice "required": false allows one call only.')
+        Boolean(), True, description='With tool_choice "required" or "auto": false allows one call only.')
     chat_template_kwargs: dict[str, Any] = declare(TEMPLATE_KWARGS, factory=dict)
 
 
@@ -282,15 +283,18 @@ def parse_completion_body(body: dict[str, Any], served_model_name: str) -> Compl
     return _parse(CompletionBody, Route.COMPLETIONS, body, served_model_name)
 
 
-def parse_chat_body(body: dict[str, Any], served_model_name: str) -> ChatBody:
-    return _parse(ChatBody, Route.CHAT, body, served_model_name)
+def parse_chat_body(body: dict[str, Any], served_model_name: str, tool_parser: str | None = None) -> ChatBody:
+    """``tool_parser``: the server's for tool_choice "auto" (None: "auto" is refused)."""
+    return _parse(ChatBody, Route.CHAT, body, served_model_name, tool_parser)
 
 
-def _parse(cls: type[Body], route: Route, body: dict[str, Any], served_model_name: str) -> Body:
+def _parse(cls: type[Body], route: Route, body: dict[str, Any], served_model_name: str,
+           tool_parser: str | None = None) -> Body:
     check_model(body, served_model_name)  # first: a request meant for another model has nothing else to fix
     parsed = read_declared(cls, body, route)
     check_options(parsed.options, route, echo=isinstance(parsed, CompletionBody) and parsed.echo)
     if isinstance(parsed, ChatBody):
         parsed.tool_choice, parsed.options.tool_guide = settle_tool_choice(parsed.tools, parsed.tool_choice,
-                                                                           parsed.options, parsed.parallel_tool_calls)
+                                                                           parsed.options, parsed.parallel_tool_calls,
+                                                                           tool_parser)
     return parsed

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from services.frontend.logprobs import TokenFormatter, TokenLogprob
-from services.frontend.tools import NAMED, REQUIRED, ToolChoice, parse_required, tool_call
+from services.frontend.tool_parsers.streaming import StreamingToolParser
+from services.frontend.tool_responses import new_call_id, parse_auto, parse_required, tool_call
+from services.frontend.tools import AUTO, NAMED, REQUIRED, ToolChoice
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0,
@@ -126,14 +128,22 @@ class CompletionShapes(ResponseShapes):
 
 class ChatShapes(ResponseShapes):
     """``tool_choice``: the request's (``tools``); a named or "required" one makes each choice's
-    text its tool calls (see ``tools`` for the shapes)."""
+    text its tool calls (see ``tools`` for the shapes); "auto" reads the calls, if any, from the
+    text with its parser (``tool_parsers``): content before them as content, ``finish_reason``
+    "tool_calls" when there are calls. ``parallel_tool_calls`` false: an "auto" choice keeps its
+    first call only."""
 
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, *args: Any, tool_choice: ToolChoice | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tool_choice: ToolChoice | None = None, parallel_tool_calls: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tool_choice = tool_choice if tool_choice is not None and tool_choice.calls else None
+        auto = tool_choice is not None and tool_choice.mode == AUTO
+        self._parser = tool_choice.parser if auto else None  # "auto": the tool-call parser
+        self._first_only = not parallel_tool_calls
+        self._parsers: dict[int, StreamingToolParser] = {}  # "auto", streamed: per choice
         self._held: dict[int, tuple[str, list[TokenLogprob] | None]] = {}  # "required", streamed: index -> so far
 
     @property
@@ -166,6 +176,8 @@ class ChatShapes(ResponseShapes):
     ) -> list[dict[str, Any]]:
         """A "required" choice's text is held until it finishes: then its calls in one chunk and the
         finish in the next (or, when the text is not an array of calls, the text and the finish)."""
+        if self._parser is not None:
+            return self._auto_chunks(index, text, finish_reason, logprobs)
         if not self._required:
             return super().chunks(index, text, finish_reason, logprobs)
         held_text, held_logprobs = self._held.get(index, ("", None))
@@ -183,10 +195,32 @@ class ChatShapes(ResponseShapes):
         return [self._chunk([self._choice(index, delta, None, held_logprobs)]),
                 self._chunk([self._choice(index, {}, _calls_finish(finish_reason), None)])]
 
+    def _auto_chunks(self, index: int, text: str, finish_reason: str | None,
+                     logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+        """An "auto" choice's content as it comes (what may start a call held back), its calls
+        when it finishes (``tool_parsers.streaming``), then the finish."""
+        parser = self._parsers.setdefault(index, StreamingToolParser(self._parser, new_call_id, self._first_only))
+        deltas = parser.feed(text)
+        if finish_reason is not None:
+            deltas += parser.finish()
+            self._parsers.pop(index, None)
+        if logprobs and not deltas:  # held text's logprobs go out as they come
+            deltas = [{}]
+        chunks = [self._chunk([self._choice(index, delta, None, logprobs if i == 0 else None)])
+                  for i, delta in enumerate(deltas)]
+        if finish_reason is not None:
+            reason = "tool_calls" if parser.num_calls else finish_reason
+            chunks.append(self._chunk([self._choice(index, {}, reason, None)]))
+        return chunks
+
     def _full_choice(self, choice: Choice) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
         finish_reason = choice.finish_reason
-        if self._named is not None:
+        if self._parser is not None:
+            content, calls = parse_auto(self._parser, choice.text, self._first_only)
+            if calls:
+                message, finish_reason = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        elif self._named is not None:
             message = {"role": "assistant", "content": None, "tool_calls": [tool_call(self._named, choice.text)]}
         elif self._required and (calls := parse_required(choice.text)) is not None:
             message = {"role": "assistant", "content": None,

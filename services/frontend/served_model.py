@@ -10,6 +10,7 @@ import structlog
 
 from services.frontend.config import FrontendConfig
 from services.frontend.generation_defaults import max_tokens_limit, read_generation_defaults
+from services.frontend.tool_parsers import auto_tool_parser
 from services.frontend.input_limits import body_limit_bytes, longest_token_chars, max_prompt_chars
 from shared.hf_config import load_hf_config, model_shape, read_config_json
 from shared.model_source import ModelSource, eos_token_ids, load_tokenizer, resolve_model, resolve_tokenizer
@@ -36,6 +37,8 @@ class ServedModel:
     max_tokens_limit: int | None = None
     # --reasoning-parser (``reasoning``): chat's answers split into reasoning and content (None: not)
     reasoning_parser: str | None = None
+    # the parser of tool_choice "auto" (``tool_parsers``; None: "auto" answers 400)
+    tool_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.max_token_chars:
@@ -90,6 +93,11 @@ def load_served_model(config: FrontendConfig) -> ServedModel:
         tokenizer.chat_template = config.chat_template  # --chat-template: the one chat requests render with
     log.info("chat template", source="--chat-template" if config.chat_template is not None
              else "tokenizer" if getattr(tokenizer, "chat_template", None) else "none (chat requests answer 400)")
+    tool_parser = auto_tool_parser(config.enable_auto_tool_choice, config.tool_call_parser,
+                                   getattr(tokenizer, "chat_template", None))
+    if tool_parser is not None:
+        log.info('tool_choice "auto" enabled', tool_call_parser=tool_parser,
+                 source="--tool-call-parser" if config.tool_call_parser else "the chat template")
     generation_defaults = read_generation_defaults(config.generation_config, source.directory)
     if generation_defaults:
         log.warning("sampling defaults from the model's generation config: requests that leave these out get "
@@ -107,4 +115,5 @@ def load_served_model(config: FrontendConfig) -> ServedModel:
         model_vocab_size=model_vocab_size,
         max_tokens_limit=max_tokens_limit(config.generation_config, generation_defaults),
         reasoning_parser=config.reasoning_parser,
+        tool_parser=tool_parser,
     )

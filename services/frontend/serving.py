@@ -57,7 +57,7 @@ class Endpoint:
     """What makes /v1/completions and /v1/chat/completions differ; everything else they share."""
 
     id_prefix: str
-    parse: Callable[[dict[str, Any], str], RequestBody]  # JSON object, served model name -> body
+    parse: Callable[[dict[str, Any], ServedModel], RequestBody]  # JSON object, served model -> body
     inputs: Callable[[Any, ServedModel], list[PromptInput]]  # body -> its prompts (on the tokenizer thread)
     text_chars: Callable[[Any], list[int]]  # body -> characters of each text prompt (checked before tokenizing)
     shapes: type[ResponseShapes]
@@ -68,10 +68,12 @@ class Endpoint:
     prompt_options: Callable[[Any, ServedModel, list[PromptInput]], dict[str, Any]] = lambda body, model, inputs: {}
 
 
-COMPLETIONS = Endpoint("cmpl", parse_completion_body, completion_inputs, completion_text_chars, CompletionShapes,
-                       DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
-CHAT = Endpoint("chatcmpl", parse_chat_body, chat_inputs, chat_text_chars, ReasoningChatShapes, None, "messages",
-                lambda body: {"tool_choice": body.tool_choice}, chat_reasoning)
+COMPLETIONS = Endpoint("cmpl", lambda raw, model: parse_completion_body(raw, model.name), completion_inputs,
+                       completion_text_chars, CompletionShapes, DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+CHAT = Endpoint("chatcmpl", lambda raw, model: parse_chat_body(raw, model.name, model.tool_parser), chat_inputs,
+                chat_text_chars, ReasoningChatShapes, None, "messages",
+                lambda body: {"tool_choice": body.tool_choice, "parallel_tool_calls": body.parallel_tool_calls},
+                chat_reasoning)
 
 
 @dataclass
@@ -101,7 +103,7 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     request_id = request[REQUEST_ID] = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
     with structlog.contextvars.bound_contextvars(request_id=request_id):
         raw = await read_body(request)
-        body = endpoint.parse(parse_json_body(raw), state.model.name)
+        body = endpoint.parse(parse_json_body(raw), state.model)
         model = state.model
         for num_chars in endpoint.text_chars(body):
             check_prompt_chars(num_chars, model.max_model_len, model.max_token_chars, endpoint.prompt_param)

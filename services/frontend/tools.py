@@ -1,5 +1,6 @@
-"""Tool calling on /v1/chat/completions: the part of vLLM's that needs no tool-call parser (which
-is written per model family).
+"""Tool calling on /v1/chat/completions: the fields read, defaulted and settled, and the guide of a
+named or "required" choice (the responses' calls: ``tool_responses``; "auto"'s parsers, written
+per model family: ``tool_parsers``).
 
 - ``tools``: at most ``MAX_TOOLS`` function tools, ``{"type": "function", "function": {"name",
   "description", "parameters", "strict"}}``; names match ``^[a-zA-Z0-9_-]{1,64}$`` and are unique;
@@ -8,10 +9,10 @@ is written per model family).
   is accepted and unused: decoding is always constrained. ``[]`` is no tools.
 - ``tool_choice``: ``"none"`` (plain text; the tools still go to the chat template), ``"required"``
   (one call or more, each to one of the tools), ``{"type": "function", "function": {"name": N}}``
-  (one call to N), or ``"auto"``, refused: telling a tool call from text in free output takes a
-  parser for the model's own tool-call format (vLLM refuses it too without
-  ``--enable-auto-tool-choice``). Left out: ``"none"`` without tools, ``"auto"`` with them, as in
-  OpenAI's API, so a request with tools must choose.
+  (one call to N), or ``"auto"``: free output, its calls told from its text by the parser for the
+  model's own tool-call format (``tool_parsers``), so refused unless the server was started with
+  ``--enable-auto-tool-choice`` (as vLLM refuses it); it sets no guide. Left out: ``"none"``
+  without tools, ``"auto"`` with them, as in OpenAI's API.
 - A named or ``"required"`` choice guides decoding (``SamplingParams.guided``, through
   ``GenerationOptions.tool_guide``): named, by the tool's parameters; required, by an array of
   ``{"name": <a tool's name>, "parameters": <its parameters>}`` objects (``required_schema``). So
@@ -24,15 +25,14 @@ is written per model family).
   vLLM leaves ``"stop"``), or, when the text cannot be parsed (cut short), the text as ``content``
   and no calls. Streamed: a named call's header (id, name) comes in the opening chunk and its
   arguments as they are generated; a required choice's calls come whole in one chunk when it
-  finishes (the array is known to be complete only then), then the finish chunk.
+  finishes (the array is known to be complete only then), then the finish chunk. "auto": see
+  ``responses.ChatShapes`` and ``tool_parsers.streaming``.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +46,9 @@ TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 NO_PARAMETERS = {"type": "object", "properties": {}}  # a tool's parameters left out (OpenAI's default)
 NONE, AUTO, REQUIRED, NAMED = "none", "auto", "required", "named"
 CHOICE_WORDS = (NONE, AUTO, REQUIRED)
-AUTO_REFUSED = ('"auto" tool choice needs a tool-call parser, which pagedserve does not have: use tool_choice '
-                '"required" or a named function, or "none"')
+AUTO_REFUSED = ('"auto" tool choice needs a tool-call parser, which this server was started without '
+                '(--enable-auto-tool-choice, with --tool-call-parser when the chat template does not show the '
+                'format): use tool_choice "required" or a named function, or "none"')
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class ToolChoice:
 
     mode: str
     name: str | None = None
+    parser: str | None = None  # "auto": the tool-call parser its output is read with (``tool_parsers``)
 
     @property
     def calls(self) -> bool:
@@ -133,16 +135,19 @@ def _read_tool_choice(name: str, value: Any) -> ToolChoice:
                       f'...}}}}, got {describe(value)}', name)
 
 
-def settle_tool_choice(tools: list[dict[str, Any]], choice: ToolChoice | None, options: Any,
-                       parallel: bool = True) -> tuple[ToolChoice, dict[str, Any] | None]:
+def settle_tool_choice(tools: list[dict[str, Any]], choice: ToolChoice | None, options: Any, parallel: bool = True,
+                       auto_parser: str | None = None) -> tuple[ToolChoice, dict[str, Any] | None]:
     """The request's tool choice (its default settled) and the guide it sets (a named or required
     choice: the called tools' parameters compiled here), once every field has been read; each
-    conflict a 400 naming ``tool_choice`` (or ``stop``). ``parallel`` false: "required" makes one call."""
+    conflict a 400 naming ``tool_choice`` (or ``stop``). ``parallel`` false: "required" makes one call.
+    ``auto_parser``: the server's parser for "auto" (None: refused), which sets no guide."""
     given = choice is not None
     if choice is None:
         choice = ToolChoice(AUTO if tools else NONE)
     if not tools and choice.mode != NONE:
         raise bad_request(f"{choice.words()} needs tools: give tools, or leave tool_choice out", "tool_choice")
+    if choice.mode == AUTO and auto_parser is not None:
+        return ToolChoice(AUTO, parser=auto_parser), None
     if choice.mode == AUTO:
         default = "" if given else " (the default when tools are given)"
         raise bad_request(f'tool_choice "auto"{default}: {AUTO_REFUSED}', "tool_choice")
@@ -234,67 +239,3 @@ def _moved(schema: Any, base: str) -> Any:
             value = {k: _moved(v, base) for k, v in value.items()}
         out[key] = value
     return out
-
-
-# ---------------------------------------------------------------- the response
-
-
-def tool_call(name: str, arguments: str, index: int | None = None) -> dict[str, Any]:
-    """One call in OpenAI's shape (with ``index`` in a streamed delta), with a new id as vLLM makes them."""
-    call = {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
-    return call if index is None else {"index": index} | call
-
-
-def parse_required(text: str) -> list[tuple[str, str]] | None:
-    """A "required" output's calls, ``(name, arguments as JSON text)``; None when ``text`` is not a
-    complete array of calls (cut short by ``length`` or a ``stop`` string)."""
-    try:
-        value = json.loads(text)
-        spans = _parameter_spans(text)
-    except (ValueError, RecursionError):  # (a guide allows any depth where a schema allows any value)
-        return None
-    if not isinstance(value, list) or not value or len(spans) != len(value):
-        return None
-    calls = []
-    for item, (start, end) in zip(value, spans):
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or "parameters" not in item:
-            return None
-        calls.append((item["name"], text[start:end]))  # as generated: no number or key rewritten
-    return calls
-
-
-def _parameter_spans(text: str) -> list[tuple[int, int]]:
-    """Where each call's ``parameters`` value lies in an array of ``{"name": ..., "parameters":
-    ...}`` objects, keys in that order (as the guide writes them); ``ValueError`` otherwise."""
-    decoder, spans, pos = json.JSONDecoder(), [], 0
-
-    def skip(at: int) -> int:
-        while at < len(text) and text[at] in " \t\n\r":
-            at += 1
-        return at
-
-    def expect(at: int, char: str) -> int:
-        at = skip(at)
-        if text[at:at + 1] != char:
-            raise ValueError(f"expected {char!r} at {at}")
-        return at + 1
-
-    pos = expect(pos, "[")
-    while True:
-        pos = expect(pos, "{")
-        for key in ("name", "parameters"):
-            found, pos = decoder.raw_decode(text, skip(pos))
-            if found != key:
-                raise ValueError(f"expected the key {key!r} at {pos}")
-            start = skip(expect(pos, ":"))
-            _, pos = decoder.raw_decode(text, start)
-            if key == "parameters":
-                spans.append((start, pos))
-            else:
-                pos = expect(pos, ",")
-        pos = expect(pos, "}")
-        pos = skip(pos)
-        if text[pos:pos + 1] == "]":
-            return spans
-        pos = expect(pos, ",")

@@ -32,8 +32,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMETERS, "strict": True}}
 TOOLS = [WEATHER, TIME]
 CALL_ID = re.compile(r"chatcmpl-tool-[0-9a-f]{32}")
-AUTO_REASON = ('"auto" tool choice needs a tool-call parser, which pagedserve does not have: use tool_choice '
-               '"required" or a named function, or "none"')
+AUTO_REASON = ('"auto" tool choice needs a tool-call parser, which this server was started without '
+               '(--enable-auto-tool-choice, with --tool-call-parser when the chat template does not show the '
+               'format): use tool_choice "required" or a named function, or "none"')
 
 
 def named(name: str) -> dict:
@@ -493,8 +494,29 @@ def test_a_tool_conversation_is_answered_by_the_tiny_model(tiny):
     for fields in ({"tools": TOOLS, "tool_choice": "none"}, {}):
         choice = tiny.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=8, **fields).choices[0]
         assert isinstance(choice.message.content, str) and choice.message.tool_calls is None
-    with pytest.raises(openai.BadRequestError, match="tool-call parser"):  # tools without tool_choice: "auto"
-        tiny.chat.completions.create(model="tiny", messages=CONVERSATION, tools=TOOLS, max_tokens=8)
+    # tools without tool_choice: "auto" (the server has --enable-auto-tool-choice): the tiny model's
+    # text is no hermes call, so it is content
+    choice = tiny.chat.completions.create(model="tiny", messages=CONVERSATION, tools=TOOLS, max_tokens=8).choices[0]
+    assert isinstance(choice.message.content, str) and choice.message.tool_calls is None
+    assert choice.finish_reason in ("stop", "length")
+
+
+HERMES_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+
+
+@pytest.mark.slow
+def test_auto_calls_through_serve_parse_what_the_model_writes(tiny):
+    """The tiny model cannot choose a tool: guided_choice makes it write a hermes call, word for
+    word, and "auto" reads the call from its text, whole and streamed."""
+    fields = {"model": "tiny", "messages": QUESTION, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 60,
+              "extra_body": {"guided_choice": [f"Checking.\n{HERMES_CALL}"]}}
+    choice = tiny.chat.completions.create(**fields).choices[0]
+    assert (choice.message.content, calls_of(choice.message), choice.finish_reason) == (
+        "Checking.", [("get_time", {"zone": "UTC"})], "tool_calls")
+    with tiny.chat.completions.stream(**fields) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert (streamed.message.content, calls_of(streamed.message), streamed.finish_reason) == (
+        "Checking.", [("get_time", {"zone": "UTC"})], "tool_calls")
 
 
 def test_required_bounds_its_tools_and_parallel_tool_calls():
@@ -511,7 +533,7 @@ def test_required_bounds_its_tools_and_parallel_tool_calls():
 
 
 def test_required_calls_keep_their_arguments_as_generated():
-    from services.frontend.tools import parse_required
+    from services.frontend.tool_responses import parse_required
 
     text = ('[ {"name": "a", "parameters": {"x": 1e400, "y": 0.10000000000000000001}} ,\n'
             '{"name":"b","parameters":{"k":1,"k":2}}]')

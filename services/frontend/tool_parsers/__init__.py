@@ -1,0 +1,110 @@
+"""Tool-call parsers for ``tool_choice: "auto"``: the calls a model writes in its own family's
+format, told from its text (pure functions, no I/O). A format (one module each) gives
+
+- ``MARKERS``: strings that start the calls wherever they stand (text before them is content);
+- ``AT_START``: strings that start the calls only at the start of the output (after whitespace);
+- ``parse_calls(rest)``: the calls in ``rest`` (the text from where they start), or None when it
+  is not calls from start to end (whitespace aside).
+
+``parse(name, text)`` gives ``(content, calls)``: ``content`` the text before the calls (trailing
+whitespace dropped; None when nothing is left) and one ``ToolCall`` per call; text that is not
+calls in the format, or whose calls are malformed anywhere (JSON that does not parse, a call cut
+short, text after the calls), is all content with no calls: it never raises. A call to a name
+that is not among the request's tools is kept, as vLLM keeps it (the parser does not know the
+tools; the client sees what the model asked for). ``StreamingToolParser`` (``streaming``) gives
+the same, fed the text in pieces.
+
+The formats: ``hermes`` (Hermes, Qwen2.5 and Qwen3), ``llama3_json`` (Llama 3.1 to 3.3),
+``mistral`` and ``pythonic`` (Llama 3.2 and 4's Python-call lists). Markers written as special
+tokens (``<|python_tag|>``, ``[TOOL_CALLS]``) are dropped by the detokenizer with the other special
+tokens, so those formats also take their calls without the marker at the start of the output.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call: the function's name and its arguments as JSON text (an object)."""
+
+    name: str
+    arguments: str
+
+
+def call_of(value: Any, *argument_keys: str) -> ToolCall | None:
+    """``{"name": str, <one of argument_keys>: object}`` as a call; None otherwise."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    key = next((k for k in argument_keys if k in value), None)
+    arguments = {} if key is None else value[key]
+    if isinstance(arguments, str):  # some fine-tunes write the arguments as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict) or set(value) - {"name", key, "type", "id"}:
+        return None
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False, allow_nan=False))
+
+
+def _formats() -> dict[str, ModuleType]:
+    from services.frontend.tool_parsers import hermes, llama3_json, mistral, pythonic
+
+    return {"hermes": hermes, "llama3_json": llama3_json, "mistral": mistral, "pythonic": pythonic}
+
+
+PARSER_NAMES = ("hermes", "llama3_json", "mistral", "pythonic")
+# what a chat template writes when it shows its model's format, in the order they are looked for
+TEMPLATE_SIGNS = (("[TOOL_CALLS]", "mistral"), ("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"))
+
+
+def parser_format(name: str) -> ModuleType:
+    return _formats()[name]
+
+
+def parser_from_template(template: str | None) -> str | None:
+    """The parser a chat template shows its model's calls in; None when it shows none."""
+    return next((name for sign, name in TEMPLATE_SIGNS if template and sign in template), None)
+
+
+def auto_tool_parser(enabled: bool, given: str | None, template: str | None) -> str | None:
+    """The parser of tool_choice "auto" (None: "auto" is refused): ``--tool-call-parser``, else the
+    chat template's; ``ValueError`` when enabled with neither."""
+    if not enabled:
+        return None
+    name = given or parser_from_template(template)
+    if name is None:
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(PARSER_NAMES)}): the chat "
+                         "template does not show which format the model writes its tool calls in")
+    return name
+
+
+def call_start(fmt: ModuleType, text: str, at_start: bool = True) -> int | None:
+    """Where the calls start in ``text``: a marker, or an ``AT_START`` one unless ``at_start`` is
+    false (``text`` is not the output's start)."""
+    if fmt.AT_START and at_start:
+        first = len(text) - len(text.lstrip())
+        if any(text.startswith(s, first) for s in fmt.AT_START):
+            return first
+    found = [at for at in (text.find(m) for m in fmt.MARKERS) if at >= 0]
+    return min(found) if found else None
+
+
+def parse(name: str, text: str) -> tuple[str | None, list[ToolCall]]:
+    """``(content, calls)`` of ``text`` in the named format (see the module's docstring)."""
+    fmt = parser_format(name)
+    start = call_start(fmt, text)
+    if start is None:
+        return text, []
+    try:
+        calls = fmt.parse_calls(text[start:])
+    except (ValueError, RecursionError, MemoryError, SyntaxError, TypeError):
+        calls = None
+    if not calls:
+        return text, []
+    return text[:start].rstrip() or None, calls
