@@ -265,7 +265,8 @@ def test_added_tokens_are_their_text(tmp_path):
     assert pieces[grown.convert_tokens_to_ids("<tool>")] == b"<tool>"
 
 
-@pytest.mark.parametrize("bounds", [{"minLength": 2, "maxLength": 5}, {"maxLength": 1}, {"minLength": 3}])
+@pytest.mark.parametrize("bounds", [{"minLength": 2, "maxLength": 5}, {"maxLength": 1},
+                                    pytest.param({"minLength": 3}, marks=pytest.mark.slow)])  # slow: the longest walk
 def test_bounded_strings_masks_made_from_the_unbounded_one_equal_checking_every_token(tokenizer, vocabulary, bounds):
     schema = {"type": "object", "properties": {"s": {"type": "string", **bounds}, "n": {"type": "integer"}},
               "required": ["s", "n"]}

@@ -84,6 +84,7 @@ def test_draw_never_picks_a_zero_probability_token_and_flags_broken_rows():
         assert draw(probs, torch.full((3,), u)).tolist() == [1, -1, -1]
 
 
+@pytest.mark.slow  # draws enough samples to compare frequencies
 def test_sampled_frequencies_follow_the_temperature():
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1, 0.0]]))
     sampler = Sampler(seed=0)

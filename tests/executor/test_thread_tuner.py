@@ -105,6 +105,7 @@ def test_enabled_only_where_results_cannot_depend_on_it():
     assert thread_tuner_for(packed, 2, 1, enabled=False) == (None, "--no-adaptive-threads")
 
 
+@pytest.mark.slow  # packs and multiplies model-sized weights on one and two threads
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_matmuls_give_the_same_bits_on_one_and_two_threads(dtype):
     # SmolLM2's layer shapes (fused qkv, o, fused gate/up, down) and a slice of its LM head, at the

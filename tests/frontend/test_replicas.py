@@ -137,6 +137,7 @@ def test_a_silent_replica_takes_no_requests_before_it_counts_as_lost(replicas):
     assert len(fakes[0].added) == before + 4
 
 
+@pytest.mark.slow  # waits out two replicas' silence
 def test_a_lost_replica_leaves_the_other_serving_then_none(tmp_path):
     front, fakes, _ = _start_replicas(tmp_path, heartbeat_timeout=1.0)
     try:

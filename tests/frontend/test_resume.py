@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import numpy as np
+import pytest
 import zmq
 
 from services.frontend.engine_client import EngineClient
@@ -104,6 +105,7 @@ def _stats(epoch: int, ready: bool = True, executor_restarts: int = 0) -> Engine
                        executors=[ExecutorHealth(0, 5, "ok" if ready else "lost", 0.1, executor_restarts)])
 
 
+@pytest.mark.slow  # waits out a scheduler's silence
 def test_engine_client_hands_its_requests_to_a_restarted_scheduler(tmp_path):
     endpoint = Endpoints.in_directory(str(tmp_path)).request
     ctx = zmq.Context()
