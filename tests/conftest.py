@@ -11,12 +11,8 @@ import sys
 import openai
 import pytest
 
-from shared.hub_kernels import hide_hub_kernels
-
-hide_hub_kernels()  # before any test module imports transformers: `kernels` is ours (shared/hub_kernels.py)
-
-from shared.endpoints import Endpoints  # noqa: E402
-from tests.doubles.fake_scheduler import FakeScheduler, FrontendThread, default_served_model  # noqa: E402
+from shared.endpoints import Endpoints  # transformers' hub kernels are off already (tests/__init__.py)
+from tests.doubles.fake_scheduler import FakeScheduler, FrontendThread, default_served_model
 
 
 def pytest_configure(config):

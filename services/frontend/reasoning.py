@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.frontend.partial_marks import partial_suffix
+
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
 
@@ -95,7 +97,7 @@ class StreamSplitter:
             elif self._state == _REASONING:
                 end = self._held.find(CLOSE)
                 if end < 0:
-                    keep = _partial_suffix(self._held, CLOSE)
+                    keep = partial_suffix(self._held, CLOSE)
                     reasoning += self._held[:len(self._held) - keep]
                     self._held = self._held[len(self._held) - keep:]
                     return reasoning, content
@@ -111,11 +113,3 @@ class StreamSplitter:
         if self._state == _START:
             self._state = _REASONING if self._starts_inside else _CONTENT
         return (held, "") if self._state == _REASONING else ("", held)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag`` (shorter than the tag)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0

@@ -63,17 +63,19 @@ class Endpoint:
     shapes: type[ResponseShapes]
     default_max_tokens: int | None  # when the client gives none (None: the context left)
     prompt_param: str  # the field to blame for a prompt that does not fit
-    shape_options: Callable[[Any], dict[str, Any]] = lambda body: {}  # body -> more arguments of ``shapes``
-    # body, model, prompts -> more arguments of ``shapes`` (chat's reasoning parser, ``reasoning_shapes``)
-    prompt_options: Callable[[Any, ServedModel, list[PromptInput]], dict[str, Any]] = lambda body, model, inputs: {}
+    # body, model, prompts -> more arguments of ``shapes`` (chat's tool choice and reasoning parser)
+    shape_options: Callable[[Any, ServedModel, list[PromptInput]], dict[str, Any]] = lambda body, model, inputs: {}
+
+
+def _chat_shape_options(body: Any, model: ServedModel, inputs: list[PromptInput]) -> dict[str, Any]:
+    return {"tool_choice": body.tool_choice, "parallel_tool_calls": body.parallel_tool_calls,
+            **chat_reasoning(body, model, inputs)}
 
 
 COMPLETIONS = Endpoint("cmpl", lambda raw, model: parse_completion_body(raw, model.name), completion_inputs,
                        completion_text_chars, CompletionShapes, DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
 CHAT = Endpoint("chatcmpl", lambda raw, model: parse_chat_body(raw, model.name, model.tool_parser), chat_inputs,
-                chat_text_chars, ReasoningChatShapes, None, "messages",
-                lambda body: {"tool_choice": body.tool_choice, "parallel_tool_calls": body.parallel_tool_calls},
-                chat_reasoning)
+                chat_text_chars, ReasoningChatShapes, None, "messages", _chat_shape_options)
 
 
 @dataclass
@@ -110,8 +112,7 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
         inputs: list[PromptInput] = await state.tokenize(len(raw), endpoint.inputs, body, model)
         echoes = [_echo(prompt, body.options) for prompt in inputs]
         shapes = endpoint.shapes(request_id, int(time.time()), state.model.name, body.options.include_usage,
-                                 state.token_formatter, **endpoint.shape_options(body),
-                                 **endpoint.prompt_options(body, model, inputs))
+                                 state.token_formatter, **endpoint.shape_options(body, model, inputs))
         return await _generate(request, state, shapes, inputs, body.options, echoes, endpoint, arrival)
 
 

@@ -79,7 +79,7 @@ def test_without_it_the_clash_is_there(tmp_path):
 
 
 def test_in_this_process_transformers_takes_hub_kernels_as_unavailable():
-    """tests/conftest.py turned them off before any test imported transformers; a second call is
+    """tests/__init__.py turned them off before any test imported transformers; a second call is
     free and says so."""
     import transformers.utils
     from transformers.utils import import_utils
@@ -138,7 +138,7 @@ def test_the_import_checker_sees_a_missing_or_late_switch():
 
 def test_every_transformers_import_of_the_product_and_load_tests_turns_hub_kernels_off_first():
     """A code path that imports transformers calls ``hide_hub_kernels()`` before, in the same
-    function (the tests' own imports come after tests/conftest.py's call)."""
+    function (the tests' own imports come after tests/__init__.py's call)."""
     paths = [p for top in ("services", "shared", "loadtest") for p in sorted((ROOT / top).rglob("*.py"))]
     sources = {p: p.read_text(encoding="utf-8") for p in paths}
     importing = [p for p, text in sources.items() if "transformers" in text and p != ROOT / "shared" / "hub_kernels.py"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from services.frontend.partial_marks import partial_suffix
 from services.frontend.tool_parsers import ToolCall, call_start, parse, parser_format
 
 
@@ -55,12 +56,7 @@ class StreamingToolParser:
         tail = self._tail
         if self._sent == 0 and (not tail.strip() or any(s.startswith(tail.lstrip()) for s in self._fmt.AT_START)):
             return 0  # (content sent: the output does not start with calls, nor with whitespace only)
-        held = len(tail)
-        for marker in self._fmt.MARKERS:
-            for size in range(min(len(marker) - 1, len(tail)), 0, -1):
-                if tail.endswith(marker[:size]):
-                    held = min(held, len(tail) - size)
-                    break
+        held = len(tail) - max((partial_suffix(tail, marker) for marker in self._fmt.MARKERS), default=0)
         while held > 0 and tail[held - 1].isspace():
             held -= 1
         return held
