@@ -139,11 +139,15 @@ class PlainConfig:
 def plain_config(config: Mapping[str, Any]) -> PlainConfig | None:
     """``config`` (a checked ``config.json``) as a ``PlainConfig`` when nothing in it needs
     ``transformers`` to be read right, else None: a supported model type with its KV head count
-    given, no remote code, and rotary settings in either of transformers' two forms."""
+    (and Mistral's window) given, no remote code, and rotary settings in either of transformers' two forms."""
     if config.get("model_type") not in PLAIN_MODEL_TYPES or "auto_map" in config:
         return None
     if not isinstance(config.get("num_key_value_heads"), int):
         return None
+    if config["model_type"] == "mistral" and "sliding_window" not in config:
+        return None  # MistralConfig's default window (4096) applies
+    if config.get("use_sliding_window") and "layer_types" not in config:
+        return None  # Qwen2's windowed layers follow from max_window_layers: transformers says which
     rope = config.get("rope_parameters")
     if rope is not None and not (isinstance(rope, dict) and "rope_theta" in rope):
         return None

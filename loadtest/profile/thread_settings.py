@@ -52,7 +52,7 @@ def _worker(args) -> None:
     import torch
 
     from services.executor.attention import select_backend
-    from services.executor.model import ModelConfig
+    from services.executor.architectures import model_config
     from services.executor.runner import ModelRunner, allocate_kv_cache
     from services.executor.weights import build_model, load_hf_config, resolve_dtype
     from shared.messages import NewSequence, SamplingParams, Step
@@ -61,7 +61,7 @@ def _worker(args) -> None:
     dtype = resolve_dtype(args.dtype, torch.device("cpu")).dtype
     hf = load_hf_config(resolve_model(None))
     model = build_model(hf, torch.load(args.weights, mmap=True), dtype, torch.device("cpu"), 2048)
-    cfg = ModelConfig.from_hf(hf)
+    cfg = model_config(hf)
     batch, context, bs = args.batch, args.context, 16
     per_seq = -(-(context + args.steps + 3) // bs)
     kv = allocate_kv_cache(cfg, batch * per_seq, bs, dtype, torch.device("cpu"))

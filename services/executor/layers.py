@@ -1,5 +1,7 @@
-"""The decoder layer's parts around attention and the matmuls: the residual add + RMS norm, the
-rotary embedding (with the q/k/v split) and the gated MLP.
+"""The decoder layer's parts around attention and the matmuls, shared by every family: the
+residual add + RMS norm (and the plain norm of Gemma's sandwich norms and of Qwen3's and Gemma 3's
+query and key heads), the rotary embedding (with the q/k/v split; linear scaling) and the gated
+MLP (SiLU, or Gemma's tanh-approximated GELU).
 
 Each runs its elementwise chain in one kernel where the attention backend offers one for these
 tensors (the numba backend on CPU: ``add_rms_norm``, ``rope_split``, ``silu_mul``;
@@ -25,7 +27,7 @@ from .parallel.base import Communicator
 from .parallel.sharding import ShardPlan
 
 if TYPE_CHECKING:
-    from .model import ModelConfig
+    from .decoder import ModelConfig
 
 
 class RMSNorm(Module):
@@ -51,17 +53,32 @@ class RMSNorm(Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype), residual
 
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(x) alone, as Hugging Face's (no residual): Gemma's norms of a sublayer's output."""
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class HeadNorm(RMSNorm):
+    """The RMS norm of each query or key head over its ``head_dim`` (Qwen3's ``q_norm`` and
+    ``k_norm``, Gemma 3's), written back into the fused projection's output (``apply_``)."""
+
+    def apply_(self, heads: torch.Tensor) -> None:  # [T, H, D], a view into the q/k/v output
+        heads.copy_(self.normalize(heads))
+
 class RotaryEmbedding(Module):
     """Non-interleaved (``rotate_half``) rotary embedding with a precomputed cos/sin table."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, linear_factor: float = 1.0) -> None:
         super().__init__()
         # Computed on the CPU even where the model is built on the meta device (``build_model``
         # replaces this table after): meta tensors run torch's Python reference ops, whose first
         # use imports torch._dynamo (about 1 s of every executor's start here).
         cpu = torch.device("cpu")
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim
-        inv_freq = 1.0 / (theta ** exponents)
+        inv_freq = 1.0 / (theta ** exponents) / linear_factor  # "linear" scaling: positions / factor
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=cpu), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -95,6 +112,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.gelu(x, approximate="tanh")  # transformers' gelu_pytorch_tanh
+
+
+# transformers' ACT2FN names of the gated MLP's activation, computed as transformers computes them
+ACTIVATIONS = {"silu": nn.functional.silu, "gelu_pytorch_tanh": _gelu_tanh}
+
+
 class MLP(Module):
     """This rank's intermediate columns; down_proj's partial sums are all-reduced.
 
@@ -115,11 +140,15 @@ class MLP(Module):
         self.num_columns, self.comm = stop - start, comm
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.num_columns, bias=False)
         self.down_proj = Linear(self.num_columns, cfg.hidden_size, bias=False)
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"MLP activation {cfg.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.fused_silu = cfg.hidden_act == "silu"  # the backend's silu_mul kernel applies
 
     def forward(self, x: torch.Tensor, backend=None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         if self.as_transformers(x.dtype):
             gate, up = self.separate_gate_up(x)
-            y = nn.functional.silu(gate) * up
+            y = self.act(gate) * up
         else:
             y = self.activation(self.gate_up_proj(x), backend)
         return self.comm.all_reduce_(self.down_proj(y))
@@ -137,9 +166,9 @@ class MLP(Module):
     def activation(self, gate_up: torch.Tensor, backend=None) -> torch.Tensor:  # [T, 2 I] -> [T, I]
         """``silu(gate) * up`` of the fused output: one kernel where the backend has one for it
         (``silu_mul``: the numba backend on CPU), else torch's ``silu`` and ``mul``."""
-        fused = getattr(backend, "silu_mul", None)
+        fused = getattr(backend, "silu_mul", None) if self.fused_silu else None
         out = fused(gate_up) if fused else None
         if out is not None:
             return out
         gate, up = gate_up.split(self.num_columns, dim=-1)
-        return nn.functional.silu(gate) * up
+        return self.act(gate) * up

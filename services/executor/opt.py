@@ -47,8 +47,6 @@ class OPTConfig(ModelShape):
 
     @classmethod
     def from_hf(cls, hf) -> "OPTConfig":
-        if hf.model_type != "opt":
-            raise ValueError(f"model type {hf.model_type!r} is not OPT")
         activation = getattr(hf, "activation_function", "relu")
         if activation not in ACTIVATIONS:
             raise ValueError(f"OPT activation {activation!r} is not supported ({', '.join(ACTIVATIONS)})")
@@ -150,8 +148,6 @@ class OPTModel(Module):
 
 
 class OPTForCausalLM(CausalLM):
-    config_class = OPTConfig
-
     def __init__(self, cfg: OPTConfig, max_positions: int, plan: ShardPlan | None = None,
                  comm: Communicator | None = None) -> None:
         super().__init__(cfg, plan, comm)

@@ -28,7 +28,7 @@ import torch
 
 from shared.messages import NewSequence, SamplingParams, Step
 
-from .model import LlamaForCausalLM
+from .decoder import DecoderForCausalLM
 
 WARMUP_SEQ_IDS = (-1, -2)  # never a scheduler's (its ids count up from 0)
 WARMUP_PROMPT_LENS = (96, 16)  # tokens: a prefill long enough for the attention kernel's parallel path
@@ -83,7 +83,7 @@ def warm_layer_ops(model, backend, rows: int = WARMUP_ROWS) -> None:
     chunk, at which a backend may take other kernels than at the warm-up prefill's. Writes only
     the scratch tensors made here; the model's weights and caches are not touched. Llama-family
     models only: OPT's layers run torch's ops, which take no other path at these rows."""
-    if not isinstance(model, LlamaForCausalLM):
+    if not isinstance(model, DecoderForCausalLM):
         return
     layer = model.model.layers[0]
     attn, mlp, weight = layer.self_attn, layer.mlp, layer.input_layernorm.weight

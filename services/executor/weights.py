@@ -17,8 +17,8 @@ from shared.hf_config import load_hf_config as checked_hf_config
 from shared.hub_kernels import hide_hub_kernels
 from shared.model_source import ModelSource
 
-from .architectures import model_class
-from .model import CausalLM, fuse_projections
+from .architectures import family
+from .model import FUSED_PROJECTIONS, CausalLM, fuse_projections
 from .parallel.sharding import ShardPlan, shard_state_dict
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,28 +78,42 @@ def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_shapes(state: dict[str, torch.Tensor], model: CausalLM) -> None:
+    """Refuse, in one line naming it, a checkpoint tensor whose shape is not the parameter's (as
+    this rank holds it: a fused projection is named with its parts)."""
+    params = model.state_dict()
+    for name, tensor in state.items():
+        want = params.get(name)
+        if want is not None and tuple(want.shape) != tuple(tensor.shape):
+            parts = next((f" (joined from {', '.join(p)})" for fused, p in FUSED_PROJECTIONS.items()
+                          if f".{fused}." in name), "")
+            raise ValueError(f"weight {name}{parts} has shape {tuple(tensor.shape)} but the model's config "
+                             f"needs {tuple(want.shape)}")
+
+
 def build_model(
     hf_config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
     max_model_len: int, plan: ShardPlan | None = None, comm=None,
 ) -> CausalLM:
-    """Instantiate our model for a transformers config (its family's class, ``architectures.py``)
+    """Instantiate our model for a transformers config (its family's, ``architectures.py``)
     and load ``state_dict`` into it.
 
     With a ``plan`` (and its rank's communicator), the model is that rank's shard and loads only
     its slices of the full ``state_dict``.
     """
-    cls = model_class(hf_config)
-    cfg = cls.config_class.from_hf(hf_config)
+    fam = family(hf_config)
+    cls, cfg = fam.model_class, fam.config(hf_config)
     plan = plan or ShardPlan.for_model(cfg)
     with torch.device("meta"):
         model = cls(cfg, max_model_len, plan, comm)
     # Module.to_empty's empty_like on meta tensors runs torch's Python reference ops, whose first
     # use imports torch._decomp and sympy (about 0.4 s of each start): torch.empty by shape instead.
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    state = cls.hf_state_dict(state_dict)
+    state = fam.hf_state_dict(state_dict, cfg)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     state = fuse_projections(shard_state_dict(state, plan))  # each rank's q, k, v cut, then joined
+    check_shapes(state, model)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=False)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:

@@ -115,7 +115,7 @@ def test_model_classes_by_type():
         model_config(tiny_opt(activation_function="silu").config)
     from transformers import GPT2Config
 
-    with pytest.raises(ValueError, match=r"model type 'gpt2' is not supported \(llama, mistral, qwen2, opt\)"):
+    with pytest.raises(ValueError, match=r"model type 'gpt2' is not supported \(supported: llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text, opt\)"):
         model_class(GPT2Config())
 
 

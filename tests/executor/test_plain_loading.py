@@ -11,7 +11,7 @@ import shutil
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from services.executor.model import ModelConfig
+from services.executor.architectures import model_config
 from shared.hf_config import PlainConfig, load_hf_config, model_shape
 from shared.model_source import ModelSource, _generic_tokenizer, eos_token_ids, load_tokenizer
 
@@ -27,7 +27,7 @@ PLAIN = {
     "llama-v5": {"model_type": "llama", **BASE, **V5_ROPE, "rms_norm_eps": 1e-5, "tie_word_embeddings": True},
     "llama-head-dim": {"model_type": "llama", **BASE, "head_dim": 32, "attention_bias": True},
     "mistral-v4": {"model_type": "mistral", **BASE, "rope_theta": 1000000.0, "sliding_window": None},
-    "mistral-v5": {"model_type": "mistral", **BASE, **V5_ROPE},
+    "mistral-v5": {"model_type": "mistral", **BASE, **V5_ROPE, "sliding_window": 64},
     "qwen2-v4": {"model_type": "qwen2", **BASE, "rope_theta": 1000000.0, "tie_word_embeddings": True},
     "qwen2-v5": {"model_type": "qwen2", **BASE, **V5_ROPE, "rms_norm_eps": 1e-6},
 }
@@ -35,7 +35,9 @@ PLAIN = {
 # rotary scaling in the v4 form, another model type
 TRANSFORMERS = {
     "mistral-default-kv-heads": {"model_type": "mistral", **{k: v for k, v in BASE.items() if k != "num_key_value_heads"},
-                                 "num_attention_heads": 16},
+                                 "num_attention_heads": 16, "sliding_window": None},
+    # no sliding_window: transformers' default (4096) applies
+    "mistral-default-window": {"model_type": "mistral", **BASE, "max_position_embeddings": 8192},
     "llama-v4-scaling": {"model_type": "llama", **BASE, "rope_scaling": {"type": "linear", "factor": 2.0}},
     "qwen3": {"model_type": "qwen3", **BASE},
 }
@@ -54,7 +56,7 @@ def test_plain_config_builds_the_model_transformers_reads(tmp_path, name):
     plain = load_hf_config(src)
     assert isinstance(plain, PlainConfig)
     reference = AutoConfig.from_pretrained(src.directory, trust_remote_code=False)
-    assert ModelConfig.from_hf(plain) == ModelConfig.from_hf(reference)
+    assert model_config(plain) == model_config(reference)
     assert model_shape(plain.to_dict(), name) == model_shape(reference.to_dict(), name)
     assert plain.max_position_embeddings == reference.max_position_embeddings
 
@@ -68,7 +70,7 @@ def test_what_plain_config_cannot_read_goes_to_transformers(tmp_path, name):
 
 def test_mistral_without_kv_heads_gets_transformers_default(tmp_path):
     config = load_hf_config(source(tmp_path, "m", TRANSFORMERS["mistral-default-kv-heads"]))
-    assert ModelConfig.from_hf(config).num_kv_heads == 8  # MistralConfig's default, not the head count
+    assert model_config(config).num_kv_heads == 8  # MistralConfig's default, not the head count
 
 
 def test_a_missing_key_is_an_attribute_error_like_transformers():

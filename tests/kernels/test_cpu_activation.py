@@ -88,13 +88,13 @@ def mlp_and_hf(dtype: torch.dtype, num_columns: int = 40, hidden: int = 24):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from services.executor.model import ModelConfig
+    from services.executor.architectures import model_config
 
     torch.manual_seed(num_columns)
     hf_cfg = LlamaConfig(hidden_size=hidden, intermediate_size=num_columns, num_attention_heads=2,
                          num_key_value_heads=2, vocab_size=16)
     hf = LlamaMLP(hf_cfg).to(dtype).eval()
-    cfg = ModelConfig.from_hf(hf_cfg)
+    cfg = model_config(hf_cfg)
     ours = MLP(cfg, ShardPlan.for_model(cfg), SingleRank()).to(dtype)
     with torch.no_grad():
         ours.gate_up_proj.weight.copy_(torch.cat([hf.gate_proj.weight, hf.up_proj.weight]))

@@ -11,7 +11,7 @@ from loadtest.profile import main as profile, report as profile_report
 from loadtest.profile.costs import MatmulRoofline, RooflinePasses, matmul_roofline, roofline_of
 from loadtest.profile.step_timer import EXECUTOR_PARTS, RegionTimer, breakdown, install
 from services.executor.loader import RunnerOptions, build_runner
-from services.executor.model import ModelConfig
+from services.executor.architectures import model_config
 from tests.doubles.engine import tiny_llama
 
 
@@ -119,7 +119,7 @@ def test_breakdown_derives_the_rest():
 
 
 def test_roofline_times_the_model_shapes(tmp_path):
-    cfg = ModelConfig.from_hf(tiny_llama(seed=3).config)
+    cfg = model_config(tiny_llama(seed=3).config)
     roof = matmul_roofline(cfg, torch.float32, num_tokens=8, num_sampled=2, repeats=2)
     assert roof.layers_s > 0 and roof.lm_head_s > 0 and roof.total_s == roof.layers_s + roof.lm_head_s
     parts = {"matmul": 3e6, "attention": 1e6}

@@ -1,0 +1,130 @@
+"""Every model family against transformers, in float32: greedy output token for token on prompts
+longer than the sliding window, prompt logprobs within 1e-4, and the model each family's file
+reads (the knobs that make it differ from Llama)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.executor.architectures import FAMILIES, model_class, model_config
+from tests.doubles.engine import InProcessEngine, hf_greedy
+from tests.doubles.families import FAMILY_SPECS, WINDOWED, random_prompts, tiny_family
+
+TOLERANCE = 1e-4
+LENGTHS = (3, 11, 17, 26)  # all but the first longer than every tiny window
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY_SPECS))
+def family_model(request):
+    return request.param, tiny_family(request.param, seed=11)
+
+
+def test_every_family_is_registered():
+    assert set(FAMILY_SPECS) <= set(FAMILIES)
+
+
+def test_greedy_equals_transformers(family_model):
+    name, model = family_model
+    prompts = random_prompts(LENGTHS, seed=1)
+    engine = InProcessEngine(model, num_blocks=96, block_size=4, max_num_batched_tokens=16)
+    for i, prompt in enumerate(prompts):  # 16-token steps: long prompts are prefilled in chunks
+        engine.add(f"r{i}", prompt, temperature=0.0, max_tokens=14, ignore_eos=True)
+    got = engine.run()
+    for i, prompt in enumerate(prompts):
+        assert got[f"r{i}"] == hf_greedy(model, prompt, 14), f"{name}: prompt {i} of {len(prompt)} tokens"
+
+
+def test_prompt_logprobs_equal_transformers(family_model):
+    name, model = family_model
+    prompt = random_prompts([23], seed=2)[0]
+    engine = InProcessEngine(model, num_blocks=64, block_size=4, max_num_batched_tokens=8)
+    engine.add("s", prompt, temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    engine.run()
+    out = next(o for o in engine.outputs["s"] if o.prompt_logprobs)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)[:-1]
+    want = ref.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs), want, atol=TOLERANCE, rtol=0)
+
+
+def test_each_family_reads_its_differences():
+    cfg = {name: model_config(tiny_family(name).config) for name in FAMILY_SPECS}
+    assert cfg["qwen3"].qk_norm and not cfg["qwen3"].layer_windows
+    assert cfg["phi3"].layer_windows == (9, 9) and cfg["mistral"].layer_windows == (7, 7)
+    assert cfg["mistral"].uniform_window == 7
+    g2 = cfg["gemma2"]
+    assert (g2.layer_windows, g2.uniform_window) == ((6, 0), 0)  # alternating: no block can be freed
+    assert (g2.attn_softcap, g2.final_softcap, g2.query_scale) == (1.5, 2.0, 24**-0.5)
+    assert g2.sandwich_norms and g2.hidden_act == "gelu_pytorch_tanh" and g2.embedding_scale == 96**0.5
+    g3 = cfg["gemma3_text"]
+    assert g3.qk_norm and (g3.rope_theta, g3.rope_linear_factor, g3.local_rope_theta) == (1e6, 2.0, 1e4)
+    for name in FAMILY_SPECS:
+        assert model_class(tiny_family(name).config).__name__ == "DecoderForCausalLM"
+
+
+def test_windowed_families_are_the_ones_with_windows():
+    for name in FAMILY_SPECS:
+        assert bool(model_config(tiny_family(name).config).layer_windows) == (name in WINDOWED)
+
+
+@pytest.mark.parametrize("name,overrides,match", [
+    ("mistral", dict(sliding_window=512), "sliding_window 512 is larger than the context"),
+    ("phi3", dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported"),
+    ("qwen3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                    "original_max_position_embeddings": 64}), "rope type 'yarn' is not supported"),
+])
+def test_unsupported_settings_are_one_line_errors(name, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        model_config(tiny_family(name, **overrides).config)
+
+
+def _saved(tmp_path, name: str, model):
+    directory = tmp_path / name
+    model.save_pretrained(directory)
+    return directory
+
+
+def _edit_weights(directory, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = directory / "model.safetensors"
+    state = load_file(path)
+    edit(state)
+    save_file(state, path)
+
+
+@pytest.mark.slow  # starts four executor processes
+def test_bad_checkpoints_exit_2_with_one_line_each(tmp_path):
+    """As a user starts them: an unknown model type, a missing tensor, a misshapen one (named) and
+    a window larger than the context each end the executor with code 2 and one line, no traceback."""
+    import json
+
+    from tests.executor.test_memory_plan import _run_cli
+
+    cases = {}
+    unknown = _saved(tmp_path, "unknown", tiny_family("qwen3"))
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox", "architectures": []}))
+    cases["unknown"] = (unknown, "model type 'gpt_neox' is not supported (supported: llama, mistral")
+    missing = _saved(tmp_path, "missing", tiny_family("qwen3"))
+    _edit_weights(missing, lambda state: state.pop("model.layers.1.mlp.down_proj.weight"))
+    cases["missing"] = (missing, "missing ['model.layers.1.mlp.down_proj.weight']")
+    misshapen = _saved(tmp_path, "misshapen", tiny_family("qwen3"))
+    _edit_weights(misshapen, lambda state: state.update({"model.layers.0.self_attn.k_proj.weight":
+                                                         state["model.layers.0.self_attn.k_proj.weight"][:24]}))
+    cases["misshapen"] = (misshapen, "weight model.layers.0.self_attn.qkv_proj.weight (joined from "
+                                     "self_attn.q_proj, self_attn.k_proj, self_attn.v_proj) has shape (152, 96)")
+    window = _saved(tmp_path, "window", tiny_family("mistral"))
+    config = json.loads((window / "config.json").read_text())
+    (window / "config.json").write_text(json.dumps({**config, "sliding_window": 512}))
+    cases["window"] = (window, "sliding_window 512 is larger than the context (max_position_embeddings 256)")
+    endpoints = ["--step-endpoint", f"ipc://{tmp_path}/step", "--result-endpoint", f"ipc://{tmp_path}/result"]
+    runs = {case: _run_cli(tmp_path, "executor", "--model", str(directory), "--dtype", "float32", *endpoints)
+            for case, (directory, _) in cases.items()}
+    for case, proc in runs.items():
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 2, (case, stderr[-2000:])
+        assert "Traceback" not in stderr, (case, stderr[-2000:])
+        last = stderr.strip().splitlines()[-1]
+        assert cases[case][1] in last, (case, last)
