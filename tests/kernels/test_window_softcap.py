@@ -23,10 +23,12 @@ ATOL, RTOL = 2e-5, 1e-4
 
 
 def make_case(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, window, seed,
-              dtype=torch.float32, query_scale=1.0):
+              dtype=torch.float32, query_scale=1.0, dropped=-1):
     """Pools, tables and queries for sequences of ``ctx_lens`` tokens whose last ``q_lens`` are
-    queried (decode: all 1), plus the dense per-sequence K/V and the query positions for
-    ``dense_attention``. Blocks wholly before every row's window are NaN and -1 in the table."""
+    queried (decode: all 1), plus the dense per-sequence K/V for ``dense_attention``. Blocks
+    wholly before every row's window are NaN, their table entries ``dropped`` (-1 as the block
+    manager writes; None: left pointing at the NaN blocks, for readers that would wrap a -1
+    around, as numpy indexing does under the CUDA simulator)."""
     g = torch.Generator().manual_seed(seed)
     needed = [-(-n // block_size) for n in ctx_lens]
     num_blocks = sum(needed) + 3
@@ -48,7 +50,8 @@ def make_case(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, w
         for b in range(first // block_size):  # wholly out of every row's window
             key_cache[ids[b]] = float("nan")
             value_cache[ids[b]] = float("nan")
-            tables[s, b] = -1
+            if dropped is not None:
+                tables[s, b] = dropped
     total = sum(q_lens)
     query = (torch.randn(total, num_heads, head_dim, generator=g) * query_scale).to(dtype)
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
@@ -154,11 +157,13 @@ def test_numba_decode_matches_reference(shape, window, softcap, dtype, rows_kern
     torch.testing.assert_close(out.float(), want, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dropped", [-1, None])
 @pytest.mark.parametrize("window,softcap", [(5, 0.0), (7, 5.0), (0, 5.0)])
 @pytest.mark.parametrize("partition_size", [8, 16])
-def test_numba_partitioned_decode(window, softcap, partition_size):
+def test_numba_partitioned_decode(window, softcap, partition_size, dropped):
     lens, h, hkv, d, bs = [40, 33], 4, 2, 32, 4
-    kc, vc, tables, ctx, _, q, _ = make_case(lens, [1, 1], h, hkv, d, bs, window, 3, query_scale=QUERY_SCALE)
+    kc, vc, tables, ctx, _, q, _ = make_case(lens, [1, 1], h, hkv, d, bs, window, 3, query_scale=QUERY_SCALE,
+                                             dropped=dropped)
     want = torch.empty_like(q)
     reference.paged_decode_attention(want, q, kc, vc, tables, ctx, d ** -0.5, window, softcap)
     out = torch.empty_like(q)
@@ -210,3 +215,19 @@ def test_numba_decode_qkv_matches_the_steps(window, softcap, dtype):
     assert out is not None and torch.isfinite(out).all()
     atol, rtol = _tol(dtype)
     torch.testing.assert_close(out.float(), want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("window,softcap", [(5, 0.0), (7, 5.0)])
+def test_numba_never_reads_the_blocks_before_the_window(window, softcap, rows_kernel):
+    """The dropped blocks' table entries left pointing at NaN blocks: any read of them would show."""
+    lens, q_lens, h, hkv, d, bs = PREFILL_SHAPES[0]
+    kc, vc, tables, ctx, qsl, q, dense = make_case(lens, q_lens, h, hkv, d, bs, window, 7, dropped=None)
+    backend = cpu.NumbaCPUBackend()
+    out = torch.empty_like(q)
+    backend.prefill(out, q, kc, vc, tables, qsl, ctx, d ** -0.5, window=window, softcap=softcap)
+    want = dense_attention(q, dense, lens, q_lens, d ** -0.5, window, softcap)
+    torch.testing.assert_close(out.double(), want, atol=ATOL, rtol=RTOL)
+    rows = qsl[1:] - 1  # each sequence's last row: its decode
+    out = torch.empty_like(q[rows])
+    backend.decode(out, q[rows], kc, vc, tables, ctx, d ** -0.5, window=window, softcap=softcap)
+    torch.testing.assert_close(out.double(), want[rows], atol=ATOL, rtol=RTOL)
