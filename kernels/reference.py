@@ -9,6 +9,11 @@ Layouts shared by every form (reference, Numba CPU, Numba CUDA):
 - ``context_lens``: ``[num_seqs]`` int32, tokens in the cache for each sequence *including* the ones
   written in this step. Ranges are half-open: a sequence attends to positions ``[0, context_len)``.
 - Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+- ``window`` (sliding window, Mistral / Phi-3 / Gemma): with ``window > 0`` a query at position
+  ``p`` attends to ``p - window < j <= p`` only, and the block-table entries of blocks wholly
+  before that may be garbage (freed: -1 or 0), never read. ``softcap`` (Gemma 2's
+  ``attn_logit_softcapping``): with ``softcap > 0`` each score ``q . k * scale`` becomes
+  ``softcap * tanh(score / softcap)`` before the mask and the softmax. 0: neither (the defaults).
 
 Every function writes its output argument in place (outputs first, then inputs, then scalars).
 """
@@ -34,12 +39,54 @@ def write_kv_cache(
     value_cache[blocks, :, offsets] = value[keep].to(value_cache.dtype)
 
 
-def _gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence as ``[num_kv_heads, length, head_dim]``."""
+def _window_start(position: int, window: int) -> int:
+    """The first position a query at ``position`` attends to: ``position - window + 1`` (the last
+    ``window`` keys, itself included) with a window, else 0."""
+    return max(0, position - window + 1) if window > 0 else 0
+
+
+def _gather_range(cache: torch.Tensor, block_table: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    """Positions ``[first, end)`` of one sequence as ``[num_kv_heads, end - first, head_dim]``.
+    Only the blocks holding those positions are read: the table's entries before ``first``'s
+    block may be garbage (a sliding window's blocks freed by the block manager, -1 or 0)."""
     block_size = cache.shape[2]
-    num_blocks = (length + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]  # [nb, Hkv, bs, D]
-    return blocks.permute(1, 0, 2, 3).reshape(cache.shape[1], num_blocks * block_size, -1)[:, :length]
+    b0, b1 = first // block_size, (end + block_size - 1) // block_size
+    blocks = cache[block_table[b0:b1].long()]  # [nb, Hkv, bs, D]
+    flat = blocks.permute(1, 0, 2, 3).reshape(cache.shape[1], (b1 - b0) * block_size, -1)
+    return flat[:, first - b0 * block_size:end - b0 * block_size]
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+            scale: float, softcap: float) -> torch.Tensor:
+    """Eager attention as transformers' Gemma 2 ``eager_attention_forward`` writes it, in float32:
+    ``q [H, Q, D]``, ``keys``/``values`` ``[Hkv, L, D]`` (grouped-query heads repeated), ``mask
+    [Q, L]`` (True: attended). Scores ``q . k * scale``; with ``softcap > 0``, ``softcap *
+    tanh(scores / softcap)``; then the mask, then the softmax. Returns ``[H, Q, D]``."""
+    group = q.shape[0] // keys.shape[0]
+    keys = keys.float().repeat_interleave(group, dim=0)
+    values = values.float().repeat_interleave(group, dim=0)
+    scores = torch.matmul(q.float(), keys.transpose(1, 2)) * scale  # [H, Q, L]
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32), values)
+
+
+def _attend_sequence(query: torch.Tensor, key_cache, value_cache, block_table, length: int,
+                     scale: float, window: int, softcap: float) -> torch.Tensor:
+    """The ``q_len`` query rows ``[q_len, H, D]`` of one sequence, the last positions of its
+    ``length``: row ``j`` at position ``p = length - q_len + j`` attends to ``[_window_start(p),
+    p]``. Only the positions some row attends to are gathered. Returns ``[q_len, H, D]`` float32."""
+    q_len = query.shape[0]
+    first = _window_start(length - q_len, window)
+    keys = _gather_range(key_cache, block_table, first, length)
+    values = _gather_range(value_cache, block_table, first, length)
+    q_pos = torch.arange(length - q_len, length, device=query.device)[:, None]
+    k_pos = torch.arange(first, length, device=query.device)[None, :]
+    mask = k_pos <= q_pos
+    if window > 0:
+        mask &= k_pos > q_pos - window
+    return _attend(query.transpose(0, 1), keys, values, mask, scale, softcap).transpose(0, 1)
 
 
 def paged_decode_attention(
@@ -50,10 +97,22 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [num_seqs] int32, each >= 1
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
-    """One query token per sequence (at position ``context_len - 1``) over its whole context."""
+    """One query token per sequence (at position ``p = context_len - 1``) over its context.
+
+    ``window > 0``: a sliding window, keys at ``p - window < j <= p`` only (the blocks before it
+    are not read, their table entries may be garbage). ``softcap > 0``: logit soft-capping,
+    ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2). Defaults: neither."""
     num_seqs = query.shape[0]
     if num_seqs == 0:
+        return
+    if window > 0 or softcap > 0:
+        lens = context_lens.tolist()
+        for s in range(num_seqs):
+            out[s:s + 1] = _attend_sequence(query[s:s + 1], key_cache, value_cache, block_tables[s],
+                                            lens[s], scale, window, softcap).to(out.dtype)
         return
     block_size = key_cache.shape[2]
     max_len = int(context_lens.max())
@@ -80,22 +139,29 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """The new tokens of each sequence attend causally to themselves and its cached prefix.
 
     Sequence ``s`` owns query rows ``[query_start_loc[s], query_start_loc[s + 1])``; with
-    ``q_len`` of them, row ``j`` is at position ``context_len - q_len + j`` and attends to
-    positions ``[0, context_len - q_len + j]`` (the K/V of the new tokens are already written).
+    ``q_len`` of them, row ``j`` is at position ``p = context_len - q_len + j`` and attends to
+    positions ``[0, p]`` (the K/V of the new tokens are already written); with ``window > 0``
+    to ``(p - window, p]`` only. ``softcap``: as in ``paged_decode_attention``.
     """
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
     for s in range(len(lens)):
         start, end, length = starts[s], starts[s + 1], lens[s]
-        q_len = end - start
-        if q_len == 0:
+        if end == start:
             continue
-        keys = _gather_sequence(key_cache, block_tables[s], length).float()  # [Hkv, L, D]
-        values = _gather_sequence(value_cache, block_tables[s], length).float()
+        if window > 0 or softcap > 0:
+            out[start:end] = _attend_sequence(query[start:end], key_cache, value_cache, block_tables[s],
+                                              length, scale, window, softcap).to(out.dtype)
+            continue
+        q_len = end - start
+        keys = _gather_range(key_cache, block_tables[s], 0, length).float()  # [Hkv, L, D]
+        values = _gather_range(value_cache, block_tables[s], 0, length).float()
         q = query[start:end].transpose(0, 1).float()  # [H, q_len, D]
         q_pos = torch.arange(length - q_len, length, device=query.device)
         k_pos = torch.arange(length, device=query.device)

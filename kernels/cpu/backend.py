@@ -146,21 +146,25 @@ class NumbaCPUBackend:
         write_kv_cache(live_array(key_cache), live_array(value_cache), kernel_array(key),
                        kernel_array(value), live_array(slot_mapping))
 
-    def decode(self, out, query, key_cache, value_cache, block_tables, context_lens, scale) -> None:
+    def decode(self, out, query, key_cache, value_cache, block_tables, context_lens, scale,
+               window=0, softcap=0.0) -> None:
+        """``window`` (sliding window) and ``softcap`` (logit soft-cap): in the kernels themselves
+        (``decode.attend_rows``), every plan, partitioned ones included."""
         if not (_pool_pair_ok(key_cache, value_cache) and _io_ok(key_cache, out, query)):
             return reference.paged_decode_attention(
-                out, query, key_cache, value_cache, block_tables, context_lens, scale)
+                out, query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap)
         plan = self.decode_plan(block_tables, context_lens, key_cache, sync_threads())
         run_plan(kernel_array(out), kernel_array(query), live_array(key_cache), live_array(value_cache),
-                 plan, scale)
+                 plan, scale, window, softcap)
 
     def decode_qkv(self, qkv, cos, sin, key_cache, value_cache, slot_mapping, block_tables,
-                   context_lens, scale, num_heads: int):
+                   context_lens, scale, num_heads: int, window=0, softcap=0.0):
         """A decode batch's attention ``[T, H, D]`` straight from its fused q/k/v projection
         ``qkv`` (one row per sequence): the rotary embedding, the write of the new keys and values
         and the attention in one kernel call (``kernels/cpu/decode_qkv.py``); the same bits as
         ``rope_split``, ``write_kv`` and ``decode`` one after the other. None (nothing done) where
-        it does not apply: other formats, a partitioned plan."""
+        it does not apply: other formats, a partitioned plan. ``window``, ``softcap``: as in
+        ``decode``, in the kernel."""
         dtype = qkv.dtype
         if not (_pool_pair_ok(key_cache, value_cache) and key_cache.dtype is dtype
                 and _fusable(qkv, cos, sin) and qkv.is_contiguous()):
@@ -173,7 +177,7 @@ class NumbaCPUBackend:
         qkv_kernels.decode_qkv(
             kernel_array(out), kernel_array(qkv), live_array(cos).reshape(num_tokens, head_dim),
             live_array(sin).reshape(num_tokens, head_dim), live_array(slot_mapping),
-            live_array(key_cache), live_array(value_cache), plan, scale)
+            live_array(key_cache), live_array(value_cache), plan, scale, window, softcap)
         return out
 
     def decode_plan(self, block_tables, context_lens, key_cache, threads: int):
@@ -193,28 +197,32 @@ class NumbaCPUBackend:
         return plan
 
     def prefill(self, out, query, key_cache, value_cache, block_tables, query_start_loc,
-                context_lens, scale, new_key=None, new_value=None) -> None:
+                context_lens, scale, new_key=None, new_value=None, window=0, softcap=0.0) -> None:
+        """``window`` and ``softcap``: as in ``decode``, in the Numba kernels; a call with either
+        takes them even where the torch fused-attention path (``matmul_prefill``) would run, which
+        has neither."""
         if not (_pool_pair_ok(key_cache, value_cache) and _io_ok(key_cache, out, query)):
             return reference.paged_prefill_attention(
                 out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
-                scale)
+                scale, window, softcap)
         if (self.matmul_prefill_path and key_cache.dtype is torch.bfloat16
-                and query.dtype is torch.bfloat16):
+                and query.dtype is torch.bfloat16 and not (window > 0 or softcap > 0)):
             if new_key is not None and not (new_key.dtype is new_value.dtype is query.dtype):
                 new_key = new_value = None
             return self._prefill_by_length(out, query, key_cache, value_cache, block_tables,
                                            query_start_loc, context_lens, scale, new_key, new_value)
         self._numba_prefill(out, query, key_cache, value_cache, block_tables, query_start_loc,
-                            context_lens, scale)
+                            context_lens, scale, window=window, softcap=softcap)
 
     def _numba_prefill(self, out, query, key_cache, value_cache, block_tables, query_start_loc,
-                       context_lens, scale, sequences=None) -> None:
+                       context_lens, scale, sequences=None, window=0, softcap=0.0) -> None:
         threads = sync_threads()
         paged_prefill_attention(
             kernel_array(out), kernel_array(query), live_array(key_cache),
             live_array(value_cache), live_array(block_tables), live_array(query_start_loc),
             live_array(context_lens), scale, num_threads=threads,
-            partition_threads=self.partition_threads, sequences=sequences)
+            partition_threads=self.partition_threads, sequences=sequences, window=window,
+            softcap=softcap)
 
     def _prefill_by_length(self, out, query, key_cache, value_cache, block_tables, query_start_loc,
                            context_lens, scale, new_key, new_value) -> None:
@@ -288,7 +296,7 @@ class NumbaCPUBackend:
         sync_threads()
         qkv_kernels.decode_qkv(kernel_array(out), kernel_array(qkv), kernel_array(rope), kernel_array(rope),
                                np.full(1, -1, np.int64), live_array(key_cache), live_array(value_cache),
-                               plan, 1.0)
+                               plan, 1.0, 0, 0.0)
 
     # The model's elementwise chains (``services/executor/layers.py``), fused; None where these
     # tensors are not the kernels' (the model then runs the torch form).

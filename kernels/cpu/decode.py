@@ -99,26 +99,49 @@ def _tile(seq, kvh, pos, end, block_size, following):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _following(seqs, lens, num_kv_heads, task, num_parts=1, partition_size=0):
+def _window_start(length, window):
+    """The first position a row attending ``[0, length)`` reads: ``length - window`` (its last
+    ``window`` positions) with a sliding window (``window > 0``), else 0."""
+    return max(0, length - window) if window > 0 else 0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _following(seqs, lens, num_kv_heads, task, num_parts=1, partition_size=0, window=0):
     """The range task ``task + 1`` of the rows kernels attends: (sequence, KV head, start, end); after
     the last task an empty range. Tasks run row by row, KV head by KV head, and (the partitioned
     kernel: ``num_parts`` partitions of ``partition_size`` tokens) partition by partition; with
     ``partition_size`` 0 a task is a whole context. numba hands each thread a contiguous share of
-    the tasks, so it is the one the thread runs next (or the next thread's first)."""
+    the tasks, so it is the one the thread runs next (or the next thread's first). ``window``: the
+    sliding window (``_window_start``), whose blocks before it are never read, prefetches included."""
     nxt = task + 1
     ik = nxt // num_parts
     i = ik // num_kv_heads
     if i >= seqs.shape[0]:
         return seqs[0], 0, 0, 0
+    first = _window_start(lens[i], window)
     if partition_size == 0:
-        return seqs[i], ik - i * num_kv_heads, 0, lens[i]
-    start = (nxt - ik * num_parts) * partition_size
+        return seqs[i], ik - i * num_kv_heads, first, lens[i]
+    start = max((nxt - ik * num_parts) * partition_size, first)
     return seqs[i], ik - i * num_kv_heads, start, min(start + partition_size, lens[i])
 
 
 @njit(fastmath=_FASTMATH, cache=True, nogil=True)
+def _cap_tile(scores, n, scale, softcap):
+    """Soft-cap a tile's raw scores ``[G * TILE]`` (``n`` keys valid per row) in place, so that
+    ``tile_softmax``'s ``scale * scores`` is ``softcap * tanh(scale * q.k / softcap)`` (Gemma 2's
+    ``attn_logit_softcapping``): stored divided by ``scale``, which that product undoes to within
+    a rounding. Scalar ``tanh``: only calls with a soft-cap come here."""
+    inv_cap = np.float32(1.0) / softcap
+    back = softcap / scale
+    for g in range(scores.shape[0] // TILE):
+        for t in range(n):
+            i = g * TILE + t
+            scores[i] = np.tanh(scores[i] * scale * inv_cap) * back
+
+
+@njit(fastmath=_FASTMATH, cache=True, nogil=True)
 def _attend_range(acc, m, l, qv, key_cache, value_cache, block_tables, seq, kvh, start, end, scale,
-                  following):
+                  following, softcap):
     """Accumulate positions ``[start, end)`` (``start < end``) of one sequence for one KV head's
     query group; returns the new ``acc``. ``following``: the range attended next, whose first
     blocks the last ones prefetch (``_tile``).
@@ -130,6 +153,9 @@ def _attend_range(acc, m, l, qv, key_cache, value_cache, block_tables, seq, kvh,
     Software-pipelined by tiles: a pass of the loop reads the keys of tile i + 1 and the values of
     tile i (the first pass keys only), so the two dependency chains (scores -> softmax -> weights;
     the accumulators) overlap. One place computes a tile (``_tile``), so the loop has no call.
+
+    ``softcap > 0``: each tile's scores are soft-capped before its softmax step (``_cap_tile``);
+    0, the default path, costs one branch per tile.
     """
     num_kv_heads, block_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
     stride = num_kv_heads * block_size * head_dim
@@ -156,6 +182,8 @@ def _attend_range(acc, m, l, qv, key_cache, value_cache, block_tables, seq, kvh,
                 l[g] = lanes[g * TILE:(g + 1) * TILE].sum()
             return acc
         tile_scores(sco_next, part, qv)
+        if softcap > 0:
+            _cap_tile(sco_next, n1, scale, softcap)
         tile_softmax(sco_next, m, lanes, alpha, n1, scale, qv)
         acc = scale_rows(acc, alpha)
         sco, sco_next = sco_next, sco
@@ -165,9 +193,10 @@ def _attend_range(acc, m, l, qv, key_cache, value_cache, block_tables, seq, kvh,
 
 @njit(fastmath=_FASTMATH, cache=True, nogil=True)
 def _row_task(out, query, key_cache, value_cache, block_tables, rows, seqs, lens, scale, shape,
-              task):
+              task, window, softcap):
     """Task ``task`` of the rows kernels: row ``task // num_kv_heads`` of the task order, for KV
-    head ``task % num_kv_heads``, written to ``out``."""
+    head ``task % num_kv_heads``, written to ``out``. ``window`` > 0: only the row's last
+    ``window`` positions (``_window_start``); ``softcap`` > 0: soft-capped scores."""
     group, head_dim = shape.rows, shape.width
     num_heads = query.shape[1]
     num_kv_heads = key_cache.shape[1]
@@ -180,7 +209,8 @@ def _row_task(out, query, key_cache, value_cache, block_tables, rows, seqs, lens
     m[:] = -np.inf
     qv = query_operand(query, (r * num_heads + h0) * head_dim, shape, key_cache)
     acc = _attend_range(zero_rows(shape), m, l, qv, key_cache, value_cache, block_tables, seqs[i],
-                        kvh, 0, lens[i], scale, _following(seqs, lens, num_kv_heads, task))
+                        kvh, _window_start(lens[i], window), lens[i], scale,
+                        _following(seqs, lens, num_kv_heads, task, 1, 0, window), softcap)
     store_rows(res, 0, acc)
     out_rows = out[r, h0:h0 + group]
     for g in range(group):
@@ -190,33 +220,36 @@ def _row_task(out, query, key_cache, value_cache, block_tables, rows, seqs, lens
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
-def _rows_kernel(out, query, key_cache, value_cache, block_tables, rows, seqs, lens, scale, shape):
+def _rows_kernel(out, query, key_cache, value_cache, block_tables, rows, seqs, lens, scale, shape,
+                 window, softcap):
     # out, query: [R, H, D] float32 or the cache's format; key_cache, value_cache: [num_blocks,
     # num_kv_heads, block_size, D] float32 / bf16 bits (uint16) / fp16 bits (int16);
     # block_tables: [S, max_blocks] int32; rows, seqs, lens: [N] int32, in task order: the query
     # (and out) row, its block-table row, and the positions it attends to ([0, lens[i]), >= 1);
-    # shape: GroupShape(H / num_kv_heads, D), compile-time constants.
+    # shape: GroupShape(H / num_kv_heads, D), compile-time constants; window: int, > 0 a sliding
+    # window; softcap: float32, > 0 soft-capped scores (``_row_task``).
     # Tasks: (row i, KV head), over the rows in the given order, in parallel.
     sc = np.float32(scale)
     for task in prange(rows.shape[0] * key_cache.shape[1]):
         _row_task(out, query, key_cache, value_cache, block_tables, rows, seqs, lens, sc, shape,
-                  task)
+                  task, window, softcap)
 
 
 @njit(fastmath=_FASTMATH, cache=True, nogil=True)
 def _rows_serial_kernel(out, query, key_cache, value_cache, block_tables, rows, seqs, lens, scale,
-                        shape):
+                        shape, window, softcap):
     # as _rows_kernel, on the calling thread: for work too small to pay for waking the others
     sc = np.float32(scale)
     for task in range(rows.shape[0] * key_cache.shape[1]):
         _row_task(out, query, key_cache, value_cache, block_tables, rows, seqs, lens, sc, shape,
-                  task)
+                  task, window, softcap)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
 def _rows_partitioned_kernel(out, query, key_cache, value_cache, block_tables, rows, seqs, lens,
-                             scale, partition_size, shape):
-    # out, query, caches, block_tables, rows, seqs, lens, shape: as in _rows_kernel;
+                             scale, partition_size, shape, window, softcap):
+    # out, query, caches, block_tables, rows, seqs, lens, shape, window, softcap: as in
+    # _rows_kernel (partitions before a row's window are empty and left out of the merge);
     # partition_size: tokens per partition, a multiple of the block size
     group, head_dim = shape.rows, shape.width
     num_heads = query.shape[1]
@@ -240,14 +273,14 @@ def _rows_partitioned_kernel(out, query, key_cache, value_cache, block_tables, r
         m[:] = -np.inf
         l[:] = 0.0
         acc = zero_rows(shape)
-        start = p * partition_size
-        end = min(start + partition_size, lens[i])
+        start = max(p * partition_size, _window_start(lens[i], window))
+        end = min(p * partition_size + partition_size, lens[i])
         if start < end:
             qv = query_operand(query, (rows[i] * num_heads + kvh * group) * head_dim, shape,
                                key_cache)
             acc = _attend_range(acc, m, l, qv, key_cache, value_cache, block_tables, seqs[i], kvh,
-                                start, end, sc, _following(seqs, lens, num_kv_heads, task,
-                                                           num_parts, partition_size))
+                                start, end, sc, _following(seqs, lens, num_kv_heads, task, num_parts,
+                                                           partition_size, window), softcap)
         store_rows(part_acc, task * group * head_dim, acc)
     # phase 2: log-sum-exp merge of the partitions of each (row, KV head); serial, since the entry
     # point partitions small batches only and a second parallel region costs more
@@ -256,14 +289,15 @@ def _rows_partitioned_kernel(out, query, key_cache, value_cache, block_tables, r
         i = ik // num_kv_heads
         kvh = ik - i * num_kv_heads
         used = (lens[i] + partition_size - 1) // partition_size
+        first = _window_start(lens[i], window) // partition_size  # the first non-empty partition
         for g in range(group):
             gmax = np.float32(-np.inf)
-            for p in range(used):
+            for p in range(first, used):
                 gmax = max(gmax, part_stats[ik * num_parts + p, 0, g])
             for d in range(head_dim):  # loops, not o[:] = 0.0: an array expression here would
                 o[d] = 0.0  # be a parallel region of its own, one per row and head
             total = np.float32(0.0)
-            for p in range(used):
+            for p in range(first, used):
                 task = ik * num_parts + p
                 w = np.exp(part_stats[task, 0, g] - gmax)
                 total += w * part_stats[task, 1, g]
@@ -276,7 +310,8 @@ def _rows_partitioned_kernel(out, query, key_cache, value_cache, block_tables, r
                 row[d] = narrow_like(row, o[d] * inv)
 
 
-def run_plan(out, query, key_cache, value_cache, plan: RowsPlan | None, scale) -> None:
+def run_plan(out, query, key_cache, value_cache, plan: RowsPlan | None, scale, window: int = 0,
+             softcap: float = 0.0) -> None:
     """``attend_rows`` on a plan made for these rows (``plan_rows``)."""
     if plan is None:
         return
@@ -286,13 +321,14 @@ def run_plan(out, query, key_cache, value_cache, plan: RowsPlan | None, scale) -
     query = as_input(query, key_cache)
     target = output_target(out, key_cache)
     rows, seqs, lens, block_tables = plan.rows, plan.seqs, plan.lens, plan.block_tables
+    window, softcap = int(window), np.float32(softcap)
     if plan.partition_size:
         _rows_partitioned_kernel(target, query, key_cache, value_cache, block_tables, rows, seqs,
-                                 lens, float(scale), plan.partition_size, shape)
+                                 lens, float(scale), plan.partition_size, shape, window, softcap)
     else:
         kernel = _rows_serial_kernel if plan.serial else _rows_kernel
         kernel(target, query, key_cache, value_cache, block_tables, rows, seqs, lens, float(scale),
-               shape)
+               shape, window, softcap)
     if target is not out:
         if plan.row_ids is None:
             out[...] = target
@@ -302,10 +338,13 @@ def run_plan(out, query, key_cache, value_cache, plan: RowsPlan | None, scale) -
 
 def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_lens, scale,
                 partition_size: int | None = None, num_threads: int | None = None,
-                partition_threads: int | None = None, row_ids=None) -> None:
+                partition_threads: int | None = None, row_ids=None, window: int = 0,
+                softcap: float = 0.0) -> None:
     """Query row ``r`` attends to positions ``[0, row_lens[r])`` of sequence ``row_seqs[r]``'s
     cache (``row_lens`` >= 1); writes ``out`` in place. What decode (one row per sequence) and
-    prefill (one row per new token, causal) both are.
+    prefill (one row per new token, causal) both are. ``window`` > 0: to its last ``window``
+    positions only, the blocks before them never read (nor their table entries); ``softcap`` > 0:
+    scores soft-capped (``kernels/reference.py``).
 
     Caches: float32, numpy float16, or 16-bit bits (``kernels/cpu/common.py``); ``query`` and
     ``out`` ([R, H, D]) float32 or the cache's format. ``partition_size``: ``None`` chooses
@@ -324,13 +363,15 @@ def attend_rows(out, query, key_cache, value_cache, block_tables, row_seqs, row_
         raise ValueError(f"{query.shape[0]} query rows with {len(row_lens)} lengths")
     plan = plan_rows(block_tables, row_seqs, row_lens, key_cache.shape[1], key_cache.shape[2],
                      partition_size, num_threads, partition_threads, row_ids)
-    run_plan(out, query, key_cache, value_cache, plan, scale)
+    run_plan(out, query, key_cache, value_cache, plan, scale, window, softcap)
 
 
 def paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale,
                            partition_size: int | None = None, num_threads: int | None = None,
-                           partition_threads: int | None = None) -> None:
-    """One query per sequence over its whole context; writes ``out`` in place. Formats and
-    options as in ``attend_rows``."""
+                           partition_threads: int | None = None, window: int = 0,
+                           softcap: float = 0.0) -> None:
+    """One query per sequence over its whole context (its last ``window`` positions where
+    ``window`` > 0); writes ``out`` in place. Formats and options as in ``attend_rows``."""
     attend_rows(out, query, key_cache, value_cache, block_tables, np.arange(query.shape[0]),
-                context_lens, scale, partition_size, num_threads, partition_threads)
+                context_lens, scale, partition_size, num_threads, partition_threads,
+                window=window, softcap=softcap)

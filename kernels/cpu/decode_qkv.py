@@ -61,32 +61,35 @@ def _rope_write(out, qkv, cos, sin, slots, key_cache, value_cache, r, kvh, group
 
 @njit(cache=True, nogil=True)
 def _qkv_task(out, qkv, cos, sin, slots, key_cache, value_cache, block_tables, rows, seqs, lens,
-              scale, shape, task):
+              scale, shape, task, window, softcap):
     """Task ``task``: row ``task // num_kv_heads`` of the task order, KV head ``task % num_kv_heads``."""
     num_kv_heads = key_cache.shape[1]
     i = task // num_kv_heads
     kvh = task - i * num_kv_heads
     _rope_write(out, qkv, cos, sin, slots, key_cache, value_cache, rows[i], kvh, shape.rows)
-    _row_task(out, out, key_cache, value_cache, block_tables, rows, seqs, lens, scale, shape, task)
+    _row_task(out, out, key_cache, value_cache, block_tables, rows, seqs, lens, scale, shape, task,
+              window, softcap)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _qkv_kernel(out, qkv, cos, sin, slots, key_cache, value_cache, block_tables, rows, seqs, lens,
-                scale, shape):
+                scale, shape, window, softcap):
     sc = np.float32(scale)
+    cap = np.float32(softcap)
     for task in prange(rows.shape[0] * key_cache.shape[1]):
         _qkv_task(out, qkv, cos, sin, slots, key_cache, value_cache, block_tables, rows, seqs,
-                  lens, sc, shape, task)
+                  lens, sc, shape, task, window, cap)
 
 
 @njit(cache=True, nogil=True)
 def _qkv_serial_kernel(out, qkv, cos, sin, slots, key_cache, value_cache, block_tables, rows, seqs,
-                       lens, scale, shape):
+                       lens, scale, shape, window, softcap):
     # as _qkv_kernel, on the calling thread: for work too small to pay for waking the others
     sc = np.float32(scale)
+    cap = np.float32(softcap)
     for task in range(rows.shape[0] * key_cache.shape[1]):
         _qkv_task(out, qkv, cos, sin, slots, key_cache, value_cache, block_tables, rows, seqs,
-                  lens, sc, shape, task)
+                  lens, sc, shape, task, window, cap)
 
 
 def plan_ok(plan: RowsPlan | None) -> bool:
@@ -100,9 +103,10 @@ def kernel_for(plan: RowsPlan):
 
 
 def decode_qkv(out, qkv, cos, sin, slot_mapping, key_cache, value_cache, plan: RowsPlan,
-               scale) -> None:
+               scale, window: int = 0, softcap: float = 0.0) -> None:
     """Writes the new keys and values into the caches and the attention into ``out`` ``[T, H, D]``
-    (see the module's docstring); ``plan`` must be one ``plan_ok`` accepts."""
+    (see the module's docstring); ``plan`` must be one ``plan_ok`` accepts. ``window`` > 0: a
+    sliding window, ``softcap`` > 0: soft-capped scores (``decode.attend_rows``)."""
     if not plan_ok(plan):
         raise ValueError("decode_qkv runs unpartitioned plans of all the rows (rows_plan.plan_rows)")
     num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
@@ -112,4 +116,4 @@ def decode_qkv(out, qkv, cos, sin, slot_mapping, key_cache, value_cache, plan: R
                          f"caches {key_cache.shape} {key_cache.dtype}")
     shape = GroupShape.of(out.shape[1] // num_kv_heads, head_dim)
     kernel_for(plan)(out, qkv, cos, sin, slot_mapping, key_cache, value_cache, plan.block_tables,
-                     plan.rows, plan.seqs, plan.lens, float(scale), shape)
+                     plan.rows, plan.seqs, plan.lens, float(scale), shape, int(window), float(softcap))

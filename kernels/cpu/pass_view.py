@@ -71,17 +71,18 @@ class ForwardPass:
         return out
 
     def decode_qkv(self, qkv, cos, sin, key_cache, value_cache, slot_mapping, block_tables,
-                   context_lens, scale, num_heads: int):
+                   context_lens, scale, num_heads: int, window: int = 0, softcap: float = 0.0):
         """As ``NumbaCPUBackend.decode_qkv``."""
         shape = self._decode_shape(qkv, cos, sin, key_cache, value_cache, slot_mapping, block_tables,
                                    context_lens, num_heads)
         if shape is None:
             return self._backend.decode_qkv(qkv, cos, sin, key_cache, value_cache, slot_mapping,
-                                            block_tables, context_lens, scale, num_heads)
+                                            block_tables, context_lens, scale, num_heads, window, softcap)
         kernel, cos_a, sin_a, slots, tables, rows, seqs, lens = self._decode
         out = torch.empty(self._num_tokens, num_heads, key_cache.shape[3], dtype=self._dtype)
         kernel(kernel_array(out), kernel_array(qkv), cos_a, sin_a, slots, live_array(key_cache),
-               live_array(value_cache), tables, rows, seqs, lens, float(scale), shape)
+               live_array(value_cache), tables, rows, seqs, lens, float(scale), shape, int(window),
+               float(softcap))
         return out
 
     def _decode_shape(self, qkv, cos, sin, key_cache, value_cache, slot_mapping, block_tables,

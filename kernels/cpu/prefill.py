@@ -21,13 +21,15 @@ from kernels.cpu.decode import attend_rows
 
 def paged_prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc,
                             context_lens, scale, num_threads: int | None = None,
-                            partition_threads: int | None = None, sequences=None) -> None:
+                            partition_threads: int | None = None, sequences=None, window: int = 0,
+                            softcap: float = 0.0) -> None:
     """New tokens attend causally to themselves and their cached prefix; writes ``out`` in place.
 
     Sequence ``s`` owns query rows ``[query_start_loc[s], query_start_loc[s + 1])``; with
     ``q_len`` of them, row ``j`` is at position ``context_lens[s] - q_len + j``. Formats as in
     ``decode.attend_rows``. ``sequences``: only these sequences' rows are computed (the others'
-    ``out`` rows are left as they were), in one call; default all."""
+    ``out`` rows are left as they were), in one call; default all. ``window`` > 0: row ``j``
+    attends to its last ``window`` positions only; ``softcap`` > 0: soft-capped scores."""
     starts = np.asarray(query_start_loc, dtype=np.int64)
     q_lens = starts[1:] - starts[:-1]
     num_tokens = int(q_lens.sum())
@@ -43,4 +45,5 @@ def paged_prefill_attention(out, query, key_cache, value_cache, block_tables, qu
         row_ids = np.concatenate([np.arange(starts[s] - base, starts[s + 1] - base) for s in sequences]
                                  or [np.zeros(0, np.int64)])
     attend_rows(out[rows], query[rows], key_cache, value_cache, block_tables, seqs, row_lens,
-                scale, num_threads=num_threads, partition_threads=partition_threads, row_ids=row_ids)
+                scale, num_threads=num_threads, partition_threads=partition_threads, row_ids=row_ids,
+                window=window, softcap=softcap)

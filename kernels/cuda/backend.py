@@ -95,7 +95,7 @@ class NumbaCUDABackend:
                            stream=self._stream(key_cache))
 
     def _attention(self, kind, out, query, key_cache, value_cache, block_tables, query_start_loc,
-                   context_lens, scale):
+                   context_lens, scale, window=0, softcap=0.0):
         torch = self._torch
         device = query.device
         exact = out.is_contiguous() and out.dtype == torch.float32
@@ -113,33 +113,37 @@ class NumbaCUDABackend:
         with cuda.gpus[device.index or 0]:
             fn = paged_decode_attention if kind == "decode" else paged_prefill_attention
             fn(self._dev(target), *args, self._dev(lens), scale, max_len=max_len,
-               empty=self._empty(device), stream=self._stream(query))
+               empty=self._empty(device), stream=self._stream(query), window=window, softcap=softcap)
         if target is not out:
             out.copy_(target)
 
-    def decode(self, out, query, key_cache, value_cache, block_tables, context_lens, scale) -> None:
+    def decode(self, out, query, key_cache, value_cache, block_tables, context_lens, scale,
+               window=0, softcap=0.0) -> None:
+        """``window`` (sliding window) and ``softcap`` (logit soft-cap): in the kernels
+        (``kernels/cuda/decode.py``), as in the reference."""
         from kernels import reference
 
         if not (self._fast(key_cache, query, value_cache) and out.is_cuda
                 and key_cache.is_contiguous() and value_cache.is_contiguous()):
             return reference.paged_decode_attention(
-                out, query, key_cache, value_cache, block_tables, context_lens, scale)
+                out, query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap)
         if query.shape[0]:
             self._attention("decode", out, query, key_cache, value_cache, block_tables, None,
-                            context_lens, scale)
+                            context_lens, scale, window, softcap)
 
     def prefill(self, out, query, key_cache, value_cache, block_tables, query_start_loc,
-                context_lens, scale, new_key=None, new_value=None) -> None:
+                context_lens, scale, new_key=None, new_value=None, window=0, softcap=0.0) -> None:
+        """``window``, ``softcap``: as in ``decode``, in the kernels."""
         from kernels import reference
 
         if not (self._fast(key_cache, query, value_cache) and out.is_cuda
                 and key_cache.is_contiguous() and value_cache.is_contiguous()):
             return reference.paged_prefill_attention(
                 out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
-                scale)
+                scale, window, softcap)
         if query.shape[0]:
             self._attention("prefill", out, query, key_cache, value_cache, block_tables,
-                            query_start_loc, context_lens, scale)
+                            query_start_loc, context_lens, scale, window, softcap)
 
     # Block copies and swaps go through PyTorch's indexing on the device for now: the CUDA copy
     # kernel (kernels/cuda/cache_ops.py) is checked under the simulator and as PTX, but the swap

@@ -30,7 +30,7 @@ from kernels.cuda.config import (
 # grid: (num_seqs, num_heads, num_partitions); block: (THREADS,)
 @cuda.jit(fastmath=False, **jit_options(ATTENTION_MAX_REGISTERS))
 def decode_kernel(part_out, part_max, part_sum, query, key_cache, value_cache, block_tables,
-                  context_lens, scale, partition_size):
+                  context_lens, scale, partition_size, window, softcap):
     # part_out: [num_seqs, num_heads, num_partitions, head_dim] float32 (normalized per partition;
     #   with one partition, a view of the output)
     # part_max, part_sum: [num_seqs, num_heads, num_partitions] float32
@@ -39,6 +39,9 @@ def decode_kernel(part_out, part_max, part_sum, query, key_cache, value_cache, b
     #   or bfloat16 bits (int16), read through widen: float32 arithmetic throughout
     # block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32
     # scale: float32; partition_size: int32, <= MAX_PARTITION
+    # window: int32, > 0 a sliding window: the last ``window`` positions only, partitions counted
+    #   from its start (blocks before it are never read); softcap: float32, > 0 logits become
+    #   softcap * tanh(logit / softcap) (Gemma 2)
     s = cuda.blockIdx.x
     h = cuda.blockIdx.y
     p = cuda.blockIdx.z
@@ -52,6 +55,8 @@ def decode_kernel(part_out, part_max, part_sum, query, key_cache, value_cache, b
     kvh = h // (num_heads // num_kv_heads)
     length = context_lens[s]
     start = p * partition_size
+    if window > 0 and length > window:
+        start += length - window
     if start >= length:
         return  # the whole block: this partition is past the sequence's end
     end = start + partition_size
@@ -84,7 +89,10 @@ def decode_kernel(part_out, part_max, part_sum, query, key_cache, value_cache, b
                 acc += shfl_xor(FULL_MASK, acc, step)
                 step //= 2
             if lane == 0:
-                logits[tok - start] = acc * scale
+                x = acc * scale
+                if softcap > 0:
+                    x = softcap * math.tanh(x / softcap)
+                logits[tok - start] = x
             tok += NUM_WARPS
             off += NUM_WARPS
             while off >= block_size:
@@ -109,7 +117,10 @@ def decode_kernel(part_out, part_max, part_sum, query, key_cache, value_cache, b
                 acc = float32(0.0)
                 for k in range(WARP):
                     acc += partials[tid * WARP + k]
-                logits[tok - start] = acc * scale
+                x = acc * scale
+                if softcap > 0:
+                    x = softcap * math.tanh(x / softcap)
+                logits[tok - start] = x
             cuda.syncthreads()
     cuda.syncthreads()
 

@@ -38,8 +38,11 @@ def choose_partition_size(rows: int, num_heads: int, max_len: int) -> int:
 
 
 def _attention(kind, out, query, key_cache, value_cache, block_tables, query_start_loc,
-               context_lens, max_len, scale, partition_size, empty, stream):
+               context_lens, max_len, scale, partition_size, empty, stream, window=0, softcap=0.0):
     rows, num_heads, head_dim = query.shape
+    window = max(0, int(window))
+    if window:  # a row's partitions cover its last ``window`` positions
+        max_len = min(max_len, window)
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM}")
     if partition_size is None:
@@ -58,21 +61,26 @@ def _attention(kind, out, query, key_cache, value_cache, block_tables, query_sta
         row_lens = context_lens
         _launch(decode_kernel, grid, stream)(
             part_out, part_max, part_sum, query, key_cache, value_cache, block_tables,
-            context_lens, np.float32(scale), np.int32(partition_size))
+            context_lens, np.float32(scale), np.int32(partition_size), np.int32(window),
+            np.float32(softcap))
     else:
         row_lens = empty((rows,), np.int32)
         _launch(prefill_kernel, grid, stream)(
             part_out, part_max, part_sum, row_lens, query, key_cache, value_cache, block_tables,
-            query_start_loc, context_lens, np.float32(scale), np.int32(partition_size))
+            query_start_loc, context_lens, np.float32(scale), np.int32(partition_size),
+            np.int32(window), np.float32(softcap))
     if num_parts > 1:
         _launch(merge_kernel, (rows, num_heads), stream)(
-            out, part_out, part_max, part_sum, row_lens, np.int32(partition_size))
+            out, part_out, part_max, part_sum, row_lens, np.int32(partition_size), np.int32(window))
 
 
 def paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale,
                            partition_size: int | None = None, max_len: int | None = None,
-                           empty=_device_empty, stream=None) -> None:
+                           empty=_device_empty, stream=None, window: int = 0,
+                           softcap: float = 0.0) -> None:
     """One query per sequence over its whole context; writes ``out`` (C-contiguous) in place.
+    ``window`` > 0: its last ``window`` positions only (the blocks before them never read);
+    ``softcap`` > 0: soft-capped logits (``kernels/reference.py``).
 
     ``partition_size``: ``None`` chooses (``choose_partition_size``); a number up to
     ``MAX_PARTITION`` forces it. ``max_len`` (the longest context) is read back from the device
@@ -83,19 +91,21 @@ def paged_decode_attention(out, query, key_cache, value_cache, block_tables, con
     if max_len is None:
         max_len = int(np.asarray(_host(context_lens)).max())
     _attention("decode", out, query, key_cache, value_cache, block_tables, None, context_lens,
-               max_len, scale, partition_size, empty, stream)
+               max_len, scale, partition_size, empty, stream, window, softcap)
 
 
 def paged_prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc,
                             context_lens, scale, partition_size: int | None = None,
-                            max_len: int | None = None, empty=_device_empty, stream=None) -> None:
-    """New tokens attend causally to themselves and their cached prefix; writes ``out`` in place."""
+                            max_len: int | None = None, empty=_device_empty, stream=None,
+                            window: int = 0, softcap: float = 0.0) -> None:
+    """New tokens attend causally to themselves and their cached prefix; writes ``out`` in place.
+    ``window``, ``softcap``: as in ``paged_decode_attention``."""
     if query.shape[0] == 0:
         return
     if max_len is None:
         max_len = int(np.asarray(_host(context_lens)).max())
     _attention("prefill", out, query, key_cache, value_cache, block_tables, query_start_loc,
-               context_lens, max_len, scale, partition_size, empty, stream)
+               context_lens, max_len, scale, partition_size, empty, stream, window, softcap)
 
 
 def _host(a):

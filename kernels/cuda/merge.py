@@ -11,16 +11,20 @@ from kernels.cuda.config import NEG_INF
 
 # grid: (num_rows, num_heads); block: (THREADS,)
 @cuda.jit(fastmath=False)
-def merge_kernel(out, part_out, part_max, part_sum, row_lens, partition_size):
+def merge_kernel(out, part_out, part_max, part_sum, row_lens, partition_size, window):
     # out: [num_rows, num_heads, head_dim] float32
     # part_out: [num_rows, num_heads, num_partitions, head_dim] float32, normalized per partition
     # part_max, part_sum: [num_rows, num_heads, num_partitions] float32
     # row_lens: [num_rows] int32 (positions of each row: decode context_lens, prefill row_lens)
+    # window: int32, > 0 a sliding window: a row's partitions cover its last ``window`` positions
     # out = sum_p w_p part_out_p / sum_p w_p, w_p = part_sum_p * exp(part_max_p - max_p part_max_p)
     r = cuda.blockIdx.x
     h = cuda.blockIdx.y
     head_dim = out.shape[2]
-    used = (row_lens[r] + partition_size - 1) // partition_size
+    span = row_lens[r]
+    if window > 0 and span > window:
+        span = window
+    used = (span + partition_size - 1) // partition_size
     gmax = NEG_INF
     for p in range(used):
         if part_max[r, h, p] > gmax:

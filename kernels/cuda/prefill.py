@@ -21,7 +21,8 @@ from kernels.cuda.config import (
 # grid: (num_tokens, num_heads, num_partitions); block: (THREADS,)
 @cuda.jit(fastmath=False, **jit_options(ATTENTION_MAX_REGISTERS))
 def prefill_kernel(part_out, part_max, part_sum, row_lens, query, key_cache, value_cache,
-                   block_tables, query_start_loc, context_lens, scale, partition_size):
+                   block_tables, query_start_loc, context_lens, scale, partition_size, window,
+                   softcap):
     # part_out: [num_tokens, num_heads, num_partitions, head_dim] float32 (as in decode_kernel)
     # part_max, part_sum: [num_tokens, num_heads, num_partitions] float32
     # row_lens: [num_tokens] int32, written here: positions each query row attends to
@@ -29,7 +30,8 @@ def prefill_kernel(part_out, part_max, part_sum, row_lens, query, key_cache, val
     # key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim] float32, float16
     #   or bfloat16 bits (int16), read through widen: float32 arithmetic throughout
     # block_tables: [num_seqs, max_blocks] int32; query_start_loc: [num_seqs + 1] int32;
-    # context_lens: [num_seqs] int32; scale: float32; partition_size: int32 <= MAX_PARTITION
+    # context_lens: [num_seqs] int32; scale: float32; partition_size: int32 <= MAX_PARTITION;
+    # window, softcap: as in decode_kernel
     r = cuda.blockIdx.x
     h = cuda.blockIdx.y
     p = cuda.blockIdx.z
@@ -56,6 +58,8 @@ def prefill_kernel(part_out, part_max, part_sum, row_lens, query, key_cache, val
     if h == 0 and p == 0 and tid == 0:
         row_lens[r] = length
     start = p * partition_size
+    if window > 0 and length > window:
+        start += length - window
     if start >= length:
         return
     end = start + partition_size
@@ -88,7 +92,10 @@ def prefill_kernel(part_out, part_max, part_sum, row_lens, query, key_cache, val
                 acc += shfl_xor(FULL_MASK, acc, step)
                 step //= 2
             if lane == 0:
-                logits[tok - start] = acc * scale
+                x = acc * scale
+                if softcap > 0:
+                    x = softcap * math.tanh(x / softcap)
+                logits[tok - start] = x
             tok += NUM_WARPS
             off += NUM_WARPS
             while off >= block_size:
@@ -113,7 +120,10 @@ def prefill_kernel(part_out, part_max, part_sum, row_lens, query, key_cache, val
                 acc = float32(0.0)
                 for k in range(WARP):
                     acc += partials[tid * WARP + k]
-                logits[tok - start] = acc * scale
+                x = acc * scale
+                if softcap > 0:
+                    x = softcap * math.tanh(x / softcap)
+                logits[tok - start] = x
             cuda.syncthreads()
     cuda.syncthreads()
 

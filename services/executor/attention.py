@@ -52,15 +52,18 @@ class TorchBackend:
     def write_kv(self, key_cache, value_cache, key, value, slot_mapping) -> None:
         reference.write_kv_cache(key_cache, value_cache, key, value, slot_mapping)
 
-    def decode(self, out, query, key_cache, value_cache, block_tables, context_lens, scale) -> None:
-        reference.paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale)
+    def decode(self, out, query, key_cache, value_cache, block_tables, context_lens, scale,
+               window=0, softcap=0.0) -> None:
+        reference.paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale,
+                                         window, softcap)
 
     def prefill(
         self, out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
-        new_key=None, new_value=None,
+        new_key=None, new_value=None, window=0, softcap=0.0,
     ) -> None:
         reference.paged_prefill_attention(
-            out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale
+            out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
+            window, softcap,
         )
 
     def copy_blocks(self, key_caches, value_caches, block_mapping) -> None:
@@ -120,23 +123,27 @@ def paged_attention(
     scale: float,
     key: torch.Tensor | None = None,  # [T, num_kv_heads, head_dim]: the step's new keys (written)
     value: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of a mixed batch: decodes in one kernel call, prefill chunks in another. ``key``
     and ``value``, the step's new keys and values (already in the pools), go to the prefill as
     ``new_key`` and ``new_value``: a backend may read a prompt without a cached prefix from them
-    instead of from the pools (the numba backend's torch path does)."""
+    instead of from the pools (the numba backend's torch path does). ``window`` (sliding window,
+    0: none) and ``softcap`` (logit soft-cap, 0: none) go to both (``kernels/reference.py``)."""
     out = torch.empty_like(query)
     nd, ndt = meta.num_decodes, meta.num_decode_tokens
     if nd:
         backend.decode(
             out[:ndt], query[:ndt], key_cache, value_cache, meta.decode_block_tables,
-            meta.decode_context_lens, scale,
+            meta.decode_context_lens, scale, window=window, softcap=softcap,
         )
     if ndt < query.shape[0]:
         backend.prefill(
             out[ndt:], query[ndt:], key_cache, value_cache, meta.prefill_block_tables,
             meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
             new_key=None if key is None else key[ndt:], new_value=None if value is None else value[ndt:],
+            window=window, softcap=softcap,
         )
     return out
 
@@ -150,16 +157,18 @@ def decode_from_qkv(
     meta: AttentionMetadata,
     scale: float,
     num_heads: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor | None:
     """A decode-only step's attention ``[T, num_heads, head_dim]`` straight from the layer's fused
     q/k/v projection, where the backend does the rotary embedding, the cache write and the
     attention in one call (``decode_qkv``: the numba backend, ``kernels/cpu/decode_qkv.py``), with
     the bits of ``RotaryEmbedding``, ``write_kv`` and ``paged_attention`` one after the other. None
     where it does not (no such kernel, a step with prefills, tensors the kernel does not take): the
-    caller then runs those three."""
+    caller then runs those three. ``window``, ``softcap``: as in ``paged_attention``."""
     fused = getattr(backend, "decode_qkv", None)
     num_tokens = qkv.shape[0]
     if fused is None or meta.num_decodes != num_tokens or meta.num_decode_tokens != num_tokens:
         return None
     return fused(qkv, *rope, key_cache, value_cache, meta.slot_mapping, meta.decode_block_tables,
-                 meta.decode_context_lens, scale, num_heads)
+                 meta.decode_context_lens, scale, num_heads, window, softcap)

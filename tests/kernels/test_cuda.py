@@ -197,3 +197,42 @@ def test_16bit_caches_match_the_reference_from_the_same_values(dtype):
     got_k, got_v = _bits(kc).copy(), _bits(vc).copy()
     kcuda.write_kv_cache(got_k, got_v, _bits(key), _bits(value), slots.numpy())
     assert np.array_equal(got_k, _bits(want_k)) and np.array_equal(got_v, _bits(want_v))
+
+
+# Sliding windows and soft-capping (tests/kernels/test_window_softcap.py's cases, kept tiny: a
+# simulated thread block takes ~0.2 s). The blocks wholly before every row's window are NaN and
+# their table entries still point at them (a -1 would wrap around in the simulator's numpy
+# indexing): finite, right outputs show they are never read.
+@pytest.mark.parametrize("window,softcap,partition_size", [
+    (7, 0.0, None), (0, 5.0, None), (7, 5.0, 4), (1000, 0.0, None),
+])
+def test_decode_window_softcap(window, softcap, partition_size):
+    from tests.kernels.test_window_softcap import QUERY_SCALE, make_case
+
+    lens = [23, 6]
+    kc, vc, tables, ctx, _, q, _ = make_case(lens, [1, 1], 2, 1, 32, 4, window, 8,
+                                             query_scale=QUERY_SCALE, dropped=None)
+    expected = torch.empty_like(q)
+    reference.paged_decode_attention(expected, q, kc, vc, tables, ctx, 32 ** -0.5, window, softcap)
+    out = np.full(q.shape, np.nan, np.float32)
+    kcuda.paged_decode_attention(out, q.numpy(), kc.numpy(), vc.numpy(), tables.numpy(), ctx.numpy(),
+                                 32 ** -0.5, partition_size=partition_size, window=window, softcap=softcap)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expected.numpy(), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("window,softcap,partition_size", [(5, 5.0, None), (7, 0.0, 4)])
+def test_prefill_window_softcap(window, softcap, partition_size):
+    from tests.kernels.test_window_softcap import QUERY_SCALE, make_case
+
+    lens, q_lens = [21, 4], [3, 4]  # a chunk after an 18-token cached prefix; a fresh prompt
+    kc, vc, tables, ctx, qsl, q, _ = make_case(lens, q_lens, 2, 1, 32, 4, window, 9,
+                                               query_scale=QUERY_SCALE, dropped=None)
+    expected = torch.empty_like(q)
+    reference.paged_prefill_attention(expected, q, kc, vc, tables, qsl, ctx, 32 ** -0.5, window, softcap)
+    out = np.full(q.shape, np.nan, np.float32)
+    kcuda.paged_prefill_attention(out, q.numpy(), kc.numpy(), vc.numpy(), tables.numpy(), qsl.numpy(),
+                                  ctx.numpy(), 32 ** -0.5, partition_size=partition_size, window=window,
+                                  softcap=softcap)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expected.numpy(), atol=ATOL, rtol=RTOL)
