@@ -24,10 +24,11 @@ def test_every_family_is_registered():
     assert set(FAMILY_SPECS) <= set(FAMILIES)
 
 
-def test_greedy_equals_transformers(family_model):
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_greedy_equals_transformers(family_model, backend):
     name, model = family_model
     prompts = random_prompts(LENGTHS, seed=1)
-    engine = InProcessEngine(model, num_blocks=96, block_size=4, max_num_batched_tokens=16)
+    engine = InProcessEngine(model, num_blocks=96, block_size=4, max_num_batched_tokens=16, backend=backend)
     for i, prompt in enumerate(prompts):  # 16-token steps: long prompts are prefilled in chunks
         engine.add(f"r{i}", prompt, temperature=0.0, max_tokens=14, ignore_eos=True)
     got = engine.run()
@@ -128,3 +129,16 @@ def test_bad_checkpoints_exit_2_with_one_line_each(tmp_path):
         assert "Traceback" not in stderr, (case, stderr[-2000:])
         last = stderr.strip().splitlines()[-1]
         assert cases[case][1] in last, (case, last)
+
+
+@pytest.mark.slow  # two ranks per family
+@pytest.mark.parametrize("name", sorted(FAMILY_SPECS))
+def test_two_ranks_equal_one(name):
+    """``-tp 2`` computes what one rank does (logits within 1e-5, the same greedy tokens), through
+    prefix hits, copy-on-write and swap; Phi-3's fused checkpoint weights are cut by heads too."""
+    from tests.executor.test_tensor_parallel_model import check_sharded_equals_unsharded
+
+    prompts = random_prompts((3, 11, 17, 9), seed=4)
+    prompts.append(prompts[2][:12] + [5])  # shares the first blocks of another prompt
+    check_sharded_equals_unsharded(tiny_family(name, seed=5), 2, prompts, max_tokens=12, num_blocks=40,
+                                   max_num_batched_tokens=16, preemption_mode="swap")
