@@ -10,6 +10,7 @@ from shared.messages import NewSequence, Step
 
 from .block_manager import BlockManager
 from .sequence import Sequence
+from .sliding_window import NULL_BLOCK
 
 
 @dataclass
@@ -61,7 +62,10 @@ def build_step(
         seq, start = s.seq, s.seq.num_computed_tokens
         end = start + s.num_new_tokens
         table = blocks.block_tables[seq.seq_id]
-        block_tables[i, : len(table)] = table
+        # A block freed out of the sliding window (NULL_BLOCK) goes out as block 0: a valid index
+        # the kernels never read (they start at max(0, p - W + 1)); -1 would index the pool's last
+        # block in a gather, or fault, if anything dereferenced it.
+        block_tables[i, : len(table)] = [0 if b == NULL_BLOCK else b for b in table]
         query_start_loc[i + 1] = query_start_loc[i] + s.num_new_tokens
         context_lens[i] = s.context_len = end
         s.num_preemptions = seq.num_preemptions
@@ -69,7 +73,9 @@ def build_step(
         for pos in range(start, end):
             tokens.append(seq.token_id(pos))
             positions.append(pos)
-            slots.append(table[pos // blocks.block_size] * blocks.block_size + pos % blocks.block_size)
+            block_id = table[pos // blocks.block_size]
+            assert block_id != NULL_BLOCK, f"sequence {seq.seq_id}: position {pos} is out of the window"
+            slots.append(block_id * blocks.block_size + pos % blocks.block_size)
         if not seq.announced:
             seq.announced = True
             new_seqs.append(NewSequence(seq.seq_id, seq.request_id, seq.sampling,
