@@ -121,8 +121,15 @@ class BlockManager(SwapMixin):
         return max(0, self.blocks_needed(num_tokens) - held)
 
     def can_admit(self, num_tokens: int, num_prompt_tokens: int, cached_blocks: Sequence[int] = ()) -> AllocStatus:
-        """Whether a new sequence may take blocks for ``num_tokens`` now, keeping the watermark."""
-        if self.blocks_needed(num_prompt_tokens) > self.num_blocks - self.watermark_blocks:
+        """Whether a new sequence may take blocks for ``num_tokens`` now, keeping the watermark. NEVER
+        when its ``num_prompt_tokens`` cannot be held at once; with a sliding window only the blocks
+        from the first one the cached hits leave in the window to ``num_tokens`` need to be."""
+        peak = self.blocks_needed(num_prompt_tokens)
+        if self.sliding_window:
+            dead = sliding_window.num_dead_blocks(len(cached_blocks) * self.block_size, self.sliding_window,
+                                                  self.block_size)
+            peak = min(peak, self.blocks_needed(num_tokens) - dead)
+        if peak > self.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         needed = self.blocks_needed(num_tokens) - len(cached_blocks) + revived
