@@ -294,3 +294,26 @@ def test_the_pool_shape_carries_the_window_every_rank_reports():
     assert PoolShape.of(ranks).sliding_window == 1024
     ranks[1].sliding_window = 0  # a rank that attends everything: no freeing
     assert PoolShape.of(ranks).sliding_window == 0
+
+
+
+@pytest.mark.parametrize("window", [0, 32])
+def test_a_sequence_longer_than_the_pool_is_prefilled_again_in_chunks_with_a_window(window):
+    """A resumed request (as a recompute-preempted one) of 8 + 150 tokens needs 40 blocks of 4 at
+    once without a window, more than the pool's 24: it is stopped (outgrown). With W = 32 its
+    chunks of 32 tokens need at most 9 + 8 blocks at a time, and it goes on."""
+    bm = BlockManager(24, 4, watermark=0.0, enable_prefix_caching=False, sliding_window=window)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32, max_model_len=1024), bm)
+    params = SamplingParams(max_tokens=160, ignore_eos=True)
+    resumed = np.full(150, 7, np.int32)
+    sched.add_request(AddRequest("r", np.full(8, 6, np.int32), params, 0.0, resumed_token_ids=resumed))
+    outputs = []
+    while sched.has_work():
+        step = sched.schedule()
+        if step is not None:
+            sampled = step.seq_ids[step.sample_mask]
+            sched.update(StepResult(step.step_id, sampled, np.full(len(sampled), 5, np.int64)))
+        outputs += sched.take_outputs()
+        bm.check_integrity()
+    finals = _finals(outputs)
+    assert finals == ({("r", 0): ("length", 10, None)} if window else {("r", 0): ("length", 0, None)})
