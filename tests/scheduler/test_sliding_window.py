@@ -14,7 +14,7 @@ from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.sliding_window import NULL_BLOCK, max_live_blocks, num_dead_blocks
 from services.scheduler.step_builder import Scheduled, build_step
 from shared.kv_json import kv_snapshot_json
-from shared.messages import AddRequest, SamplingParams, StepResult
+from shared.messages import PLACEHOLDER_TOKEN_ID, AddRequest, SamplingParams, StepResult
 
 
 def _bm(num_blocks=16, window=8, **kwargs):
@@ -166,15 +166,18 @@ def test_step_sends_nulls_as_block_zero_and_kv_snapshot_shows_them():
 
 
 class KvModel:
-    """The executors' pools as the scheduler's steps drive them: blocks moved, tokens written to
-    their slots, then every query's window read back."""
+    """The executors' pools as the scheduler's steps drive them, each step run as it is sent (the
+    executors run steps in order): blocks moved, tokens written to their slots (a placeholder
+    replaced by the token the sequence sampled last, as with async scheduling), every query's
+    window read back, then tokens sampled; returns the step's result."""
 
-    def __init__(self, sched: Scheduler, window: int):
-        self.sched, self.window, self.bs = sched, window, sched.blocks.block_size
+    def __init__(self, sched: Scheduler, window: int, rng: random.Random):
+        self.sched, self.window, self.bs, self.rng = sched, window, sched.blocks.block_size, rng
         self.device: dict[int, list] = {}
         self.cpu: dict[int, list] = {}
+        self.sampled: dict[int, int] = {}  # seq id -> the token it sampled last
 
-    def run(self, step) -> None:
+    def run(self, step) -> StepResult:
         bm = self.sched.blocks
         for dev, cpu in step.swap_out.tolist():
             self.cpu[cpu] = list(self.device[dev])
@@ -184,7 +187,10 @@ class KvModel:
             self.device[dst] = list(self.device[src])
         starts = step.query_start_loc.tolist()
         forked = [seq_id for i, seq_id in enumerate(step.seq_ids.tolist()) if starts[i] == starts[i + 1]]
-        for slot, token in zip(step.slot_mapping.tolist(), step.input_token_ids.tolist()):
+        row_seq = np.repeat(step.seq_ids, np.diff(step.query_start_loc)).tolist()
+        for slot, token, seq_id in zip(step.slot_mapping.tolist(), step.input_token_ids.tolist(), row_seq):
+            if token == PLACEHOLDER_TOKEN_ID:
+                token = self.sampled[seq_id]
             block = slot // self.bs  # shared only with the samples forking in this step, if any
             sharers = sum(block in bm.block_tables[seq_id] for seq_id in forked)
             assert bm.ref_counts[block] == 1 + sharers, f"write into shared block {block}"
@@ -197,13 +203,20 @@ class KvModel:
                 for j in range(max(0, p - self.window + 1) if self.window else 0, p + 1):
                     assert table[j // self.bs] != NULL_BLOCK, f"seq {seq_id}: key {j} of query {p} freed"
                     block = int(step.block_tables[i, j // self.bs])
-                    assert self.device[block][j % self.bs] == seq.token_id(j), f"seq {seq_id}: key {j} lost"
+                    expected = seq.token_id(j)
+                    if expected != PLACEHOLDER_TOKEN_ID:  # (else sampled by a step in flight)
+                        assert self.device[block][j % self.bs] == expected, f"seq {seq_id}: key {j} lost"
+        sampled = step.seq_ids[step.sample_mask]
+        tokens = np.array([self.rng.randrange(2, 6) for _ in sampled], np.int64)
+        self.sampled.update(zip(sampled.tolist(), tokens.tolist()))
+        return StepResult(step.step_id, sampled, tokens)
 
 
 def run_windowed(window, bs, num_blocks, requests, *, num_cpu_blocks=0, preemption_mode="recompute",
-                 prefix_caching=True, max_num_batched_tokens=64, seed=0):
-    """Run ``requests`` (prompt, max_tokens, n) to completion, checking the pool after every step.
-    Returns the scheduler, its outputs and the most blocks one sequence held."""
+                 prefix_caching=True, max_num_batched_tokens=64, seed=0, async_scheduling=False):
+    """Run ``requests`` (prompt, max_tokens, n) to completion, checking the pool after every step
+    (with ``async_scheduling``, the next step planned while one is in flight where the scheduler
+    allows). Returns the scheduler, its outputs and the most blocks one sequence held."""
     bm = BlockManager(num_blocks, bs, watermark=0.0, num_cpu_blocks=num_cpu_blocks,
                       enable_prefix_caching=prefix_caching, sliding_window=window)
     sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
@@ -211,14 +224,20 @@ def run_windowed(window, bs, num_blocks, requests, *, num_cpu_blocks=0, preempti
     for i, (prompt, max_tokens, n) in enumerate(requests):
         params = SamplingParams(temperature=1.0, n=n, max_tokens=max_tokens, ignore_eos=True)
         sched.add_request(AddRequest(f"r{i}", np.array(prompt, np.int32), params, float(i)))
-    kv, rng, outputs, peak = KvModel(sched, window), random.Random(seed), [], 0
+    kv, outputs, peak, in_flight = KvModel(sched, window, random.Random(seed)), [], 0, []
     chunk_blocks = -(-max_num_batched_tokens // bs) + 1
-    for _ in range(20_000):
-        if not sched.has_work():
+    for _ in range(40_000):
+        if not sched.has_work() and not in_flight:
             break
-        step = sched.schedule()
-        assert step is not None
-        kv.run(step)
+        step = None
+        if not in_flight or (async_scheduling and len(in_flight) == 1 and sched.can_schedule_ahead()):
+            step = sched.schedule()
+        if step is None:
+            sched.update(in_flight.pop(0))
+            outputs += sched.take_outputs()
+            bm.check_integrity()
+            continue
+        in_flight.append(kv.run(step))
         for s in sched.running:
             live = sum(b != NULL_BLOCK for b in bm.block_tables.get(s.seq_id, ()))
             peak = max(peak, live)
@@ -229,12 +248,8 @@ def run_windowed(window, bs, num_blocks, requests, *, num_cpu_blocks=0, preempti
             if window:
                 live = sum(b != NULL_BLOCK for b in bm.block_tables[seq_id])
                 assert live <= max_live_blocks(window, bs), f"decoding seq {seq_id} holds {live} blocks"
-        sampled = step.seq_ids[step.sample_mask]
-        tokens = np.array([rng.randrange(2, 6) for _ in sampled], np.int64)
-        sched.update(StepResult(step.step_id, sampled, tokens))
-        outputs += sched.take_outputs()
         bm.check_integrity()
-    assert not sched.has_work()
+    assert not sched.has_work() and not in_flight
     return sched, outputs, peak
 
 
@@ -317,3 +332,14 @@ def test_a_sequence_longer_than_the_pool_is_prefilled_again_in_chunks_with_a_win
         bm.check_integrity()
     finals = _finals(outputs)
     assert finals == ({("r", 0): ("length", 10, None)} if window else {("r", 0): ("length", 0, None)})
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_async_scheduling_with_a_window(preemption_mode):
+    """The next step planned while one is in flight: its sequences trimmed at counts that include
+    the step in flight, whose reads come first (the executors run steps in order)."""
+    reqs = [(p, 150, n) for p, n in zip(_shared_prompts(4, 40, seed=3), (1, 2, 1, 1))]
+    sched, outputs, _ = run_windowed(32, 4, 40, reqs, num_cpu_blocks=64, preemption_mode=preemption_mode,
+                                     max_num_batched_tokens=32, async_scheduling=True)
+    assert set(_finals(outputs).values()) == {("length", 150, None)} and len(_finals(outputs)) == 5
+    assert sched.stats.num_preemptions > 0
