@@ -95,7 +95,8 @@ def kv_snapshot_schema() -> dict[str, Any]:
                     "choice": {"type": "integer", "description": "its choice (index) within the request"},
                     "on_cpu": {"type": "boolean", "description": "swapped out: block_table indexes cpu_blocks"},
                     "num_tokens": {"type": "integer", "description": "tokens held in its blocks"},
-                    "block_table": _ints("logical block i -> physical block id")}}
+                    "block_table": {**_ints("logical block i -> physical block id; -1: freed out of the sliding window"),
+                                    "items": {"type": "integer", "minimum": -1}}}}
     event = {"type": "object", "required": ["kind", "src", "dst"], "properties": {
         "kind": {"enum": list(EVENT_NAMES.values()), "description": "copy: copy-on-write, device src to device "
                  "dst; evict: cached device block src reused; swap_out: device src to CPU dst; swap_in: CPU src "

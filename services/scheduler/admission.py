@@ -59,4 +59,5 @@ def admit(seq: Sequence, token_budget: int, blocks: BlockManager, config: Schedu
         if not seq.announced:
             seq.num_cached_tokens = min(num_computed, seq.num_prompt_tokens)
         seq.num_computed_tokens = num_computed
+        blocks.free_out_of_window(seq.seq_id, num_computed)  # prefix hits already out of the window
     return status, num_new

@@ -1,9 +1,11 @@
-"""Conservation checks of a ``BlockManager``'s two pools and its prefix cache (tests call them
-after every step, through ``BlockManager.check_integrity``)."""
+"""Conservation checks of a ``BlockManager``'s two pools, its prefix cache and its sliding-window
+null entries (tests call them after every step, through ``BlockManager.check_integrity``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from .sliding_window import NULL_BLOCK, max_live_blocks, num_dead_blocks
 
 if TYPE_CHECKING:
     from .block_manager import BlockManager
@@ -22,6 +24,29 @@ def check_block_manager(bm: "BlockManager") -> None:
     for h, block_id in bm.cached.items():
         assert bm.block_hashes[block_id] == h, f"cache entry for block {block_id} is stale"
     assert sum(h is not None for h in bm.block_hashes) == len(bm.cached), "hash without entry"
+    check_window(bm)
+
+
+def check_window(bm: "BlockManager") -> None:
+    """Null entries only where the window let a block go. For each sequence (device or CPU table),
+    trimmed last at ``t`` computed tokens (0: never): its nulls are exactly its first
+    ``num_dead_blocks(t)`` entries (trims only ever free a longer prefix, and every later entry was
+    allocated for a position the window still needs), so no null follows a live entry; and its live
+    blocks are at most ``max_live_blocks`` for the computed tokens plus one per block past them."""
+    assert not set(bm.trimmed_at) - set(bm.block_tables) - set(bm.cpu_tables), "trim count of a freed sequence"
+    bs = bm.block_size
+    for tables in (bm.block_tables, bm.cpu_tables):
+        for seq_id, table in tables.items():
+            t = bm.trimmed_at.get(seq_id, 0)
+            assert len(table) >= -(-t // bs), f"sequence {seq_id}: {len(table)} blocks for {t} computed tokens"
+            dead = num_dead_blocks(t, bm.sliding_window, bs)
+            nulls = [i for i, b in enumerate(table) if b == NULL_BLOCK]
+            assert nulls == list(range(dead)), (
+                f"sequence {seq_id} trimmed at {t} tokens: null entries at {nulls}, expected the first {dead}"
+            )
+            if bm.sliding_window:
+                bound = max_live_blocks(bm.sliding_window, bs) + max(0, len(table) - -(-t // bs))
+                assert len(table) - dead <= bound, f"sequence {seq_id}: {len(table) - dead} live blocks > {bound}"
 
 
 def check_pool(num_blocks: int, tables: dict[int, list[int]], ref_counts: list[int], idle: list[int]) -> None:
@@ -29,7 +54,8 @@ def check_pool(num_blocks: int, tables: dict[int, list[int]], ref_counts: list[i
     holders = [0] * num_blocks
     for table in tables.values():
         for block_id in table:
-            holders[block_id] += 1
+            if block_id != NULL_BLOCK:
+                holders[block_id] += 1
     idle_set = set(idle)
     assert len(idle_set) == len(idle), "a block is idle twice"
     for block_id in range(num_blocks):

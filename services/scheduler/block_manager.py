@@ -17,11 +17,15 @@ Contract:
 - Copy-on-write: when ``allocate_slots`` is about to let a sequence write into a block whose count
   is above one (a partly filled block shared after ``fork``), the sequence gets a fresh block and a
   ``(src, dst)`` copy is queued in ``pending_copies`` for the executors. Full blocks stay shared.
-- Swap: ``swap_out`` moves a group of sequences' blocks to the CPU pool of ``num_cpu_blocks``
-  (a block shared inside the group moves once) and returns the ``(device, cpu)`` copies the
-  executors must make; ``swap_in`` brings them back and returns ``(cpu, device)`` copies.
+- Swap (``block_swap``): ``swap_out`` moves a group of sequences' blocks to the CPU pool of
+  ``num_cpu_blocks`` (a block shared inside the group moves once) and returns the ``(device, cpu)``
+  copies the executors must make; ``swap_in`` brings them back and returns ``(cpu, device)`` copies.
+- Sliding window (``sliding_window``, ``sliding_window > 0``): ``free_out_of_window`` releases a
+  sequence's leading blocks that no later query attends; their entries become ``NULL_BLOCK``, which
+  every operation skips (never acquired, released, cached or swapped).
 - ``events`` logs copy-on-write copies, evictions and swaps while the pool is watched (``kv_events``).
-- ``check_integrity`` verifies conservation in both pools and the consistency of the cache.
+- ``check_integrity`` verifies conservation in both pools, the consistency of the cache and the
+  window's null entries (``block_checks``).
 """
 
 from __future__ import annotations
@@ -36,8 +40,11 @@ import numpy as np
 
 from shared.messages import KvEventKind
 
+from . import sliding_window
 from .block_checks import check_block_manager
+from .block_swap import SwapMixin
 from .kv_events import KvEventLog
+from .sliding_window import NULL_BLOCK
 
 BlockHash = NewType("BlockHash", bytes)
 
@@ -56,12 +63,15 @@ class AllocStatus(Enum):
     NEVER = "never"  # larger than the whole pool
 
 
-class BlockManager:
+class BlockManager(SwapMixin):
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
-                 num_cpu_blocks: int = 0, enable_prefix_caching: bool = True) -> None:
+                 num_cpu_blocks: int = 0, enable_prefix_caching: bool = True, sliding_window: int = 0) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be 0 (none) or positive, got {sliding_window}")
+        self.sliding_window = sliding_window  # tokens every layer attends back (0: all of them)
         self.num_blocks, self.block_size = num_blocks, block_size
         # Blocks kept free at admission so a new prompt does not force an immediate preemption.
         self.watermark_blocks = int(watermark * num_blocks)
@@ -83,6 +93,7 @@ class BlockManager:
         self.cpu_ref_counts = [0] * self.num_cpu_blocks
         self.cpu_free_queue: deque[int] = deque(range(self.num_cpu_blocks))
         self.cpu_tables: dict[int, list[int]] = {}  # swapped-out sequences
+        self.trimmed_at: dict[int, int] = {}  # seq id -> computed tokens at its last window trim
 
     # ------------------------------------------------------------------ queries
 
@@ -110,8 +121,15 @@ class BlockManager:
         return max(0, self.blocks_needed(num_tokens) - held)
 
     def can_admit(self, num_tokens: int, num_prompt_tokens: int, cached_blocks: Sequence[int] = ()) -> AllocStatus:
-        """Whether a new sequence may take blocks for ``num_tokens`` now, keeping the watermark."""
-        if self.blocks_needed(num_prompt_tokens) > self.num_blocks - self.watermark_blocks:
+        """Whether a new sequence may take blocks for ``num_tokens`` now, keeping the watermark. NEVER
+        when its ``num_prompt_tokens`` cannot be held at once; with a sliding window only the blocks
+        from the first one the cached hits leave in the window to ``num_tokens`` need to be."""
+        peak = self.blocks_needed(num_prompt_tokens)
+        if self.sliding_window:
+            dead = sliding_window.num_dead_blocks(len(cached_blocks) * self.block_size, self.sliding_window,
+                                                  self.block_size)
+            peak = min(peak, self.blocks_needed(num_tokens) - dead)
+        if peak > self.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         needed = self.blocks_needed(num_tokens) - len(cached_blocks) + revived
@@ -120,8 +138,9 @@ class BlockManager:
         return AllocStatus.OK
 
     def slot(self, seq_id: int, position: int) -> int:
-        table = self.block_tables[seq_id]
-        return table[position // self.block_size] * self.block_size + position % self.block_size
+        block_id = self.block_tables[seq_id][position // self.block_size]
+        assert block_id != NULL_BLOCK, f"sequence {seq_id}: position {position} is out of the window"
+        return block_id * self.block_size + position % self.block_size
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -153,7 +172,7 @@ class BlockManager:
             return
         table = self.block_tables[seq_id]
         for block_id, h in zip(table, hashes):
-            if self.block_hashes[block_id] is None and h not in self.cached:
+            if block_id != NULL_BLOCK and self.block_hashes[block_id] is None and h not in self.cached:
                 self.block_hashes[block_id] = h
                 self.cached[h] = block_id
 
@@ -203,7 +222,7 @@ class BlockManager:
         cow_idx = None
         if num_computed_tokens is not None:
             idx = num_computed_tokens // self.block_size
-            if idx < len(table) and self.ref_counts[table[idx]] > 1:
+            if idx < len(table) and table[idx] != NULL_BLOCK and self.ref_counts[table[idx]] > 1:
                 cow_idx = idx
         needed = self.num_new_blocks(seq_id, num_tokens) + (cow_idx is not None)
         if needed > self.num_free_blocks:
@@ -223,74 +242,26 @@ class BlockManager:
         if child_seq_id in self.block_tables:
             raise ValueError(f"sequence {child_seq_id} already has a block table")
         table = list(self.block_tables[parent_seq_id])
-        for block_id in table:
+        for block_id in sliding_window.live(table):
             self._acquire(block_id)
         self.block_tables[child_seq_id] = table
+        if parent_seq_id in self.trimmed_at:
+            self.trimmed_at[child_seq_id] = self.trimmed_at[parent_seq_id]
 
     def free(self, seq_id: int) -> None:
         """Release every block of ``seq_id``, tail first. Unknown ids are ignored."""
-        for block_id in reversed(self.block_tables.pop(seq_id, ())):
+        for block_id in reversed(sliding_window.live(self.block_tables.pop(seq_id, ()))):
             self._release(block_id)
+        self.trimmed_at.pop(seq_id, None)
+
+    def free_out_of_window(self, seq_id: int, num_computed_tokens: int) -> int:
+        """Release ``seq_id``'s blocks that no query from ``num_computed_tokens`` on attends (their
+        entries become ``NULL_BLOCK``); returns how many. Nothing without a window (``sliding_window``)."""
+        return sliding_window.trim(self, seq_id, num_computed_tokens)
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
-
-    # ------------------------------------------------------------------ swap
-
-    def can_swap_out(self, seq_ids: list[int]) -> bool:
-        return len(self._distinct(self.block_tables, seq_ids)) <= len(self.cpu_free_queue)
-
-    def can_swap_in(self, seq_ids: list[int]) -> bool:
-        needed = len(self._distinct(self.cpu_tables, seq_ids))
-        return needed + self.watermark_blocks <= self.num_free_blocks
-
-    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
-        """Move the sequences' blocks to the CPU pool; returns ``(device, cpu)`` block copies."""
-        needed = self._distinct(self.block_tables, seq_ids)
-        if len(needed) > len(self.cpu_free_queue):
-            raise RuntimeError(f"cannot swap out {len(needed)} blocks: {len(self.cpu_free_queue)} free")
-        mapping = {b: self.cpu_free_queue.popleft() for b in needed}
-        for seq_id in seq_ids:
-            table = self.block_tables.pop(seq_id)
-            self.cpu_tables[seq_id] = [mapping[b] for b in table]
-            for block_id in table:
-                self.cpu_ref_counts[mapping[block_id]] += 1
-            for block_id in reversed(table):
-                self._release(block_id)  # a hashed block stays cached on the device too
-        self.events.record_pairs(KvEventKind.SWAP_OUT, mapping.items())
-        return list(mapping.items())
-
-    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
-        """Bring swapped sequences back; returns ``(cpu, device)`` block copies."""
-        needed = self._distinct(self.cpu_tables, seq_ids)
-        if len(needed) > self.num_free_blocks:
-            raise RuntimeError(f"cannot swap in {len(needed)} blocks: {self.num_free_blocks} free")
-        mapping = {cpu_block: self._take() for cpu_block in needed}
-        for device_block in mapping.values():
-            self.ref_counts[device_block] = 0  # counted again from the tables below
-        for seq_id in seq_ids:
-            table = self.cpu_tables.pop(seq_id)
-            self.block_tables[seq_id] = [mapping[b] for b in table]
-            for block_id in table:
-                self.ref_counts[mapping[block_id]] += 1
-            self._free_cpu(table)
-        self.events.record_pairs(KvEventKind.SWAP_IN, mapping.items())
-        return list(mapping.items())
-
-    @staticmethod
-    def _distinct(tables: dict[int, list[int]], seq_ids: list[int]) -> list[int]:
-        return list(dict.fromkeys(b for s in seq_ids for b in tables[s]))
-
-    def _free_cpu(self, table: list[int]) -> None:
-        for block_id in reversed(table):
-            self.cpu_ref_counts[block_id] -= 1
-            if self.cpu_ref_counts[block_id] == 0:
-                self.cpu_free_queue.append(block_id)
-
-    def free_swapped(self, seq_id: int) -> None:
-        """Release a swapped-out sequence's CPU blocks (it was aborted while swapped)."""
-        self._free_cpu(self.cpu_tables.pop(seq_id, []))
 
     def check_integrity(self) -> None:
         """Raise AssertionError if blocks were lost, duplicated or miscounted (``block_checks``)."""

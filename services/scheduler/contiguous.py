@@ -15,6 +15,8 @@ from .block_manager import AllocStatus, BlockManager
 class ContiguousBlockManager(BlockManager):
     def __init__(self, *args, **kwargs) -> None:
         kwargs["enable_prefix_caching"] = False
+        if kwargs.get("sliding_window"):
+            raise ValueError("the contiguous policy reserves a run freed whole: it has no sliding-window freeing")
         super().__init__(*args, **kwargs)
 
     def _find_run(self, num_blocks: int) -> int | None:

@@ -4,7 +4,8 @@ Built only while a frontend watches (``kv_publisher``), in time proportional to 
 and in the prefix cache, not to the pool's size: the block manager's tables are the truth about
 ownership (every sequence holding blocks, device or CPU, sorted by sequence id, with the request
 and choice it belongs to) and a block's count is the number of tables holding it. The block
-manager's event log is drained into it.
+manager's event log is drained into it. A table entry ``NULL_BLOCK`` (-1: freed out of the sliding
+window) goes out as it is in ``table_block_ids`` and is no used block.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import numpy as np
 from shared.messages import KvSnapshot
 
 from .scheduler import Scheduler
+from .sliding_window import NULL_BLOCK
 
 
 def _used(tables: dict[int, list[int]], ref_counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """The blocks the tables hold, ascending, and their counts."""
-    block_ids = sorted({b for table in tables.values() for b in table})
+    block_ids = sorted({b for table in tables.values() for b in table if b != NULL_BLOCK})
     return np.array(block_ids, np.int32), np.array([ref_counts[b] for b in block_ids], np.int32)
 
 

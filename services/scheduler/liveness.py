@@ -42,12 +42,14 @@ class PoolShape:
     num_blocks: int
     max_model_len: int
     num_cpu_blocks: int
+    sliding_window: int = 0  # tokens every layer attends back (0: all); the same on every rank
 
     @classmethod
     def of(cls, readies: list[ExecutorReady]) -> "PoolShape":
         first = readies[0]
         return cls(first.model, first.block_size, min(r.num_blocks for r in readies),
-                   min(r.max_model_len for r in readies), min(r.num_cpu_blocks for r in readies))
+                   min(r.max_model_len for r in readies), min(r.num_cpu_blocks for r in readies),
+                   max(r.sliding_window for r in readies) if all(r.sliding_window for r in readies) else 0)
 
 
 @dataclass(frozen=True)

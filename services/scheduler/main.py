@@ -215,17 +215,20 @@ class SchedulerProcess:
             return
         cfg, shape = self.config, group.shape
         max_model_len = min(shape.max_model_len, cfg.max_model_len or shape.max_model_len)
-        manager = ContiguousBlockManager if cfg.kv_policy == "contiguous" else BlockManager
+        if cfg.kv_policy == "contiguous":  # a reservation is never trimmed: no sliding window there
+            manager = ContiguousBlockManager(shape.num_blocks, shape.block_size, num_cpu_blocks=shape.num_cpu_blocks)
+        else:
+            manager = BlockManager(shape.num_blocks, shape.block_size, num_cpu_blocks=shape.num_cpu_blocks,
+                                   enable_prefix_caching=cfg.enable_prefix_caching,
+                                   sliding_window=shape.sliding_window)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, cfg.preemption_mode,
-                            cfg.kv_policy),
-            manager(shape.num_blocks, shape.block_size, num_cpu_blocks=shape.num_cpu_blocks,
-                    enable_prefix_caching=cfg.enable_prefix_caching),
-        )
+                            cfg.kv_policy), manager)
         self.log.info("scheduler ready", num_blocks=shape.num_blocks, block_size=shape.block_size,
                       max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs,
                       num_cpu_blocks=shape.num_cpu_blocks, preemption_mode=cfg.preemption_mode,
                       kv_policy=cfg.kv_policy, prefix_caching=cfg.enable_prefix_caching,
+                      sliding_window=manager.sliding_window,
                       async_scheduling=cfg.async_scheduling)
         held, self._held = self._held, []
         for msg in held:

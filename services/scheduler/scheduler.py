@@ -170,6 +170,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 self._insert_running(seq)
                 num_new = min(seq.num_pending_tokens, plan.token_budget)
+                self.blocks.free_out_of_window(seq.seq_id, seq.num_computed_tokens)
                 if num_new and self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new,
                                                           seq.num_computed_tokens):
                     self._add_to_plan(plan, seq, num_new)
@@ -264,7 +265,8 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, num_new: int, plan: Plan) -> bool:
         """Allocate ``seq``'s slots, preempting the newest groups as needed (``preemption``); False if
-        ``seq`` went."""
+        ``seq`` went. Its blocks out of the sliding window go first (``sliding_window``)."""
+        self.blocks.free_out_of_window(seq.seq_id, seq.num_computed_tokens)
         while not self.blocks.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new,
                                              seq.num_computed_tokens):
             group, swapped = preempt_newest(self.running, self.groups, plan, self.blocks,

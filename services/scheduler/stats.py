@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from shared.messages import EngineStats
 
 from .block_manager import BlockManager
+from .sliding_window import NULL_BLOCK
 from .sequence import Sequence
 from .step_builder import Scheduled
 
@@ -33,8 +34,10 @@ class SchedulerStats:
         """Add a step's slots holding tokens (after it ran) and slots allocated (all running sequences)."""
         new = {s.seq.seq_id: s.num_new_tokens for s in scheduled}
         self.num_steps += 1
-        self.sum_slots_used += sum(s.num_computed_tokens + new.get(s.seq_id, 0) for s in running)
-        self.sum_slots_allocated += sum(len(blocks.block_tables.get(s.seq_id, ())) for s in running) * blocks.block_size
+        self.sum_slots_used += sum(s.num_computed_tokens + new.get(s.seq_id, 0)
+                                   - _num_freed_slots(blocks, s.seq_id) for s in running)
+        self.sum_slots_allocated += blocks.block_size * sum(_num_live(blocks.block_tables.get(s.seq_id, ()))
+                                                            for s in running)
 
     def record_preemption(self, swapped: bool) -> None:
         self.num_preemptions += 1
@@ -48,8 +51,9 @@ class SchedulerStats:
         """The counters with the queue sizes and block counts of this moment."""
         return EngineStats(
             num_running=len(running), num_waiting=num_waiting, num_blocks_total=blocks.num_blocks,
-            num_blocks_used=blocks.num_used_blocks, num_slots_used=sum(s.num_computed_tokens for s in running),
-            num_slots_allocated=sum(len(t) for t in blocks.block_tables.values()) * blocks.block_size, ready=True,
+            num_blocks_used=blocks.num_used_blocks,
+            num_slots_used=sum(s.num_computed_tokens - _num_freed_slots(blocks, s.seq_id) for s in running),
+            num_slots_allocated=sum(_num_live(t) for t in blocks.block_tables.values()) * blocks.block_size, ready=True,
             num_steps=self.num_steps, sum_slots_used=self.sum_slots_used,
             sum_slots_allocated=self.sum_slots_allocated, num_preemptions=self.num_preemptions,
             num_swapped=num_swapped, max_num_running=self.max_num_running,
@@ -57,3 +61,13 @@ class SchedulerStats:
             num_cached_blocks=blocks.num_cached_blocks, num_swap_outs=self.num_swap_outs,
             num_recomputes=self.num_recomputes, num_kv_snapshots=self.num_kv_snapshots,
         )
+
+
+def _num_live(table) -> int:
+    """Entries of a block table that hold a block (not freed out of the sliding window)."""
+    return sum(1 for b in table if b != NULL_BLOCK)
+
+
+def _num_freed_slots(blocks: BlockManager, seq_id: int) -> int:
+    """Slots of a sequence's tokens whose blocks were freed out of the sliding window (its leading ones)."""
+    return blocks.block_tables.get(seq_id, []).count(NULL_BLOCK) * blocks.block_size

@@ -10,6 +10,7 @@ from shared.messages import NewSequence, Step
 
 from .block_manager import BlockManager
 from .sequence import Sequence
+from .sliding_window import NULL_BLOCK
 
 
 @dataclass
@@ -61,7 +62,7 @@ def build_step(
         seq, start = s.seq, s.seq.num_computed_tokens
         end = start + s.num_new_tokens
         table = blocks.block_tables[seq.seq_id]
-        block_tables[i, : len(table)] = table
+        block_tables[i, : len(table)] = _kernel_table(table)
         query_start_loc[i + 1] = query_start_loc[i] + s.num_new_tokens
         context_lens[i] = s.context_len = end
         s.num_preemptions = seq.num_preemptions
@@ -69,7 +70,7 @@ def build_step(
         for pos in range(start, end):
             tokens.append(seq.token_id(pos))
             positions.append(pos)
-            slots.append(table[pos // blocks.block_size] * blocks.block_size + pos % blocks.block_size)
+            slots.append(_slot(table, pos, blocks.block_size))
         if not seq.announced:
             seq.announced = True
             new_seqs.append(NewSequence(seq.seq_id, seq.request_id, seq.sampling,
@@ -93,6 +94,20 @@ def build_step(
         num_scored_tokens=num_scored,
         num_prompt_top_logprobs=num_top,
     )
+
+
+def _kernel_table(table: list[int]) -> list[int]:
+    """A block table as the executors get it. A block freed out of the sliding window (NULL_BLOCK)
+    goes out as block 0: a valid index the kernels never read (they start at max(0, p - W + 1));
+    -1 would index the pool's last block in a gather, or fault, if anything dereferenced it."""
+    return [0 if b == NULL_BLOCK else b for b in table]
+
+
+def _slot(table: list[int], pos: int, block_size: int) -> int:
+    """The slot a token at ``pos`` is written to: only ever in a live block."""
+    block_id = table[pos // block_size]
+    assert block_id != NULL_BLOCK, f"position {pos} is out of the window: its block was freed"
+    return block_id * block_size + pos % block_size
 
 
 def _prompt_scoring(scheduled: list[Scheduled]) -> tuple[np.ndarray, int]:

@@ -32,6 +32,9 @@ class ExecutorReady:
     # bytes of this rank's device KV pool (only its KV heads).
     all_reduce: str = "single"
     kv_cache_bytes: int = 0
+    # The window in tokens within which *every* layer of the model attends (Mistral, Phi-3 with
+    # sliding_window): the scheduler frees blocks older than that. 0: none (some layer sees all).
+    sliding_window: int = 0
 
 
 @dataclass

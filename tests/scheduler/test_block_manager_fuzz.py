@@ -1,19 +1,24 @@
-"""A hypothesis state machine over the block manager: conservation holds after every operation."""
+"""A hypothesis state machine over the block manager: conservation holds after every operation;
+and a windowed variant whose sequences also drop the blocks out of a sliding window."""
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.sliding_window import NULL_BLOCK
 
 BLOCK_SIZE = 4
 TOKENS = st.lists(st.integers(1, 3), min_size=1, max_size=14)  # a tiny alphabet: many shared prefixes
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
+    WINDOW = 0  # no sliding window
+
     @initialize(num_blocks=st.integers(4, 12), num_cpu_blocks=st.integers(0, 8))
     def setup(self, num_blocks, num_cpu_blocks):
-        self.bm = BlockManager(num_blocks, BLOCK_SIZE, watermark=0.0, num_cpu_blocks=num_cpu_blocks)
+        self.bm = BlockManager(num_blocks, BLOCK_SIZE, watermark=0.0, num_cpu_blocks=num_cpu_blocks,
+                               sliding_window=self.WINDOW)
         self.seqs: dict[int, list[int]] = {}  # seq id -> its tokens (all computed)
         self.swapped: dict[int, list[int]] = {}
         self.next_id = 0
@@ -92,6 +97,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.content[dev] = list(self.cpu_content[cpu])
             self.seqs[seq_id] = self.swapped.pop(seq_id)
 
+    @precondition(lambda self: self.WINDOW and self.seqs)
+    @rule(data=st.data())
+    def trim(self, data):
+        """Drop a sequence's blocks out of the window (all its tokens are computed)."""
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.bm.free_out_of_window(seq_id, len(self.seqs[seq_id]))
+
     @rule(num=st.integers(1, 12))
     def evict_by_pressure(self, num):
         """Allocate a fresh sequence of ``num`` blocks of unique tokens, forcing evictions."""
@@ -103,12 +115,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def conserved(self):
         self.bm.check_integrity()
-        in_tables = {b for s in self.seqs for b in self.bm.block_tables[s]}
+        in_tables = {b for s in self.seqs for b in self.bm.block_tables[s]} - {NULL_BLOCK}
         assert len(in_tables) + self.bm.num_free_blocks == self.bm.num_blocks
         for seq_id, tokens in self.seqs.items():  # every live sequence reads back its own tokens
-            table = self.bm.block_tables[seq_id]
-            assert [self.content[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in range(len(tokens))] == tokens
+            table = self.bm.block_tables[seq_id]  # (those still in the window)
+            kept = [p for p in range(len(tokens)) if table[p // BLOCK_SIZE] != NULL_BLOCK]
+            first = max(0, len(tokens) - self.WINDOW + 1) if self.WINDOW else 0  # the next query's window
+            window = range(first, len(tokens))
+            assert all(table[p // BLOCK_SIZE] != NULL_BLOCK for p in window), "a block in the window was freed"
+            assert [self.content[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in kept] == [tokens[p] for p in kept]
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class WindowedBlockManagerMachine(BlockManagerMachine):
+    WINDOW = 6  # not a multiple of the block size: a block dies partway through the next one
+
+
+TestWindowedBlockManagerMachine = WindowedBlockManagerMachine.TestCase
+TestWindowedBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -55,6 +55,7 @@ EXAMPLES = [
     StepResult(8, np.zeros(0, np.int64), np.zeros(0, np.int64), error="boom"),
     ExecutorReady(0, 1, 100, 16, 2048, num_cpu_blocks=8, model="tiny", incarnation=2**62 + 5, pid=77, epoch=99),
     ExecutorReady(1, 3, 300, 16, 2048, num_cpu_blocks=8, all_reduce="shm", kv_cache_bytes=3 * 2**20),
+    ExecutorReady(0, 1, 100, 16, 32768, model="mistral", sliding_window=4096),
     Hello(99),
     Hello(100, retired_incarnations=[2**62 + 5, 7]),
     Heartbeat(1, 2**62 + 5, 77),
@@ -156,7 +157,7 @@ def test_malformed_fields_raise_decode_error(frame):
 def test_group_fields_default_to_one_rank():
     ready = decode(encode(ExecutorReady(0, 1, 10, 16, 64)))
     stats = decode(encode(EngineStats(0, 0, 10, 0, 0, 0, True)))
-    assert (ready.all_reduce, ready.kv_cache_bytes) == ("single", 0)
+    assert (ready.all_reduce, ready.kv_cache_bytes, ready.sliding_window) == ("single", 0, 0)
     assert (stats.world_size, stats.all_reduce, stats.num_kv_blocks_per_rank, stats.kv_cache_bytes_per_rank) == (
         1, "single", [], [])
 

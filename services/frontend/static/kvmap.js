@@ -63,7 +63,7 @@
       if (seq.on_cpu !== onCpu) continue;
       seq.block_table.forEach((block, logical) => {
         const cell = byBlock.get(block);
-        if (!cell) return;
+        if (!cell) return;  // -1: freed out of the sliding window (no cell has that id)
         cell.owners.push({ seqId: seq.seq_id, requestId: seq.request_id, choice: seq.choice, logical });
         cell.fill = Math.max(cell.fill, Math.min(blockSize, Math.max(0, seq.num_tokens - logical * blockSize)));
       });

@@ -1,6 +1,7 @@
 /* kvtable.js: DOM helpers the pages share around kvmap.js: a sequence's block table as chips
    (logical -> physical block, x the count when shared, dashed when partly filled) and the
-   one-line description of a hovered cell. Loaded after kvmap.js. */
+   one-line description of a hovered cell. Loaded after kvmap.js. A table entry of -1 is a block
+   freed out of the model's sliding window: shown as a "freed" chip, owning no cell. */
 (function (root) {
   "use strict";
 
@@ -12,6 +13,13 @@
       const bs = map.lastSnapshot ? map.lastSnapshot.block_size : 16;
       seq.block_table.forEach((block, logical) => {
         const chip = document.createElement("span");
+        if (block < 0) {  // out of the sliding window: its block went back to the pool
+          chip.className = "kv-chip freed";
+          chip.title = `logical block ${logical}: freed, out of the attention window`;
+          chip.textContent = `${logical}\u2192freed`;
+          wrap.appendChild(chip);
+          return;
+        }
         const cell = map.cellOf(seq.on_cpu ? "cpu" : "device", block);
         const filled = Math.min(bs, Math.max(0, seq.num_tokens - logical * bs));
         const shared = cell.refCount > 1;

@@ -67,7 +67,7 @@
         const parts = [swatches, el("span", "rid", shortId(rid))];
         if (state.requests.some((r) => r.id === rid)) parts.push(el("span", "tag", "this page"));
         if (seqs.some((q) => q.on_cpu)) parts.push(el("span", "tag cpu", "swapped to CPU"));
-        const blocks = new Set(seqs.flatMap((q) => q.block_table.map((b) => `${q.on_cpu}:${b}`))).size;
+        const blocks = new Set(seqs.flatMap((q) => q.block_table.filter((b) => b >= 0).map((b) => `${q.on_cpu}:${b}`))).size;
         const tokens = Math.max(...seqs.map((q) => q.num_tokens));
         parts.push(el("span", "req-info", `${seqs.length} seq${seqs.length > 1 ? "s" : ""} \u00b7 ${blocks} `
           + `block${blocks === 1 ? "" : "s"} \u00b7 ${tokens} tokens`));
