@@ -58,6 +58,7 @@ def build(name: str, dtype: str, num_blocks: int):
 def random_state(hf, cfg) -> dict[str, torch.Tensor]:
     """Random weights under the names transformers' model of ``hf`` has (built on the meta device
     for its names and shapes only)."""
+    hide_hub_kernels()
     import transformers
 
     with torch.device("meta"):

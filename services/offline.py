@@ -51,9 +51,13 @@ class EngineCore:
 
     def __init__(self, runner: ModelRunner, options: SchedulingOptions = SchedulingOptions()) -> None:
         self.runner = runner
-        manager = ContiguousBlockManager if options.kv_policy == "contiguous" else BlockManager
-        self.blocks = manager(runner.num_blocks, runner.block_size, num_cpu_blocks=runner.num_cpu_blocks,
-                              enable_prefix_caching=options.enable_prefix_caching)
+        if options.kv_policy == "contiguous":
+            self.blocks = ContiguousBlockManager(runner.num_blocks, runner.block_size, num_cpu_blocks=runner.num_cpu_blocks,
+                                                 enable_prefix_caching=options.enable_prefix_caching)
+        else:  # a model whose every layer has one sliding window: blocks that leave it are freed
+            self.blocks = BlockManager(runner.num_blocks, runner.block_size, num_cpu_blocks=runner.num_cpu_blocks,
+                                       enable_prefix_caching=options.enable_prefix_caching,
+                                       sliding_window=runner.model.freeable_window)
         self.scheduler = Scheduler(
             SchedulerConfig(options.max_num_seqs, options.max_num_batched_tokens, runner.max_model_len,
                             options.preemption_mode, options.kv_policy),

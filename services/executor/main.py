@@ -129,7 +129,7 @@ class ExecutorProcess:
         return ExecutorReady(cfg.rank, cfg.world_size, runner.num_blocks, runner.block_size, runner.max_model_len,
                              runner.num_cpu_blocks, model=self._model_name, incarnation=self.incarnation,
                              pid=os.getpid(), epoch=self.epoch, all_reduce=comm.kind,
-                             kv_cache_bytes=runner.kv_cache_bytes)
+                             kv_cache_bytes=runner.kv_cache_bytes, sliding_window=runner.model.freeable_window)
 
     def _answer_new_scheduler(self, runner, comm, epoch: int) -> ExecutorReady:
         """A scheduler we have not answered: forget every sequence (it knows none), say ready."""

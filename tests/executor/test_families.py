@@ -142,3 +142,27 @@ def test_two_ranks_equal_one(name):
     prompts.append(prompts[2][:12] + [5])  # shares the first blocks of another prompt
     check_sharded_equals_unsharded(tiny_family(name, seed=5), 2, prompts, max_tokens=12, num_blocks=40,
                                    max_num_batched_tokens=16, preemption_mode="swap")
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_window_frees_blocks_and_output_stays_transformers(backend):
+    """Mistral with window 7 in 4-token blocks, generating far past the window: the engine frees each
+    block once no layer can attend to it (a decoding sequence holds at most ceil((W + bs - 1) / bs)
+    blocks), the freed entries reach the kernels as block 0 and are never read, and greedy output
+    stays transformers'; the Gemma 2 model (global layers too) keeps every block."""
+    model = tiny_family("mistral", seed=12)
+    prompts = random_prompts((26, 13), seed=6)
+    engine = InProcessEngine(model, num_blocks=24, block_size=4, max_num_batched_tokens=16, backend=backend)
+    assert engine.blocks.sliding_window == 7
+    for i, prompt in enumerate(prompts):
+        engine.add(f"r{i}", prompt, temperature=0.0, max_tokens=70, ignore_eos=True)
+    got, most = {}, 0
+    while engine.has_work():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        for table in engine.blocks.block_tables.values():
+            most = max(most, sum(b >= 0 for b in table))
+    assert most <= -(-(7 + 4 - 1) // 4) + 4  # the window's blocks, plus a prefill chunk's
+    for i, prompt in enumerate(prompts):  # 96 and 83 tokens: 45 blocks without freeing, of 24
+        assert got[f"r{i}"] == hf_greedy(model, prompt, 70)
+    assert InProcessEngine(tiny_family("gemma2"), num_blocks=24, block_size=4).blocks.sliding_window == 0
