@@ -96,6 +96,7 @@ def run(engine, streams: int, tokens: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     from services.executor.runner import kv_block_bytes
     from shared.cpu_features import read_cpu_features
+    from shared.hf_config import weight_bytes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="auto")
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         say(f"{name}: building at SmolLM2-135M's sizes ...")
         runner, engine = build(name, args.dtype, num_blocks=(args.streams + 1) * (PROMPT_LEN + args.tokens) // 16 + 8)
         cfg = runner.model.config
-        weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        weights = weight_bytes(cfg, runner.kv_caches[0][0].element_size())  # as the memory plan counts them
         per_gib = 2**30 // kv_block_bytes(cfg, runner.block_size, runner.kv_caches[0][0].dtype) * runner.block_size
         run(engine, 1, 4)  # warm: kernels compiled, pools touched
         one, many = run(engine, 1, args.tokens), run(engine, args.streams, args.tokens)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from kernels.cpu.common import _FASTMATH, by_rows, exp_nonpositive, kernel_array, narrow_like, widen
+from kernels.cpu.common import _FASTMATH, by_rows, exp_nonpositive, kernel_array, narrow_like, tanh_f32, widen
 
 PARALLEL_FROM_ROWS = 256
 
@@ -61,6 +61,40 @@ def _silu_mul_parallel(out, gate_up):
         _silu_mul_row(out[i], gate_up[i], out.shape[1])
 
 
+_GELU_C = np.float32(0.7978845608028654)  # sqrt(2 / pi)
+
+
+@njit(fastmath=_FASTMATH, cache=True, nogil=True, error_model="numpy", inline="always")
+def _gelu_tanh_mul_row(dst, row, inter):
+    for j in range(inter):
+        g = widen(row[j])
+        inner = _GELU_C * (g + np.float32(0.044715) * g * g * g)
+        gelu = narrow_like(dst, np.float32(0.5) * g * (np.float32(1.0) + tanh_f32(inner)))
+        dst[j] = narrow_like(dst, widen(gelu) * widen(row[inter + j]))
+
+
+@njit(fastmath=_FASTMATH, cache=True, nogil=True, error_model="numpy")
+def _gelu_tanh_mul_serial(out, gate_up):
+    for i in range(out.shape[0]):
+        _gelu_tanh_mul_row(out[i], gate_up[i], out.shape[1])
+
+
+@njit(fastmath=_FASTMATH, cache=True, nogil=True, error_model="numpy", parallel=True)
+def _gelu_tanh_mul_parallel(out, gate_up):
+    for i in prange(out.shape[0]):
+        _gelu_tanh_mul_row(out[i], gate_up[i], out.shape[1])
+
+
+def gelu_tanh_mul_(gate_up, parallel_from_rows: int = PARALLEL_FROM_ROWS):
+    """Gemma's MLP step, as ``silu_mul_`` with the tanh-approximated GELU (torch's
+    ``gelu(approximate="tanh")``, computed in float32 and rounded to the dtype, then the product):
+    a new ``[T, I]`` tensor from ``gate_up`` ``[T, 2 I]``."""
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+    by_rows(out.shape[0], parallel_from_rows, _gelu_tanh_mul_serial, _gelu_tanh_mul_parallel,
+            kernel_array(out), kernel_array(gate_up))
+    return out
+
+
 def silu_mul(out, gate_up, parallel_from_rows: int = PARALLEL_FROM_ROWS) -> None:
     """``out[T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]`` (numpy arrays, one format)."""
     if out.shape[0] != gate_up.shape[0] or gate_up.shape[1] != 2 * out.shape[1]:
@@ -75,3 +109,20 @@ def silu_mul_(gate_up, parallel_from_rows: int = PARALLEL_FROM_ROWS):
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
     silu_mul(kernel_array(out), kernel_array(gate_up), parallel_from_rows)
     return out
+
+
+@njit(fastmath=_FASTMATH, cache=True, nogil=True, error_model="numpy", parallel=True)
+def _softcap_rows(x, cap, inv_cap):
+    for i in prange(x.shape[0]):
+        row = x[i]
+        for j in range(row.shape[0]):
+            row[j] = narrow_like(row, tanh_f32(widen(row[j]) * inv_cap) * cap)
+
+
+def softcap_(x, cap: float):
+    """``x = cap * tanh(x / cap)`` in place, in one pass (Gemma 2's final logit soft-capping; torch's
+    three ops took 3.3 ms at 64 rows of a 49,152-token vocabulary in bfloat16 on a 2-core AMD EPYC
+    Zen 4). ``x``: a CPU tensor ``[N, V]``, C-contiguous, float32, bfloat16 or float16; computed in
+    float32 and rounded once (torch rounds after each op: an ulp of the dtype apart)."""
+    _softcap_rows(kernel_array(x), np.float32(cap), np.float32(1.0) / np.float32(cap))
+    return x

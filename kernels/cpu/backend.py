@@ -320,6 +320,20 @@ class NumbaCPUBackend:
             return None
         return silu_mul_(gate_up, self._activation_from)
 
+    def gelu_tanh_mul(self, gate_up):
+        """``gelu_tanh(gate) * up`` (Gemma's MLP), as ``silu_mul`` (float32, bfloat16 or float16)."""
+        if not (gate_up.is_cpu and gate_up.dtype in BITS_DTYPES and gate_up.is_contiguous()):
+            return None
+        return activation.gelu_tanh_mul_(gate_up, self._activation_from)
+
+    def head_rms_norm(self, qkv, q_weight, k_weight, eps, num_heads, num_kv_heads) -> bool:
+        """Qwen3's and Gemma 3's query and key head norms in place on the fused projection's output
+        (``kernels/cpu/norm.py``); False where these tensors are not the kernel's."""
+        if not (_fusable(qkv, q_weight, k_weight) and qkv.is_contiguous()):
+            return False
+        norm.head_rms_norm_(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads)
+        return True
+
 
 def _fusable(*tensors) -> bool:
     """CPU tensors of one dtype the fused elementwise kernels take (float32, bfloat16). (A loop, as

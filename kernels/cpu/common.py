@@ -212,6 +212,16 @@ def exp_nonpositive(x):
     return y if inside else np.float32(0.0)
 
 
+@njit(fastmath=_FASTMATH, cache=True, nogil=True, inline="always")
+def tanh_f32(x):
+    """``tanh(x)`` in float32 as ``(1 - e) / (1 + e)`` with ``e = exp(-2 |x|)`` (``exp_nonpositive``)
+    and the sign put back: within about 1e-7 of libm's absolutely, and a loop of it vectorizes
+    (libm's ``tanh`` made Gemma's activation and soft-capped attention several times slower)."""
+    e = exp_nonpositive(np.float32(-2.0) * abs(x))
+    t = (np.float32(1.0) - e) / (np.float32(1.0) + e)
+    return t if x >= 0 else -t
+
+
 def line_elems(array):
     """Elements of ``array`` per 64-byte cache line, a compile-time constant (numba only)."""
     raise NotImplementedError("line_elems runs inside numba kernels only")

@@ -52,7 +52,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from kernels.cpu.common import _FASTMATH, as_bits, as_input, narrow_like, output_target
+from kernels.cpu.common import _FASTMATH, as_bits, as_input, narrow_like, output_target, tanh_f32
 from kernels.cpu.rows_plan import RowsPlan, plan_rows
 from kernels.cpu.tiles import tile_scores, tile_softmax
 from kernels.cpu.vectors import (
@@ -125,18 +125,20 @@ def _following(seqs, lens, num_kv_heads, task, num_parts=1, partition_size=0, wi
     return seqs[i], ik - i * num_kv_heads, start, min(start + partition_size, lens[i])
 
 
-@njit(fastmath=_FASTMATH, cache=True, nogil=True)
+@njit(fastmath=_FASTMATH, cache=True, nogil=True, error_model="numpy", inline="always")
 def _cap_tile(scores, n, scale, softcap):
-    """Soft-cap a tile's raw scores ``[G * TILE]`` (``n`` keys valid per row) in place, so that
-    ``tile_softmax``'s ``scale * scores`` is ``softcap * tanh(scale * q.k / softcap)`` (Gemma 2's
+    """Soft-cap a tile's raw scores ``[G * TILE]`` in place, so that ``tile_softmax``'s
+    ``scale * scores`` is ``softcap * tanh(scale * q.k / softcap)`` (Gemma 2's
     ``attn_logit_softcapping``): stored divided by ``scale``, which that product undoes to within
-    a rounding. Scalar ``tanh``: only calls with a soft-cap come here."""
+    a rounding. Every lane, the ``n`` valid ones and the rest (which ``tile_softmax`` masks): one
+    fixed-length loop of ``tanh_f32`` that vectorizes; only calls with a soft-cap come here. (A
+    loop over the valid lanes of each row, not inlined, made Gemma 2's decode attention 1.7x
+    Llama's at 64 streams.)"""
     inv_cap = np.float32(1.0) / softcap
     back = softcap / scale
-    for g in range(scores.shape[0] // TILE):
-        for t in range(n):
-            i = g * TILE + t
-            scores[i] = np.tanh(scores[i] * scale * inv_cap) * back
+    factor = scale * inv_cap
+    for i in range(scores.shape[0]):
+        scores[i] = tanh_f32(scores[i] * factor) * back
 
 
 @njit(fastmath=_FASTMATH, cache=True, nogil=True)

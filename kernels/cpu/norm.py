@@ -81,3 +81,29 @@ def add_rms_norm_(residual, delta, weight, eps: float, parallel_from_rows: int =
     add_rms_norm(kernel_array(out), live_array(residual), kernel_array(delta), live_array(weight), eps,
                  parallel_from_rows)
     return out
+
+
+@njit(cache=True, nogil=True)
+def _head_rms_norm(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads):
+    """Each query head then each key head of every row of a fused q/k/v projection's output,
+    normalized over its ``head_dim`` in place (``q_weight`` for the first ``num_heads``,
+    ``k_weight`` for the next ``num_kv_heads``); the values are left as they are."""
+    head_dim = q_weight.shape[0]
+    for i in range(qkv.shape[0]):
+        row = qkv[i]
+        for h in range(num_heads + num_kv_heads):
+            seg = row[h * head_dim:(h + 1) * head_dim]
+            weight = q_weight if h < num_heads else k_weight
+            variance = _sum_of_squares(seg) / np.float32(head_dim)
+            inv = np.float32(1.0) / np.sqrt(variance + eps)
+            for j in range(head_dim):
+                normed = narrow_like(seg, widen(seg[j]) * inv)
+                seg[j] = narrow_like(seg, widen(weight[j]) * widen(normed))
+
+
+def head_rms_norm_(qkv, q_weight, k_weight, eps: float, num_heads: int, num_kv_heads: int) -> None:
+    """Qwen3's and Gemma 3's ``q_norm`` and ``k_norm`` in place on ``qkv`` ``[T, (H + 2 Hkv) D]``
+    (CPU, C-contiguous, float32 or bfloat16, the weights ``[D]`` of the same dtype), rounded as
+    the torch form of ``services/executor/layers.py`` (``HeadNorm``) and ``add_rms_norm`` are."""
+    _head_rms_norm(kernel_array(qkv), kernel_array(q_weight), kernel_array(k_weight), np.float32(eps),
+                   num_heads, num_kv_heads)

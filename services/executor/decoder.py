@@ -24,7 +24,7 @@ from torch import nn
 from shared.hf_config import ModelShape
 
 from .attention import AttentionMetadata, decode_from_qkv, paged_attention
-from .layers import MLP, HeadNorm, RMSNorm, RotaryEmbedding
+from .layers import MLP, HeadNorm, RMSNorm, RotaryEmbedding, head_norms_
 from .model import CausalLM, VocabEmbedding
 from .module import Linear, Module
 from .parallel.base import Communicator
@@ -88,9 +88,7 @@ class Attention(Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         if hasattr(self, "q_norm"):
-            self.q_norm.apply_(qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim))
-            self.k_norm.apply_(qkv[:, self.q_size:self.q_size + self.kv_size].view(
-                num_tokens, self.num_kv_heads, self.head_dim))
+            head_norms_(qkv, self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads, backend)
         key_cache, value_cache = kv_cache
         extra = {"window": self.window, "softcap": self.softcap} if self.window or self.softcap else {}
         out = decode_from_qkv(backend, qkv, rope, key_cache, value_cache, meta, self.scale, self.num_heads, **extra)
@@ -121,8 +119,9 @@ class DecoderLayer(Module):
         if not self.sandwich:
             x, residual = self.post_attention_layernorm(attn, residual, backend)
             return self.mlp(x, backend), residual
-        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm.normalize(attn), residual, backend)
-        return self.post_feedforward_layernorm.normalize(self.mlp(x, backend)), residual
+        attn = self.post_attention_layernorm.normalize(attn, backend)
+        x, residual = self.pre_feedforward_layernorm(attn, residual, backend)
+        return self.post_feedforward_layernorm.normalize(self.mlp(x, backend), backend), residual
 
 
 class DecoderModel(Module):
@@ -199,4 +198,8 @@ class DecoderForCausalLM(CausalLM):
         cap = self.config.final_softcap
         if logits is None or not cap:
             return logits
-        return torch.tanh(logits / cap) * cap  # Gemma 2's final soft-capping, op for op
+        if logits.dtype == torch.float32 or not logits.is_cpu or not logits.is_contiguous():
+            return torch.tanh(logits / cap) * cap  # Gemma 2's final soft-capping, op for op (exactness mode)
+        from kernels.cpu.activation import softcap_  # one pass for 16-bit logits
+
+        return softcap_(logits, cap)

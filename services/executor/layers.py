@@ -53,8 +53,13 @@ class RMSNorm(Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype), residual
 
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """RMSNorm(x) alone, as Hugging Face's (no residual): Gemma's norms of a sublayer's output."""
+    def normalize(self, x: torch.Tensor, backend=None) -> torch.Tensor:
+        """RMSNorm(x) alone, as Hugging Face's (no residual): Gemma's norms of a sublayer's output;
+        the backend's ``add_rms_norm`` with nothing to add where it has one for ``x``."""
+        fused = getattr(backend, "add_rms_norm", None)
+        out = fused(x, x[:0], self.weight, self.eps) if fused else None
+        if out is not None:
+            return out
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -67,6 +72,20 @@ class HeadNorm(RMSNorm):
 
     def apply_(self, heads: torch.Tensor) -> None:  # [T, H, D], a view into the q/k/v output
         heads.copy_(self.normalize(heads))
+
+
+def head_norms_(qkv: torch.Tensor, q_norm: HeadNorm, k_norm: HeadNorm, num_heads: int, num_kv_heads: int,
+                backend=None) -> None:
+    """The query and key heads of a fused q/k/v output ``[T, (H + 2 Hkv) D]`` normalized in place:
+    in one kernel where the backend has one for these tensors (``head_rms_norm``: the numba
+    backend on CPU), else ``HeadNorm``'s torch form on each part."""
+    fused = getattr(backend, "head_rms_norm", None)
+    if fused is not None and fused(qkv, q_norm.weight, k_norm.weight, q_norm.eps, num_heads, num_kv_heads):
+        return
+    num_tokens, head_dim = qkv.shape[0], q_norm.weight.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q_norm.apply_(qkv[:, :q_size].view(num_tokens, num_heads, head_dim))
+    k_norm.apply_(qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim))
 
 class RotaryEmbedding(Module):
     """Non-interleaved (``rotate_half``) rotary embedding with a precomputed cos/sin table."""
@@ -143,7 +162,7 @@ class MLP(Module):
         if cfg.hidden_act not in ACTIVATIONS:
             raise ValueError(f"MLP activation {cfg.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
         self.act = ACTIVATIONS[cfg.hidden_act]
-        self.fused_silu = cfg.hidden_act == "silu"  # the backend's silu_mul kernel applies
+        self.fused_silu = cfg.hidden_act == "silu"  # the backend's silu_mul kernel, else its gelu_tanh_mul
 
     def forward(self, x: torch.Tensor, backend=None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         if self.as_transformers(x.dtype):
@@ -166,7 +185,7 @@ class MLP(Module):
     def activation(self, gate_up: torch.Tensor, backend=None) -> torch.Tensor:  # [T, 2 I] -> [T, I]
         """``silu(gate) * up`` of the fused output: one kernel where the backend has one for it
         (``silu_mul``: the numba backend on CPU), else torch's ``silu`` and ``mul``."""
-        fused = getattr(backend, "silu_mul", None) if self.fused_silu else None
+        fused = getattr(backend, "silu_mul" if self.fused_silu else "gelu_tanh_mul", None)
         out = fused(gate_up) if fused else None
         if out is not None:
             return out
