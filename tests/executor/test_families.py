@@ -166,3 +166,22 @@ def test_window_frees_blocks_and_output_stays_transformers(backend):
     for i, prompt in enumerate(prompts):  # 96 and 83 tokens: 45 blocks without freeing, of 24
         assert got[f"r{i}"] == hf_greedy(model, prompt, 70)
     assert InProcessEngine(tiny_family("gemma2"), num_blocks=24, block_size=4).blocks.sliding_window == 0
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "qwen3"])
+def test_beam_search_equals_transformers(name):
+    """Beams fork and share blocks (and, under Mistral's window, drop them as they leave it): the
+    engine's beams are transformers' ``generate(num_beams=3)``."""
+    from tests.offline.test_beam_search import first_greedy_token_at, hf_beams
+
+    model = tiny_family(name, seed=21)
+    prompt = random_prompts([11], seed=8)[0]
+    eos = first_greedy_token_at(model, prompt, 5)
+    expected = hf_beams(model, prompt, 3, 12, eos, 1.0, False)
+    engine = InProcessEngine(model, num_blocks=64, block_size=4)
+    engine.add("r", prompt, eos=[eos], n=3, use_beam_search=True, max_tokens=12, temperature=0.0,
+               length_penalty=1.0, early_stopping=False)
+    engine.run()
+    got = {o.choice_idx: o.new_token_ids for o in engine.outputs["r"]}
+    assert [got[i] for i in range(len(got))] == expected
+    assert engine.blocks.num_used_blocks == 0
