@@ -131,17 +131,20 @@ def test_bad_checkpoints_exit_2_with_one_line_each(tmp_path):
         assert cases[case][1] in last, (case, last)
 
 
-@pytest.mark.slow  # two ranks per family
-@pytest.mark.parametrize("name", sorted(FAMILY_SPECS))
-def test_two_ranks_equal_one(name):
-    """``-tp 2`` computes what one rank does (logits within 1e-5, the same greedy tokens), through
-    prefix hits, copy-on-write and swap; Phi-3's fused checkpoint weights are cut by heads too."""
+@pytest.mark.slow  # two or three ranks per family
+@pytest.mark.parametrize("name,world_size", [(name, 2) for name in sorted(FAMILY_SPECS)]
+                         + [("gemma2", 3), ("phi3", 3), ("qwen3", 3)])
+def test_ranks_equal_one(name, world_size):
+    """``-tp 2`` (and ``-tp 3``, with 3 KV heads) computes what one rank does (logits within 1e-5,
+    the same greedy tokens), through prefix hits, copy-on-write and swap; Phi-3's fused checkpoint
+    weights are cut by heads too."""
     from tests.executor.test_tensor_parallel_model import check_sharded_equals_unsharded
 
     prompts = random_prompts((3, 11, 17, 9), seed=4)
     prompts.append(prompts[2][:12] + [5])  # shares the first blocks of another prompt
-    check_sharded_equals_unsharded(tiny_family(name, seed=5), 2, prompts, max_tokens=12, num_blocks=40,
-                                   max_num_batched_tokens=16, preemption_mode="swap")
+    heads = {} if world_size == 2 else dict(num_key_value_heads=3)
+    check_sharded_equals_unsharded(tiny_family(name, seed=5, **heads), world_size, prompts, max_tokens=12,
+                                   num_blocks=40, max_num_batched_tokens=16, preemption_mode="swap")
 
 
 @pytest.mark.parametrize("backend", ["torch", "numba"])
