@@ -160,3 +160,19 @@ def test_bad_fields_are_400s_naming_them(frontend, model, fields, param):
     assert status == 400 and error["param"] == param, error
     status, _, _ = http("GET", frontend.base_url + "/health")
     assert status == 200
+
+
+def test_reasoning_item_with_a_reasoning_parser(model, fake):
+    server = FrontendThread(dataclasses.replace(model, reasoning_parser="deepseek_r1"), fake.endpoints).start()
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=20)
+        text = say("Two and two make four.</think>It is 4.")
+        whole = client.responses.create(model=model.name, input=text)
+        assert [item.type for item in whole.output] == ["reasoning", "message"]
+        assert whole.output[0].content[0].text == "Two and two make four." and whole.output_text == "It is 4."
+        events = list(client.responses.create(model=model.name, input=text, stream=True))
+        reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert reasoning == "Two and two make four." and events[-1].response.output_text == "It is 4."
+        assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
+    finally:
+        server.stop()
