@@ -1,7 +1,7 @@
 """The aiohttp application: its routes, its start and stop, and the middlewares for errors and
 API keys.
 
-Routes live in ``serving`` (completions and chat), ``routes_info`` (models, health, metrics,
+Routes live in ``serving`` (completions and chat), ``responses_api`` (the Responses API, on chat's path), ``routes_info`` (models, health, metrics,
 tokenize, detokenize, version, openapi.json) and ``playground`` (the page at /, its block-pool
 events); what they share is in ``state``.
 """
@@ -16,7 +16,7 @@ from typing import Callable
 import structlog
 from aiohttp import web
 
-from services.frontend import routes_info, serving
+from services.frontend import responses_api, routes_info, serving
 from services.frontend.engine_client import EngineClient
 from services.frontend.replicas import Replicas
 from services.frontend.errors import APIError
@@ -76,6 +76,7 @@ def create_app(
     )
     app.router.add_post("/v1/completions", serving.create_completion)
     app.router.add_post("/v1/chat/completions", serving.create_chat_completion)
+    responses_api.add_routes(app)
     routes_info.add_routes(app.router)
     if playground:
         add_playground(app, client)

@@ -76,6 +76,23 @@ def _generate_op(summary: str, request: str, response: str) -> dict[str, Any]:
     }}
 
 
+def _responses_op() -> dict[str, Any]:
+    """The Responses API (``responses_api``): its bodies are OpenAI's, not listed here."""
+    body = {"application/json": {"schema": {"type": "object"}}}
+    return {"post": {"summary": "Create a response (OpenAI's Responses API).",
+                     "requestBody": {"required": True, "content": body},
+                     "responses": {"200": {"description": "The response, or its events when stream is true.",
+                                           "content": body | {"text/event-stream": {"schema": {"type": "string"}}}},
+                                   } | _errors(400, 401, 404, 413, 503)}}
+
+
+def _by_id(summary: str) -> dict[str, Any]:
+    return {"summary": summary,
+            "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "OK", "content": {"application/json": {
+                "schema": {"type": "object"}}}}} | _errors(400, 404)}
+
+
 def _get(summary: str, content_type: str = "application/json") -> dict[str, Any]:
     return {"get": {"summary": summary, "responses": {"200": {"description": "OK", "content": {
         content_type: {"schema": {"type": "object"} if content_type == "application/json" else {"type": "string"}}}}}}}
@@ -106,6 +123,10 @@ def openapi_spec(version: str, model_name: str, api_key_required: bool, playgrou
         "paths": {
             "/v1/completions": _generate_op("Complete prompts.", "CompletionRequest", "Completion"),
             "/v1/chat/completions": _generate_op("Answer a conversation.", "ChatCompletionRequest", "ChatCompletion"),
+            "/v1/responses": _responses_op(),
+            "/v1/responses/{response_id}": {
+                "get": _by_id("A stored response."), "delete": _by_id("Forget a stored response.")},
+            "/v1/responses/{response_id}/cancel": {"post": _by_id("Cancel (only background ones; none here).")},
             "/v1/models": _get("The served model."),
             "/v1/models/{model_id}": {"get": {
                 "summary": "One model.",

@@ -21,18 +21,18 @@ ends, so each comes as one chunk then (for chat, after its own opening ``role`` 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import structlog
 from aiohttp import web
 
+from services.frontend.chat_stream import api_error, stream_chunks, write_sse
 from services.frontend.errors import APIError, bad_request
-from services.frontend.generation import Delta, EngineRequestError, Generation
+from services.frontend.generation import EngineRequestError, Generation
 from services.frontend.logprobs import TokenLogprob, with_top
 from services.frontend.options import GenerationOptions
 from services.frontend.http_limits import read_body
@@ -43,9 +43,7 @@ from services.frontend.preprocess import (
 )
 from services.frontend.request_body import RequestBody, parse_chat_body, parse_completion_body, parse_json_body
 from services.frontend.reasoning_shapes import ReasoningChatShapes, chat_reasoning
-from services.frontend.responses import (
-    SSE_DONE, Choice, CompletionShapes, ResponseShapes, sse_event, usage,
-)
+from services.frontend.responses import Choice, CompletionShapes, ResponseShapes, usage
 from services.frontend.served_model import ServedModel
 from services.frontend.state import REQUEST_ID, STATE, FrontendState
 
@@ -78,6 +76,18 @@ CHAT = Endpoint("chatcmpl", lambda raw, model: parse_chat_body(raw, model.name, 
                 chat_text_chars, ReasoningChatShapes, None, "messages", _chat_shape_options)
 
 
+@dataclass(frozen=True)
+class Sink:
+    """How a result leaves: ``full`` turns the whole body into the response; ``stream`` sends the
+    chunks (``chat_stream.stream_chunks``) and returns the response it sent them on."""
+
+    full: Callable[[dict[str, Any]], web.StreamResponse]
+    stream: Callable[[web.Request, AsyncIterator[dict[str, Any]]], Awaitable[web.StreamResponse]]
+
+
+HTTP_SINK = Sink(web.json_response, write_sse)  # the routes' own: JSON, or server-sent events
+
+
 @dataclass
 class _Echo:
     """What a choice starts with before its generated text (completions with ``echo``): the
@@ -99,21 +109,28 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 
 
 async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-    """Parse with the endpoint's schema, check the prompts' sizes, tokenize, admit, generate, answer."""
-    state = request.app[STATE]
     arrival = time.monotonic()
     request_id = request[REQUEST_ID] = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
     with structlog.contextvars.bound_contextvars(request_id=request_id):
         raw = await read_body(request)
-        body = endpoint.parse(parse_json_body(raw), state.model)
-        model = state.model
-        for num_chars in endpoint.text_chars(body):
-            check_prompt_chars(num_chars, model.max_model_len, model.max_token_chars, endpoint.prompt_param)
-        inputs: list[PromptInput] = await state.tokenize(len(raw), endpoint.inputs, body, model)
-        echoes = [_echo(prompt, body.options) for prompt in inputs]
-        shapes = endpoint.shapes(request_id, int(time.time()), state.model.name, body.options.include_usage,
-                                 state.token_formatter, **endpoint.shape_options(body, model, inputs))
-        return await _generate(request, state, shapes, inputs, body.options, echoes, endpoint, arrival)
+        return await serve_object(request, endpoint, parse_json_body(raw), len(raw), arrival, HTTP_SINK)
+
+
+async def serve_object(request: web.Request, endpoint: Endpoint, obj: dict[str, Any], num_bytes: int,
+                       arrival: float, sink: Sink) -> web.StreamResponse:
+    """Parse ``obj`` (the request's JSON object, ``num_bytes`` long) with the endpoint's schema,
+    check the prompts' sizes, tokenize, admit, generate, and answer through ``sink``. The request's
+    id is ``request[REQUEST_ID]``, set by the caller."""
+    state = request.app[STATE]
+    body = endpoint.parse(obj, state.model)
+    model = state.model
+    for num_chars in endpoint.text_chars(body):
+        check_prompt_chars(num_chars, model.max_model_len, model.max_token_chars, endpoint.prompt_param)
+    inputs: list[PromptInput] = await state.tokenize(num_bytes, endpoint.inputs, body, model)
+    echoes = [_echo(prompt, body.options) for prompt in inputs]
+    shapes = endpoint.shapes(request[REQUEST_ID], int(time.time()), state.model.name, body.options.include_usage,
+                             state.token_formatter, **endpoint.shape_options(body, model, inputs))
+    return await _generate(request, state, shapes, inputs, body.options, echoes, endpoint, arrival, sink)
 
 
 def _echo(prompt: PromptInput, options: GenerationOptions) -> _Echo:
@@ -154,6 +171,7 @@ async def _generate(
     echoes: list[_Echo],
     endpoint: Endpoint,
     arrival: float,
+    sink: Sink,
 ) -> web.StreamResponse:
     model = state.model
     samplings = [sampling_params(options, len(i.token_ids), model, endpoint.default_max_tokens, endpoint.prompt_param,
@@ -174,14 +192,14 @@ async def _generate(
         for gen in gens:
             gen.start()
         if options.stream:
-            return await _stream(request, gens, shapes, echoes)
+            return await sink.stream(request, stream_chunks(gens, shapes, echoes, _usage))
         logprobs: dict[int, list[TokenLogprob]] = {}  # choice index -> its logprobs so far
         for gen in gens:  # they run concurrently in the engine; their outputs wait in their queues
             while not gen.finished:
                 for delta in await gen.next_deltas():
                     logprobs.setdefault(delta.index, []).extend(delta.logprobs)
     except EngineRequestError as exc:
-        raise _api_error(exc) from None
+        raise api_error(exc) from None
     finally:
         state.generating.discard(task)
         for gen in gens:
@@ -193,82 +211,9 @@ async def _generate(
         for gen, echo in zip(gens, echoes)
         for c in gen.choices
     ]
-    return web.json_response(shapes.full(choices, _usage(gens)))
+    return sink.full(shapes.full(choices, _usage(gens)))
 
 
 def _usage(gens: list[Generation]) -> dict[str, int]:
     return usage(sum(g.num_prompt_tokens for g in gens), sum(g.num_completion_tokens for g in gens),
                  sum(g.num_cached_tokens for g in gens), max((g.num_preemptions for g in gens), default=0))
-
-
-async def _stream(
-    request: web.Request, gens: list[Generation], shapes: ResponseShapes, echoes: list[_Echo]
-) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
-    await response.prepare(request)
-    echo_of = {c.index: (gen, echo) for gen, echo in zip(gens, echoes) for c in gen.choices}
-    opened: set[int] = set()
-
-    async def open_choices(indices: list[int]) -> None:
-        """A choice's opening chunk (chat's role), then its echoed prompt."""
-        for chunk in shapes.opening_chunks(indices):
-            await response.write(sse_event(chunk))
-        for index in indices:
-            gen, echo = echo_of[index]
-            if echo.text or echo.num_top is not None:
-                await response.write(sse_event(shapes.chunk(index, echo.text, None, echo.logprobs(gen))))
-        opened.update(indices)
-
-    try:
-        # Beam search choices open with their text: how many come back is known only at the end. An
-        # echo with logprobs waits for the prompt's, which come with the request's first output.
-        await open_choices([c.index for g, e in zip(gens, echoes) if not g.beam_search and e.num_top is None
-                            for c in g.choices])
-        try:
-            async with contextlib.aclosing(_deltas(gens)) as deltas:
-                async for gen, delta in deltas:
-                    if delta.index not in opened:
-                        await open_choices([delta.index])
-                    if delta.text or delta.finish_reason is not None or delta.logprobs:
-                        logprobs = delta.logprobs if gen.wants_logprobs else None
-                        for chunk in shapes.chunks(delta.index, delta.text, delta.finish_reason, logprobs):
-                            await response.write(sse_event(chunk))
-            if shapes.include_usage:
-                await response.write(sse_event(shapes.usage_chunk(_usage(gens))))
-        except EngineRequestError as exc:
-            await response.write(sse_event(_api_error(exc).to_dict()))
-        await response.write(SSE_DONE)
-        await response.write_eof()
-    except ConnectionResetError:
-        log.info("client disconnected mid-stream", num_completion_tokens=sum(g.num_completion_tokens for g in gens))
-    return response
-
-
-async def _deltas(gens: list[Generation]) -> AsyncIterator[tuple[Generation, Delta]]:
-    """Every delta of every generation, as each arrives, until all have finished."""
-    if len(gens) == 1:
-        gen = gens[0]
-        while not gen.finished:
-            for delta in await gen.next_deltas():
-                yield gen, delta
-        return
-    pending = {asyncio.ensure_future(g.next_deltas()): g for g in gens if not g.finished}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for future in sorted(done, key=lambda f: pending[f].index_base):
-                gen = pending.pop(future)
-                deltas = future.result()
-                if not gen.finished:
-                    pending[asyncio.ensure_future(gen.next_deltas())] = gen
-                for delta in deltas:
-                    yield gen, delta
-    finally:
-        for future in pending:
-            future.cancel()
-
-
-def _api_error(exc: EngineRequestError) -> APIError:
-    return APIError(exc.status, exc.message, "invalid_request_error" if exc.status < 500 else "server_error")
