@@ -1,7 +1,7 @@
 """/v1/completions and /v1/chat/completions: parse, tokenize, admit, generate, answer.
 
-Both routes take one path (``_serve``); an ``Endpoint`` holds the little that differs (body
-schema, prompt building, response shapes, default ``max_tokens``). A completions request with several prompts runs one engine request per prompt (ids
+Both routes take one path (``serve``; Anthropic's /v1/messages too: ``anthropic_routes``); an
+``Endpoint`` holds the little that differs (body schema, prompt building, response shapes, default ``max_tokens``). A completions request with several prompts runs one engine request per prompt (ids
 ``<request id>-<index>``), concurrently. Each engine request has ``n`` choices (see
 ``generation``); as in OpenAI's API, choice ``j`` of prompt ``i`` has index ``i * n + j``. Streamed,
 chunks interleave as tokens arrive, each naming its choice's index. ``usage`` counts each prompt
@@ -43,9 +43,7 @@ from services.frontend.preprocess import (
 )
 from services.frontend.request_body import RequestBody, parse_chat_body, parse_completion_body, parse_json_body
 from services.frontend.reasoning_shapes import ReasoningChatShapes, chat_reasoning
-from services.frontend.responses import (
-    SSE_DONE, Choice, CompletionShapes, ResponseShapes, sse_event, usage,
-)
+from services.frontend.responses import Choice, CompletionShapes, ResponseShapes, usage
 from services.frontend.served_model import ServedModel
 from services.frontend.state import REQUEST_ID, STATE, FrontendState
 
@@ -91,14 +89,14 @@ class _Echo:
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, COMPLETIONS)
+    return await serve(request, COMPLETIONS)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, CHAT)
+    return await serve(request, CHAT)
 
 
-async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+async def serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     """Parse with the endpoint's schema, check the prompts' sizes, tokenize, admit, generate, answer."""
     state = request.app[STATE]
     arrival = time.monotonic()
@@ -189,7 +187,8 @@ async def _generate(
     choices = [
         Choice(c.index, echo.text + c.text, c.finish_reason or "stop",
                (echo.logprobs(gen) or []) + logprobs.get(c.index, []) if gen.wants_logprobs else None,
-               None if options.prompt_logprobs is None else with_top(gen.prompt_logprobs, options.prompt_logprobs))
+               None if options.prompt_logprobs is None else with_top(gen.prompt_logprobs, options.prompt_logprobs),
+               c.stop_string)
         for gen, echo in zip(gens, echoes)
         for c in gen.choices
     ]
@@ -214,11 +213,11 @@ async def _stream(
     async def open_choices(indices: list[int]) -> None:
         """A choice's opening chunk (chat's role), then its echoed prompt."""
         for chunk in shapes.opening_chunks(indices):
-            await response.write(sse_event(chunk))
+            await response.write(shapes.event(chunk))
         for index in indices:
             gen, echo = echo_of[index]
             if echo.text or echo.num_top is not None:
-                await response.write(sse_event(shapes.chunk(index, echo.text, None, echo.logprobs(gen))))
+                await response.write(shapes.event(shapes.chunk(index, echo.text, None, echo.logprobs(gen))))
         opened.update(indices)
 
     try:
@@ -234,12 +233,13 @@ async def _stream(
                     if delta.text or delta.finish_reason is not None or delta.logprobs:
                         logprobs = delta.logprobs if gen.wants_logprobs else None
                         for chunk in shapes.chunks(delta.index, delta.text, delta.finish_reason, logprobs):
-                            await response.write(sse_event(chunk))
-            if shapes.include_usage:
-                await response.write(sse_event(shapes.usage_chunk(_usage(gens))))
+                            await response.write(shapes.event(chunk))
+            stop_strings = {c.index: c.stop_string for g in gens for c in g.choices}
+            for chunk in shapes.closing_chunks(_usage(gens), stop_strings):
+                await response.write(shapes.event(chunk))
         except EngineRequestError as exc:
-            await response.write(sse_event(_api_error(exc).to_dict()))
-        await response.write(SSE_DONE)
+            await response.write(shapes.error_event(_api_error(exc)))
+        await response.write(shapes.done())
         await response.write_eof()
     except ConnectionResetError:
         log.info("client disconnected mid-stream", num_completion_tokens=sum(g.num_completion_tokens for g in gens))
