@@ -7,6 +7,8 @@ token count equal to the chat template's, ``x-api-key``, and errors in Anthropic
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 
 import anthropic
 import pytest
@@ -137,6 +139,8 @@ def test_count_tokens_is_the_chat_templates(claude, model):
 
 
 def test_api_key_as_x_api_key(server, model):
+    """The client as installed (2.17) sends its key as Authorization: Bearer; x-api-key (what other versions
+    and Claude Code send) is tested with raw requests."""
     wrong = anthropic.Anthropic(base_url=server.base_url, api_key="wrong", max_retries=0, timeout=20)
     with pytest.raises(anthropic.AuthenticationError) as caught:
         wrong.messages.create(model=model.name, max_tokens=5, messages=[{"role": "user", "content": "Hi"}])
@@ -144,6 +148,22 @@ def test_api_key_as_x_api_key(server, model):
     assert caught.value.body["error"]["type"] == "authentication_error"
     status, _, raw = http("POST", server.base_url + "/v1/messages", body={"max_tokens": 5, "messages": []})
     assert status == 401 and json.loads(raw)["error"]["type"] == "authentication_error"
+    body = {"model": model.name, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]}
+    for key, expected in ((API_KEY, 200), ("wrong", 401)):  # the header Anthropic's clients send
+        status, reply = _post(server.base_url + "/v1/messages", body, {"x-api-key": key,
+                                                                       "anthropic-version": "2023-06-01"})
+        assert status == expected
+        assert reply["usage"]["output_tokens"] == 3 if status == 200 else reply["error"]["type"] == "authentication_error"
+    assert _post(server.base_url + "/v1/chat/completions", {"messages": []}, {"x-api-key": API_KEY})[0] == 401
+
+
+def _post(url: str, body: dict, headers: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=20) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
 
 
 @pytest.mark.parametrize("fields, fragment", [
@@ -168,3 +188,8 @@ def test_bad_requests_in_anthropics_shape(claude, model, fields, fragment):
 def test_openai_routes_keep_their_error_shape(server):
     status, _, raw = http("POST", server.base_url + "/v1/chat/completions", body={"messages": []})
     assert status == 401 and "type" in json.loads(raw)["error"] and "code" in json.loads(raw)["error"]
+
+
+def test_openapi_lists_the_routes(claude):
+    spec = claude.get("/openapi.json", cast_to=object)
+    assert {"/v1/messages", "/v1/messages/count_tokens"} <= set(spec["paths"])
