@@ -193,3 +193,13 @@ def test_openai_routes_keep_their_error_shape(server):
 def test_openapi_lists_the_routes(claude):
     spec = claude.get("/openapi.json", cast_to=object)
     assert {"/v1/messages", "/v1/messages/count_tokens"} <= set(spec["paths"])
+
+
+def test_engine_errors_in_anthropics_shape(claude, model):
+    fields = {"model": model.name, "max_tokens": 20, "messages": [{"role": "user", "content": "[[error]]"}]}
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        claude.messages.create(**fields)
+    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "api_error"
+    with pytest.raises(anthropic.APIStatusError) as caught:  # streamed: an error event after message_start
+        list(claude.messages.create(stream=True, **fields))
+    assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "api_error"
