@@ -16,7 +16,8 @@ from typing import Callable
 import structlog
 from aiohttp import web
 
-from services.frontend import responses_api, routes_info, serving
+from services.frontend import anthropic_routes, responses_api, routes_info, serving
+from services.frontend.anthropic_shapes import error_body
 from services.frontend.engine_client import EngineClient
 from services.frontend.replicas import Replicas
 from services.frontend.errors import APIError
@@ -77,6 +78,7 @@ def create_app(
     app.router.add_post("/v1/completions", serving.create_completion)
     app.router.add_post("/v1/chat/completions", serving.create_chat_completion)
     responses_api.add_routes(app)
+    anthropic_routes.add_routes(app.router)
     routes_info.add_routes(app.router)
     if playground:
         add_playground(app, client)
@@ -115,32 +117,36 @@ async def _stop_client(app: web.Application) -> None:
 # ---------------------------------------------------------------- middlewares
 
 
-def error_response(exc: APIError, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(exc.to_dict(), status=exc.status, headers={**(exc.headers or {}), **(headers or {})})
+def error_response(exc: APIError, headers: dict[str, str] | None = None, anthropic: bool = False) -> web.Response:
+    """``anthropic``: in Anthropic's shape (its Messages routes), else OpenAI's."""
+    body = error_body(exc) if anthropic else exc.to_dict()
+    return web.json_response(body, status=exc.status, headers={**(exc.headers or {}), **(headers or {})})
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """Every error leaves in OpenAI's shape; an unexpected one is logged and becomes a 500."""
+    """Every error leaves in OpenAI's shape (Anthropic's on its routes); an unexpected one is logged
+    and becomes a 500."""
     started = time.monotonic()
+    anthropic = anthropic_routes.is_anthropic_path(request.path)
     try:
         response = await handler(request)
     except APIError as exc:
         log.info("request rejected", path=request.path, status=exc.status, param=exc.param, error=exc.message,
                  request_id=request.get(REQUEST_ID))
-        response = error_response(exc)
+        response = error_response(exc, anthropic=anthropic)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        response = error_response(_http_error(request, exc), allow)
+        response = error_response(_http_error(request, exc), allow, anthropic)
     except asyncio.CancelledError:
         log.info("client went away", path=request.path)
         raise
     except Exception:
         log.exception("unexpected error", method=request.method, path=request.path, request_id=request.get(REQUEST_ID))
         message = "The server had an error while processing the request."
-        response = error_response(APIError(500, message, "server_error"))
+        response = error_response(APIError(500, message, "server_error"), anthropic=anthropic)
     log.debug("http", method=request.method, path=request.path, status=response.status,
               ms=round(1000 * (time.monotonic() - started), 1))
     return response
@@ -149,12 +155,14 @@ async def error_middleware(request: web.Request, handler: Callable) -> web.Strea
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
     """With an API key set, refuse (401) any request but /health and the playground's page without
-    ``Bearer <key>``."""
+    ``Bearer <key>`` (or, on Anthropic's routes, ``x-api-key: <key>``)."""
     state = request.app.get(STATE)
     key = state.api_key if state is not None else None
     if key is None or request.path in OPEN_PATHS or is_page_path(request.path):
         return await handler(request)
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if "x-api-key" in request.headers and anthropic_routes.is_anthropic_path(request.path):
+        scheme, token = "bearer", request.headers["x-api-key"]
     given = token.strip().encode("utf-8", "replace")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode("utf-8", "replace")):
         reason = "no API key was given" if not token else "the API key is not valid"

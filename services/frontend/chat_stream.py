@@ -18,7 +18,7 @@ from aiohttp import web
 
 from services.frontend.errors import APIError
 from services.frontend.generation import Delta, EngineRequestError, Generation
-from services.frontend.responses import SSE_DONE, ResponseShapes, sse_event
+from services.frontend.responses import ResponseShapes
 
 log = structlog.get_logger()
 
@@ -29,19 +29,30 @@ def api_error(exc: EngineRequestError) -> APIError:
     return APIError(exc.status, exc.message, "invalid_request_error" if exc.status < 500 else "server_error")
 
 
-async def write_sse(request: web.Request, chunks: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:
-    """Each chunk as a server-sent event, then ``[DONE]``."""
+async def write_sse(request: web.Request, chunks: AsyncIterator[dict[str, Any]],
+                    shapes: ResponseShapes) -> web.StreamResponse:
+    """Each chunk as the shapes' server-sent event (OpenAI's, or Anthropic's named events), an
+    engine error (a chunk of only ``error``) as their error event, then what ends their stream
+    (OpenAI's ``[DONE]``)."""
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     try:
         async with contextlib.aclosing(chunks):  # a client gone: the generations close now
             async for chunk in chunks:
-                await response.write(sse_event(chunk))
-        await response.write(SSE_DONE)
+                await response.write(shapes.error_event(_error_of(chunk)) if set(chunk) == {"error"}
+                                     else shapes.event(chunk))
+        await response.write(shapes.done())
         await response.write_eof()
     except ConnectionResetError:
         log.info("client disconnected mid-stream")
     return response
+
+
+def _error_of(chunk: dict[str, Any]) -> APIError:
+    """The ``APIError`` back from its body (``api_error(...).to_dict()``)."""
+    e = chunk["error"]
+    return APIError(500 if e.get("type") == "server_error" else 400, e.get("message", ""), e.get("type"),
+                    e.get("param"), e.get("code"))
 
 
 async def stream_chunks(gens: list[Generation], shapes: ResponseShapes, echoes: list[Any],
@@ -73,8 +84,9 @@ async def stream_chunks(gens: list[Generation], shapes: ResponseShapes, echoes: 
                     out += shapes.chunks(delta.index, delta.text, delta.finish_reason, logprobs)
                 for chunk in out:
                     yield chunk
-        if shapes.include_usage:
-            yield shapes.usage_chunk(usage_of(gens))
+        stop_strings = {c.index: c.stop_string for g in gens for c in g.choices}
+        for chunk in shapes.closing_chunks(usage_of(gens), stop_strings):
+            yield chunk
     except EngineRequestError as exc:
         yield api_error(exc).to_dict()
 

@@ -66,6 +66,7 @@ class IncrementalDetokenizer:
         self._text = ""  # complete characters decoded so far (cut at a stop string)
         self._num_sent = 0  # characters of self._text already returned
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text, once one has
         self.finished = False
 
     @property
@@ -110,8 +111,9 @@ class IncrementalDetokenizer:
         # A stop string ending in new_text starts at most len(longest) - 1 characters earlier.
         search_from = max(0, len(self._text) - self._holdback)
         self._text += new_text
-        cut = min((i for i in (self._text.find(s, search_from) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self._stop if (i := self._text.find(s, search_from)) >= 0]
+        if found:
+            cut, self.stop_string = min(found, key=lambda hit: hit[0])
             self._text = self._text[:cut]
             self.stopped = True
 

@@ -67,6 +67,11 @@ class ChoiceState:
     def text(self) -> str:
         return self.detokenizer.text
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended this choice, if one did."""
+        return self.detokenizer.stop_string
+
 
 class Generation:
     """Drives one engine request: ``sampling.n`` choices of one prompt (``best_of`` samples or a

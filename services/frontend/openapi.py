@@ -46,6 +46,14 @@ def _schemas() -> dict[str, Any]:
         ]},
         "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
             "model": {"type": "string"}, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},
+        "MessagesRequest": {"type": "object", "required": ["messages", "max_tokens"], "description": (
+            "Anthropic's Messages request (docs/api.md): system, messages (text, tool_use and tool_result "
+            "blocks), max_tokens, stop_sequences, temperature, top_p, top_k, tools, tool_choice, metadata, stream."),
+            "properties": {"model": {"type": "string"}, "messages": {"type": "array", "minItems": 1},
+                           "max_tokens": {"type": "integer", "minimum": 1}}},
+        "Message": {"type": "object", "properties": {
+            "id": {"type": "string"}, "type": {"const": "message"}, "role": {"const": "assistant"},
+            "content": {"type": "array"}, "stop_reason": {"type": "string"}, "usage": {"type": "object"}}},
         "Usage": usage,
         "Error": error,
         "Completion": {"type": "object", "properties": {
@@ -127,6 +135,12 @@ def openapi_spec(version: str, model_name: str, api_key_required: bool, playgrou
             "/v1/responses/{response_id}": {
                 "get": _by_id("A stored response."), "delete": _by_id("Forget a stored response.")},
             "/v1/responses/{response_id}/cancel": {"post": _by_id("Cancel (only background ones; none here).")},
+            "/v1/messages": _generate_op("Anthropic's Messages API (errors in Anthropic's shape).", "MessagesRequest",
+                                         "Message"),
+            "/v1/messages/count_tokens": {"post": {
+                "summary": "The prompt's tokens after the chat template: {input_tokens}.",
+                "requestBody": {"required": True, "content": _json("MessagesRequest")},
+                "responses": {"200": {"description": "OK"}} | _errors(400, 401)}},
             "/v1/models": _get("The served model."),
             "/v1/models/{model_id}": {"get": {
                 "summary": "One model.",

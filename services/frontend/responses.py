@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from services.frontend.errors import APIError
 from services.frontend.logprobs import TokenFormatter, TokenLogprob
 from services.frontend.tool_parsers.streaming import StreamingToolParser
 from services.frontend.tool_responses import new_call_id, parse_auto, parse_required, tool_call
@@ -45,6 +46,7 @@ class Choice:
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # vLLM's extension, when asked
+    stop_string: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass
@@ -81,6 +83,23 @@ class ResponseShapes:
 
     def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
         return self._envelope(self.object_chunk, []) | {"usage": usage_}
+
+    def closing_chunks(self, usage_: dict[str, int], stop_strings: dict[int, str | None]) -> list[dict[str, Any]]:
+        """What a stream sends once every choice has finished (``stop_strings``: choice index -> the
+        stop string that ended it, if one did): the usage chunk when asked for."""
+        return [self.usage_chunk(usage_)] if self.include_usage else []
+
+    def event(self, payload: dict[str, Any]) -> bytes:
+        """One chunk as a server-sent event."""
+        return sse_event(payload)
+
+    def error_event(self, error: APIError) -> bytes:
+        """An error that ends a stream, as an event."""
+        return sse_event(error.to_dict())
+
+    def done(self) -> bytes:
+        """What ends a stream: OpenAI's ``[DONE]``."""
+        return SSE_DONE
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         body = self._envelope(self.object_chunk, choices)

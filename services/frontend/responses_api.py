@@ -61,7 +61,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             _keep(store, parsed, response)
             return web.json_response(response)
 
-        async def stream(request: web.Request, chunks: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:
+        async def stream(request: web.Request, chunks: AsyncIterator[dict[str, Any]], shapes=None) -> web.StreamResponse:
             return await _stream(request, chunks, ResponseEvents(base), store, parsed)
 
         return await serve_object(request, CHAT, parsed.chat, len(raw), arrival, Sink(whole, stream))

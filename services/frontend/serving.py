@@ -1,7 +1,7 @@
 """/v1/completions and /v1/chat/completions: parse, tokenize, admit, generate, answer.
 
-Both routes take one path (``_serve``); an ``Endpoint`` holds the little that differs (body
-schema, prompt building, response shapes, default ``max_tokens``). A completions request with several prompts runs one engine request per prompt (ids
+Both routes take one path (``serve``; Anthropic's /v1/messages too: ``anthropic_routes``); an
+``Endpoint`` holds the little that differs (body schema, prompt building, response shapes, default ``max_tokens``). A completions request with several prompts runs one engine request per prompt (ids
 ``<request id>-<index>``), concurrently. Each engine request has ``n`` choices (see
 ``generation``); as in OpenAI's API, choice ``j`` of prompt ``i`` has index ``i * n + j``. Streamed,
 chunks interleave as tokens arrive, each naming its choice's index. ``usage`` counts each prompt
@@ -82,7 +82,7 @@ class Sink:
     chunks (``chat_stream.stream_chunks``) and returns the response it sent them on."""
 
     full: Callable[[dict[str, Any]], web.StreamResponse]
-    stream: Callable[[web.Request, AsyncIterator[dict[str, Any]]], Awaitable[web.StreamResponse]]
+    stream: Callable[[web.Request, AsyncIterator[dict[str, Any]], ResponseShapes], Awaitable[web.StreamResponse]]
 
 
 HTTP_SINK = Sink(web.json_response, write_sse)  # the routes' own: JSON, or server-sent events
@@ -101,14 +101,14 @@ class _Echo:
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, COMPLETIONS)
+    return await serve(request, COMPLETIONS)
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, CHAT)
+    return await serve(request, CHAT)
 
 
-async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+async def serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     arrival = time.monotonic()
     request_id = request[REQUEST_ID] = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
     with structlog.contextvars.bound_contextvars(request_id=request_id):
@@ -192,7 +192,7 @@ async def _generate(
         for gen in gens:
             gen.start()
         if options.stream:
-            return await sink.stream(request, stream_chunks(gens, shapes, echoes, _usage))
+            return await sink.stream(request, stream_chunks(gens, shapes, echoes, _usage), shapes)
         logprobs: dict[int, list[TokenLogprob]] = {}  # choice index -> its logprobs so far
         for gen in gens:  # they run concurrently in the engine; their outputs wait in their queues
             while not gen.finished:
@@ -207,7 +207,8 @@ async def _generate(
     choices = [
         Choice(c.index, echo.text + c.text, c.finish_reason or "stop",
                (echo.logprobs(gen) or []) + logprobs.get(c.index, []) if gen.wants_logprobs else None,
-               None if options.prompt_logprobs is None else with_top(gen.prompt_logprobs, options.prompt_logprobs))
+               None if options.prompt_logprobs is None else with_top(gen.prompt_logprobs, options.prompt_logprobs),
+               c.stop_string)
         for gen, echo in zip(gens, echoes)
         for c in gen.choices
     ]
