@@ -42,7 +42,9 @@ def test_gelu_tanh_mul_equals_torch(dtype):
     gate, up = gate_up.split(96, dim=-1)
     want = nn.functional.gelu(gate, approximate="tanh") * up
     got = activation.gelu_tanh_mul_(gate_up)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
+    # tanh_f32 is within about 3e-7 of libm's tanh; times gate and up (up to ~16 each here), float32
+    # products differ from torch's by up to ~2e-5 absolutely
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
     torch.testing.assert_close(got, want, **tol)
 
 
