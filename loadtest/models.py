@@ -43,19 +43,17 @@ def build(name: str, dtype: str, num_blocks: int):
     hide_hub_kernels()
     import transformers
 
-    from services.executor.architectures import model_config
     from services.executor.loader import RunnerOptions, build_runner
     from services.offline import EngineCore, SchedulingOptions
 
     config_name, own = FAMILIES[name]
     hf = getattr(transformers, config_name)(**{**SIZES, **own})
-    cfg = model_config(hf)
-    state = random_state(hf, cfg)
+    state = random_state(hf)
     runner = build_runner(hf, state, RunnerOptions(dtype=dtype, num_kv_blocks=num_blocks))
     return runner, EngineCore(runner, SchedulingOptions(max_num_seqs=256, max_num_batched_tokens=4096))
 
 
-def random_state(hf, cfg) -> dict[str, torch.Tensor]:
+def random_state(hf) -> dict[str, torch.Tensor]:
     """Random weights under the names transformers' model of ``hf`` has (built on the meta device
     for its names and shapes only)."""
     hide_hub_kernels()

@@ -77,7 +77,8 @@ class Attention(Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.query_scale if cfg.query_scale is not None else cfg.head_dim**-0.5
-        self.window, self.softcap = window, cfg.attn_softcap
+        # the kernels' sliding window and soft-cap, passed only where set (the calls stay as Llama's)
+        self.window_softcap = {"window": window, "softcap": cfg.attn_softcap} if window or cfg.attn_softcap else {}
         if cfg.qk_norm:
             self.q_norm = HeadNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = HeadNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -90,7 +91,7 @@ class Attention(Module):
         if hasattr(self, "q_norm"):
             head_norms_(qkv, self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads, backend)
         key_cache, value_cache = kv_cache
-        extra = {"window": self.window, "softcap": self.softcap} if self.window or self.softcap else {}
+        extra = self.window_softcap
         out = decode_from_qkv(backend, qkv, rope, key_cache, value_cache, meta, self.scale, self.num_heads, **extra)
         if out is None:
             q, k, v = rotary(qkv, *rope, self.num_heads, self.num_kv_heads, backend)

@@ -55,15 +55,8 @@ class RMSNorm(Module):
 
     def normalize(self, x: torch.Tensor, backend=None) -> torch.Tensor:
         """RMSNorm(x) alone, as Hugging Face's (no residual): Gemma's norms of a sublayer's output;
-        the backend's ``add_rms_norm`` with nothing to add where it has one for ``x``."""
-        fused = getattr(backend, "add_rms_norm", None)
-        out = fused(x, x[:0], self.weight, self.eps) if fused else None
-        if out is not None:
-            return out
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        ``forward`` with nothing to add (``x`` is left as it is)."""
+        return self.forward(x[:0], x, backend)[0]
 
 
 class HeadNorm(RMSNorm):

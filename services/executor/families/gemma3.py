@@ -4,8 +4,8 @@ soft-capping, five windowed layers to each global one (``layer_types``), and the
 on a rotary base of their own (``rope_parameters["sliding_attention"]``; the global layers'
 may be linearly scaled)."""
 
-from .common import decoder_config, rope_of, unit_offset_norms
-from .gemma2 import gemma_knobs
+from .common import decoder_config, rope_of
+from .gemma2 import gemma_knobs, hf_state_dict  # noqa: F401 (Gemma 2's weight names and norms)
 
 
 def config(hf):
@@ -21,7 +21,3 @@ def config(hf):
                           rope_linear_factor=factor, local_rope_theta=local,
                           attn_softcap=float(getattr(hf, "attn_logit_softcapping", None) or 0.0),
                           final_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0))
-
-
-def hf_state_dict(state, cfg):
-    return unit_offset_norms({k: v for k, v in state.items() if "rotary_emb" not in k})
