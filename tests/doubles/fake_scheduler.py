@@ -104,7 +104,8 @@ class FakeScheduler:
     each, renumbered ``0 .. n-1``, with logprobs only if the request asked for them. With
     ``use_beam_search`` the hypotheses are choices ``0 .. n-1`` (only one with
     ``FEW_BEAMS_MARKER``), sent at the end in one output each, without logprobs. A prompt holding
-    ``[[say]]TEXT[[/say]]`` (``SAY_PATTERN``) gets TEXT's tokens in every choice instead of the reply.
+    ``[[say]]TEXT[[/say]]`` (``SAY_PATTERN``) gets TEXT's tokens in every choice instead of the reply
+    (the last such TEXT where the prompt holds several: a conversation's latest turn).
     """
 
     endpoints: Endpoints
@@ -217,8 +218,8 @@ class FakeScheduler:
                 ids = self.choice_token_ids(c)
                 choices.append(_Choice((ids * (max_tokens // len(ids) + 1))[:max_tokens], "length"))
             interval = 0.02
-        elif said := SAY_PATTERN.search(prompt):
-            ids = list(self.tokenizer.encode(said.group(1), add_special_tokens=False)) + [request.sampling.eos_token_ids[0]]
+        elif said := SAY_PATTERN.findall(prompt):  # the last one: a conversation's latest turn
+            ids = list(self.tokenizer.encode(said[-1], add_special_tokens=False)) + [request.sampling.eos_token_ids[0]]
             finish = "length" if len(ids) > max_tokens else "stop"
             choices = [_Choice(ids[:max_tokens], finish) for _ in range(num_samples)]
             interval = 0.0
