@@ -249,14 +249,80 @@ JUNK = st.one_of(
 )
 
 
+WORDS = st.text(max_size=12) | st.sampled_from(["Hi", "<tool_call>", "\ud7ff", "", "a" * 40])
+TOOL = st.fixed_dictionaries({"name": st.sampled_from(["f", "get_time", ""]) | st.text(max_size=4)},
+                             optional={"description": WORDS, "parameters": st.sampled_from(
+                                 [{"type": "object"}, {"type": "object", "properties": {"x": {"type": "integer"}}},
+                                  {"type": "nope"}, {}])})
+
+
+def _maybe_junk(draw, value):
+    return draw(JUNK) if draw(st.integers(0, 9)) == 0 else value
+
+
+@st.composite
+def responses_body(draw) -> dict:
+    """A Responses API body (not described field by field in /openapi.json): text or item input,
+    instructions, tools, tool outputs, an unknown previous_response_id, now and then a junk field."""
+    item = st.one_of(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer", "x"]),
+                               "content": WORDS | st.lists(st.fixed_dictionaries(
+                                   {"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                    "text": WORDS}), max_size=2)}),
+        st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": WORDS, "output": WORDS}))
+    body = draw(st.fixed_dictionaries({"input": WORDS | st.lists(item, max_size=3)}, optional={
+        "instructions": WORDS, "max_output_tokens": st.integers(-1, 12), "stream": st.booleans(),
+        "temperature": st.floats(0, 2), "store": st.booleans(),
+        "tools": st.lists(TOOL.map(lambda t: {"type": "function", **t}), max_size=2),
+        "tool_choice": st.sampled_from(["auto", "none", "required"])}))
+    if draw(st.integers(0, 9)) == 0:  # rare: an unknown id is a 404 whatever else the body holds
+        body["previous_response_id"] = draw(WORDS)
+    return {k: _maybe_junk(draw, v) for k, v in body.items()}
+
+
+@st.composite
+def messages_body(draw) -> dict:
+    """An Anthropic Messages body: system, text / tool_use / tool_result blocks, stop_sequences, tools."""
+    block = st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": WORDS}),
+                      st.fixed_dictionaries({"type": st.just("tool_use"), "id": WORDS, "name": WORDS,
+                                             "input": st.dictionaries(st.text(max_size=3), st.integers(), max_size=2)}),
+                      st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": WORDS,
+                                             "content": WORDS}),
+                      st.fixed_dictionaries({"type": st.sampled_from(["image", "thinking", "?"])}))
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+                                     "content": WORDS | st.lists(block, max_size=3)})
+    body = draw(st.fixed_dictionaries({"messages": st.lists(message, max_size=3), "max_tokens": st.integers(-1, 12)},
+                                      optional={"system": WORDS, "stream": st.booleans(), "top_k": st.integers(-1, 5),
+                                                "stop_sequences": st.lists(WORDS, max_size=2),
+                                                "tools": st.lists(TOOL.map(lambda t: {
+                                                    "input_schema": t.pop("parameters", {"type": "object"}), **t}),
+                                                    max_size=2),
+                                                "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "any"},
+                                                                                {"type": "tool", "name": "f"}])}))
+    return {k: _maybe_junk(draw, v) for k, v in body.items()}
+
+
+HAND_WRITTEN = {"/v1/responses": responses_body, "/v1/messages": messages_body,
+                "/v1/messages/count_tokens": messages_body}
+
+
 @st.composite
 def fuzz_request(draw, spec: dict) -> tuple[str, bytes | dict, bool]:
-    """(path, body, cut): a body valid for the spec, one with a field broken, or garbage bytes;
-    ``cut``: a streamed answer is abandoned after its first event."""
+    """(path, body, cut): a body valid for the spec (or, for the routes in ``HAND_WRITTEN``, drawn by
+    their strategy), one with a field broken, or garbage bytes; ``cut``: a streamed answer is
+    abandoned after its first event."""
     path, schema = draw(st.sampled_from([("/v1/completions", "CompletionRequest"),
                                          ("/v1/chat/completions", "ChatCompletionRequest"),
-                                         ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")]))
+                                         ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest"),
+                                         *((route, None) for route in HAND_WRITTEN)]))
     components = spec["components"]["schemas"]
+    if schema is None and draw(st.integers(0, 4)) > 0:
+        body = draw(HAND_WRITTEN[path]())
+        if draw(st.booleans()):
+            body["model"] = MODEL
+        return path, body, bool(body.get("stream") is True and draw(st.integers(0, 4)) == 0)
+    if schema is None:
+        return path, draw(st.binary(max_size=40) | JUNK.map(lambda j: json.dumps(j).encode())), False
     kind = draw(st.sampled_from(["valid", "valid", "valid", "broken", "bytes"]))
     if kind == "bytes":
         return path, draw(st.binary(max_size=40) | st.sampled_from([b"{", b"[]", b'{"prompt": "\\ud800"}'])), False
@@ -285,12 +351,21 @@ def check_answer(path: str, body, status: int, raw: bytes) -> None:
     assert status < 500, (path, body, status, raw[:500])
     if not raw:
         return
+    anthropic = path.startswith("/v1/messages")
     if status >= 400:
-        error = json.loads(raw)["error"]
-        assert set(error) == {"message", "type", "param", "code"}, raw
-        assert "executor failed" not in error["message"], (path, body, error)  # a bad request must fail alone
+        error = json.loads(raw)
+        if anthropic:  # Anthropic's shape
+            assert error["type"] == "error" and set(error["error"]) == {"type", "message"}, raw
+        else:
+            assert set(error["error"]) == {"message", "type", "param", "code"}, raw
+        assert "executor failed" not in error["error"]["message"], (path, body, error)  # a bad request fails alone
         return
-    if isinstance(body, dict) and body.get("stream") is True and path.startswith("/v1"):
+    streamed = isinstance(body, dict) and body.get("stream") is True and path.startswith("/v1")
+    if streamed and path in ("/v1/responses", "/v1/messages"):
+        events = [json.loads(line[len("data: "):]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+        last = {"/v1/responses": ("response.completed", "response.incomplete"), "/v1/messages": ("message_stop",)}
+        assert events and events[-1]["type"] in last[path], (body, events[-3:])
+    elif streamed:
         text = raw.decode()
         assert text.endswith("data: [DONE]\n\n"), text[-300:]
         for event in text[:-2].split("\n\n")[:-1]:
@@ -319,10 +394,12 @@ def test_fuzz_never_5xx_and_frees_every_block(server):
 
         for (path, body, _), (status, raw) in zip(requests, asyncio.run(go())):
             check_answer(path, body, status, raw)
-        sent.extend(requests)
+            sent.append((path, status))
 
     run()
     assert len(sent) >= NUM_FUZZ_REQUESTS
+    for route in HAND_WRITTEN:  # their strategies reach both the answers and the refusals
+        assert {200, 400} <= {status for path, status in sent if path == route}, (route, sent)
     wait_until_idle(server, timeout=60.0)
     with urllib.request.urlopen(f"{server}/health", timeout=5) as resp:
         assert resp.status == 200
