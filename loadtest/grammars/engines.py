@@ -1,0 +1,209 @@
+"""The guide engines compared, behind one small interface: ``compile(kind, spec)`` (kind ``json``,
+``regex`` or ``grammar``; raises when the engine cannot), ``matcher(compiled)``, ``fill(matchers)``
+(each one's mask for the next token, in the engine's own form, the timed part), ``allowed(masks, i)``
+(the i-th as a boolean array over the vocabulary), ``accept(matcher, token)`` and
+``accepting(matcher)``. Every engine runs on one thread: the executor's cores belong to the model."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+
+def unpack(bitmask: np.ndarray, row: int, size: int) -> np.ndarray:
+    """Row ``row`` of a 32-bit little-endian token bitmask as booleans."""
+    return np.unpackbits(np.ascontiguousarray(bitmask[row]).view(np.uint8), bitorder="little")[:size].astype(bool)
+
+
+class Own:
+    """pagedserve's byte-level automaton (``shared.structured``), masks made as the executor makes them
+    (``services.executor.guided.GuidedSequences``: per state, kept for the next time it comes back)."""
+
+    name = "pagedserve (own)"
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        from services.executor.guided import GuidedSequences, Vocabulary, token_bytes
+
+        self.size, self._next_id = vocab_size, 0
+        vocabulary = Vocabulary(token_bytes(tokenizer, vocab_size))
+        self._histories = _Histories()
+        self._guided = GuidedSequences(self._histories, lambda: vocabulary)
+
+    def compile(self, kind: str, spec: Any) -> Any:
+        from shared.structured import compile_guide
+
+        if kind != "json":
+            raise ValueError(f"no {kind} guides")
+        compile_guide({"json_schema": spec})  # raises what it does not support
+        return json.dumps({"json_schema": spec})
+
+    def matcher(self, compiled: str) -> int:
+        self._next_id += 1
+        self._histories.tokens[self._next_id] = []
+        self._guided.add(self._next_id, compiled)
+        return self._next_id
+
+    def fill(self, matchers: list[int]) -> list:
+        return [self._guided.mask(m, []) for m in matchers]
+
+    def allowed(self, masks: list, i: int) -> np.ndarray:
+        return masks[i].as_mask(self.size)
+
+    def accept(self, matcher: int, token: int) -> bool:
+        tracked = self._guided._seqs[matcher]
+        ok = bool(self._guided.mask(matcher, []).as_mask(self.size)[token])
+        self._histories.tokens[matcher].append(token)
+        return ok and self._guided._state(matcher, tracked) is not None
+
+    def accepting(self, matcher: int) -> bool:
+        tracked = self._guided._seqs[matcher]
+        state = self._guided._state(matcher, tracked)
+        return state is not None and tracked.guide.is_complete(state)
+
+
+class _Histories:
+    """What ``GuidedSequences`` reads of the executor's token histories: outputs only, no prompt."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[int]] = {}
+
+    def token_ids(self, seq_id: int) -> list[int]:
+        return self.tokens[seq_id]
+
+    def num_prompt_tokens(self, seq_id: int) -> int:
+        return 0
+
+
+class XGrammar:
+    """xgrammar (vLLM's and SGLang's default): ``GrammarCompiler`` and ``GrammarMatcher``."""
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        import xgrammar as xgr
+
+        self.xgr, self.size = xgr, vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+
+    def compile(self, kind: str, spec: Any) -> Any:
+        if kind == "json":
+            return self._compiler.compile_json_schema(json.dumps(spec), any_whitespace=True)
+        if kind == "regex":
+            return self._compiler.compile_regex(spec)
+        return self._compiler.compile_grammar(spec)
+
+    def matcher(self, compiled: Any) -> Any:
+        return self.xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+
+    def fill(self, matchers: list) -> np.ndarray:
+        bitmask = np.zeros((len(matchers), (self.size + 31) // 32), np.int32)
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        return bitmask
+
+    def allowed(self, masks: np.ndarray, i: int) -> np.ndarray:
+        return unpack(masks, i, self.size)
+
+    def accept(self, matcher: Any, token: int) -> bool:
+        return bool(matcher.accept_token(token))
+
+    def accepting(self, matcher: Any) -> bool:
+        return bool(matcher.is_terminated())
+
+
+class LLGuidance:
+    """llguidance (vLLM's ``guidance`` backend): ``LLMatcher`` over Lark, regex or JSON schema."""
+
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        import llguidance
+        import llguidance.hf
+        import llguidance.numpy
+
+        self.llg, self.lln, self.size = llguidance, llguidance.numpy, vocab_size
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self._executor = llguidance.LLExecutor(num_threads=1)
+
+    def compile(self, kind: str, spec: Any) -> Any:
+        matcher = self.llg.LLMatcher
+        if kind == "json":
+            grammar = matcher.grammar_from_json_schema(spec, defaults={"whitespace_flexible": True})
+        elif kind == "regex":
+            grammar = matcher.grammar_from_regex(spec)
+        else:
+            grammar = self.llg.grammar_from("gbnf", spec)
+        is_error, messages = matcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+        if is_error:
+            raise ValueError(messages[0])
+        return grammar
+
+    def matcher(self, compiled: Any) -> Any:
+        return self.llg.LLMatcher(self._tokenizer, compiled)
+
+    def fill(self, matchers: list) -> np.ndarray:
+        bitmask = np.zeros((len(matchers), (self.size + 31) // 32), np.int32)
+        self.lln.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        return bitmask
+
+    def allowed(self, masks: np.ndarray, i: int) -> np.ndarray:
+        return unpack(masks, i, self.size)
+
+    def accept(self, matcher: Any, token: int) -> bool:
+        return bool(matcher.consume_token(token)) and not matcher.is_error()
+
+    def accepting(self, matcher: Any) -> bool:
+        return bool(matcher.is_accepting())
+
+
+class OutlinesCore:
+    """outlines-core (Outlines' and vLLM's former backend): a regex (JSON schemas through
+    ``build_regex_from_schema``) compiled to a token-level DFA ``Index`` ahead of time."""
+
+    name = "outlines-core"
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        import outlines_core
+
+        from services.executor.token_bytes import token_bytes
+
+        self.oc, self.size = outlines_core, vocab_size
+        vocab: dict[bytes, list[int]] = {}
+        for token, data in enumerate(token_bytes(tokenizer, vocab_size)):
+            if data and token != tokenizer.eos_token_id:  # special tokens have no bytes
+                vocab.setdefault(data, []).append(token)
+        self._vocabulary = outlines_core.Vocabulary(tokenizer.eos_token_id, vocab)
+
+    def compile(self, kind: str, spec: Any) -> Any:
+        if kind == "grammar":
+            raise ValueError("no context-free grammars")
+        regex = (self.oc.json_schema.build_regex_from_schema(json.dumps(spec), r"[\n\t ]{0,32}") if kind == "json"
+                 else spec)  # the whitespace the other engines allow
+        return self.oc.Index(regex, self._vocabulary)
+
+    def matcher(self, compiled: Any) -> Any:
+        return self.oc.Guide(compiled)
+
+    def fill(self, matchers: list) -> list:
+        return [np.asarray(m.get_tokens(), np.int64) for m in matchers]
+
+    def allowed(self, masks: list, i: int) -> np.ndarray:
+        allowed = np.zeros(self.size + 1, bool)
+        allowed[masks[i]] = True
+        return allowed[:self.size]
+
+    def accept(self, matcher: Any, token: int) -> bool:
+        try:
+            matcher.advance(token)
+        except Exception:  # noqa: BLE001 - outlines-core raises ValueError-like errors for refused tokens
+            return False
+        return True
+
+    def accepting(self, matcher: Any) -> bool:
+        return bool(matcher.is_finished())
+
+
+ENGINES = {"own": Own, "xgrammar": XGrammar, "llguidance": LLGuidance, "outlines": OutlinesCore}
