@@ -93,8 +93,7 @@ def build_step(
         swap_in=_pairs(swap_in),
         block_copies=_pairs(list(block_copies)),
         num_scored_tokens=num_scored,
-        num_prompt_top_logprobs=num_top,
-        num_pooled_tokens=_pooling(scheduled),
+        num_prompt_top_logprobs=num_top, num_pooled_tokens=_pooling(scheduled),
     )
 
 
