@@ -61,4 +61,4 @@ async def _last_output(queue) -> np.ndarray:
         if output.finish_reason is not None:
             if not len(output.embedding):
                 raise APIError(500, "the engine returned no embedding for this input", "server_error")
-            return output.embedding
+            return np.frombuffer(output.embedding, "<f4")

@@ -74,4 +74,4 @@ class Pooling:
         if self.sent or not self.complete:
             return
         self.sent = True
-        out.embedding = self.vector()
+        out.embedding = self.vector().astype("<f4").tobytes()

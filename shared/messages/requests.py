@@ -129,8 +129,9 @@ class RequestOutput:
     prompt_top_token_ids: list[list[int]] = field(default_factory=list)
     prompt_top_logprobs: list[list[float]] = field(default_factory=list)
     # On the last output of a request with SamplingParams.pooling (else empty): the pooled final
-    # hidden state (the mean over the prompt, or its last position), float32, not normalized.
-    embedding: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    # hidden state (the mean over the prompt, or its last position) as raw little-endian float32
+    # bytes, not normalized.
+    embedding: bytes = b""
 
 
 @dataclass

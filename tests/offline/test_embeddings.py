@@ -32,7 +32,7 @@ def reference(model, prompt: list[int], pooling: str) -> np.ndarray:
 def embedding(engine: InProcessEngine, request_id: str) -> np.ndarray:
     carrying = [o for o in engine.outputs[request_id] if len(o.embedding)]
     assert len(carrying) == 1 and carrying[0].request_finished and carrying[0].new_token_ids == []
-    vec = carrying[0].embedding.astype(np.float64)
+    vec = np.frombuffer(carrying[0].embedding, "<f4").astype(np.float64)
     return (vec / np.linalg.norm(vec)).astype(np.float32)
 
 
@@ -49,12 +49,14 @@ def test_chunked_batched_embeddings_equal_transformers(model, pooling):
     assert engine.blocks.num_used_blocks == 0 and engine.blocks.num_cached_blocks > 0  # freed, kept for the cache
 
 
-def test_alone_equals_in_a_batch_and_beside_generation(model):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_alone_equals_in_a_batch_and_beside_generation(model, async_scheduling):
     prompts = random_prompts([37, 20, 12], seed=5)
     alone = InProcessEngine(model, num_blocks=64, block_size=4)
     alone.add("e", prompts[0], max_tokens=0, pooling="mean")
     alone.run()
-    mixed = InProcessEngine(model, num_blocks=64, block_size=4, max_num_batched_tokens=12)
+    mixed = InProcessEngine(model, num_blocks=64, block_size=4, max_num_batched_tokens=12,
+                            async_scheduling=async_scheduling)
     mixed.add("g0", prompts[1], temperature=0.0, max_tokens=8, ignore_eos=True)
     mixed.step()
     mixed.step()  # g0 decodes while the embeddings prefill in chunks
