@@ -11,7 +11,8 @@ positions to pool asks the executor for the sum of their final hidden states
   its prompt is pooled (a cached block is never computed), like a prompt being scored. A chunk
   from position 0 (the prompt computed again after a recompute preemption) starts the sum over.
 
-Once every position is in, the group puts the pooled vector (the mean, or the last hidden state;
+Steps may be planned ahead of their results (async scheduling): ``num_rows`` counts the positions
+asked for, ``add`` those whose sums came back. Once every position is in, the group puts the pooled vector (the mean, or the last hidden state;
 not normalized: the frontend truncates and normalizes it) on the request's output (``attach``).
 """
 
@@ -31,6 +32,7 @@ class Pooling:
         self.mode = mode
         self.num_prompt_tokens = num_prompt_tokens
         self.num_pooled = 0  # positions whose hidden states are in ``total``
+        self.num_requested = 0  # positions asked for by the steps sent (their results may be in flight)
         self.total: np.ndarray | None = None
         self.sent = False
 
@@ -43,20 +45,22 @@ class Pooling:
         return self.mode == "last" or self.complete
 
     def num_rows(self, start: int, end: int) -> int:
-        """How many of the chunk ``[start, end)``'s last rows a step computing it must pool."""
+        """How many of the chunk ``[start, end)``'s last rows a step computing it must pool. Chunks
+        are asked for in order, the next one maybe before the result of the one before has come
+        (async scheduling); a result of a step sent before a recompute preemption is not added
+        (``step_results``), and the chunk from position 0 after it starts the sum over."""
         end = min(end, self.num_prompt_tokens)
+        if start == 0 or self.mode == "last" and end == self.num_prompt_tokens:
+            self.num_pooled, self.num_requested, self.total = 0, 0, None  # (again after a recompute preemption)
         if self.mode == "last":
-            if end < self.num_prompt_tokens or start >= end:
-                return 0
-            self.num_pooled, self.total = 0, None  # (computed again after a recompute preemption)
-            return 1
-        if start == 0:
-            self.num_pooled, self.total = 0, None
-        if self.complete or start >= end:
+            self.num_requested = int(end == self.num_prompt_tokens > start)
+            return self.num_requested
+        if self.num_requested == self.num_prompt_tokens or start >= end:
             return 0
-        if start != self.num_pooled:
+        if start != self.num_requested:
             raise ValueError(f"a chunk from position {start} would be pooled, but the prompt is pooled up to "
-                             f"{self.num_pooled} of {self.num_prompt_tokens} positions")
+                             f"{self.num_requested} of {self.num_prompt_tokens} positions")
+        self.num_requested = end
         return end - start
 
     def add(self, result: StepResult, row: int, num_rows: int) -> None:

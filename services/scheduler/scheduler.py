@@ -129,8 +129,7 @@ class Scheduler:
         must come after the scores of the chunk in flight)."""
         return (not self.crashes.suspects and self._in_flight.can_plan_ahead()
                 and not any(seq.prompt_scores is not None and not seq.prompt_scores.complete
-                            for seq in self.running)
-                and not any(seq.pooling is not None and not seq.pooling.complete for seq in self.running))
+                            for seq in self.running))
 
     def _plan(self, only: str | None) -> Plan:
         """Running, then swapped, then waiting sequences, those the plan allows (``only``: that

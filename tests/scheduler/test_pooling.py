@@ -53,3 +53,12 @@ def test_last_token_pooling_takes_only_the_last_prompt_position():
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="pooling must be one of"):
         Pooling(3, "cls")
+
+
+def test_the_next_chunk_may_be_asked_for_before_the_result_of_the_one_before():
+    pooling = Pooling(6, "mean")  # async scheduling: two steps in flight
+    assert (pooling.num_rows(0, 3), pooling.num_rows(3, 6), pooling.num_rows(6, 7)) == (3, 3, 0)
+    assert not pooling.complete
+    pooling.add(result(np.array([[3.0]])), 0, 3)
+    pooling.add(result(np.array([[9.0]])), 0, 3)
+    assert pooling.complete and pooling.vector().tolist() == [2.0]
