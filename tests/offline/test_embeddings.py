@@ -88,3 +88,13 @@ def test_prefix_cache_hits_and_preemption_keep_the_vector(model, pooling):
     tight.run()
     np.testing.assert_allclose(embedding(tight, "e"), want, atol=TOLERANCE, rtol=0)
     assert max(o.num_preemptions for o in tight.outputs["e"]) > 0  # it was computed twice
+
+
+def test_llm_embed_equals_transformers(model):
+    from services.offline import LLM
+
+    llm = LLM.from_hf_model(model, dtype=torch.float32, block_size=4, num_kv_blocks=64, max_num_batched_tokens=16)
+    prompts = random_prompts([33, 5], seed=4)
+    for pooling in ("last", "mean"):
+        for got, prompt in zip(llm.embed(prompts, pooling=pooling), prompts):
+            np.testing.assert_allclose(got, reference(model, prompt, pooling), atol=TOLERANCE, rtol=0)
