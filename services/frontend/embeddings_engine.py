@@ -5,6 +5,7 @@ last outputs (``RequestOutput.embedding``), pooled and not yet normalized."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
@@ -30,16 +31,18 @@ async def embed_token_lists(state: FrontendState, request_id: str, token_lists: 
     request the engine refuses, 500 when it fails, 503 when it ends it)."""
     sampling = SamplingParams(max_tokens=0, pooling=state.model.pooling, eos_token_ids=list(state.model.eos_token_ids))
     ids = [request_id if len(token_lists) == 1 else f"{request_id}-{i}" for i in range(len(token_lists))]
-    queues = [state.client.add_request(AddRequest(rid, np.asarray(tokens, np.int32), sampling, time.time()))
-              for rid, tokens in zip(ids, token_lists)]
-    finished: set[int] = set()
-    vectors = []
+    queues, finished, vectors = [], set(), []
+    task = asyncio.current_task()  # so that a shutdown ends it (and aborts what is left) after its grace
+    state.generating.add(task)
     try:
+        for rid, tokens in zip(ids, token_lists):
+            queues.append(state.client.add_request(AddRequest(rid, np.asarray(tokens, np.int32), sampling, time.time())))
         for i, queue in enumerate(queues):
             vectors.append(normalized(await _last_output(queue)))
             finished.add(i)
     finally:
-        for i, rid in enumerate(ids):
+        state.generating.discard(task)
+        for i, rid in enumerate(ids[:len(queues)]):
             if i not in finished:
                 state.client.abort(rid)
     log.info("embedded", num_inputs=len(token_lists), num_tokens=sum(map(len, token_lists)))

@@ -86,8 +86,8 @@ def test_rerank_order_equals_scoring_each_pair_alone(served):
     np.testing.assert_allclose(alone, want, atol=TOLERANCE)
     top = requests.post(f"{url}/v1/rerank", json={"query": query, "documents": docs, "top_n": 1,
                                                   "return_documents": False}, timeout=60).json()
-    assert top["results"] == [{"index": ranked["results"][0]["index"],
-                               "relevance_score": ranked["results"][0]["relevance_score"]}]
+    assert top["results"] == [{"index": ranked["results"][0]["index"],  # within rounding: batched otherwise
+                               "relevance_score": pytest.approx(ranked["results"][0]["relevance_score"], abs=1e-6)}]
     pairwise = requests.post(f"{url}/v1/score", json={"text_1": [query, TEXTS[0]], "text_2": [TEXTS[1], TEXTS[3]]},
                              timeout=60).json()
     assert [d["index"] for d in pairwise["data"]] == [0, 1]
