@@ -56,3 +56,14 @@ def test_rerank_and_score_bodies():
                 {"query": "q", "documents": ["a"], "top_n": 0}, {"query": "q", "documents": "a"}):
         with pytest.raises(APIError):
             parse_rerank_body(bad, "m")
+
+
+def test_openapi_lists_the_three_routes_and_their_bodies():
+    from services.frontend.openapi import openapi_spec
+
+    spec = openapi_spec("0", "m", api_key_required=False)
+    for path, schema in (("/v1/embeddings", "EmbeddingsRequest"), ("/v1/rerank", "RerankRequest"),
+                         ("/v1/score", "ScoreRequest")):
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{schema}"} and "400" in spec["paths"][path]["post"]["responses"]
+        assert schema in spec["components"]["schemas"]
