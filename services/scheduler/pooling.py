@@ -11,8 +11,8 @@ positions to pool asks the executor for the sum of their final hidden states
   its prompt is pooled (a cached block is never computed), like a prompt being scored. A chunk
   from position 0 (the prompt computed again after a recompute preemption) starts the sum over.
 
-Steps may be planned ahead of their results (async scheduling): ``num_rows`` counts the positions
-asked for, ``add`` those whose sums came back. Once every position is in, the group puts the pooled vector (the mean, or the last hidden state;
+``num_rows`` counts the positions asked for, ``add`` those whose sums came back. Once every
+position is in, the group puts the pooled vector (the mean, or the last hidden state;
 not normalized: the frontend truncates and normalizes it) on the request's output (``attach``).
 """
 
@@ -41,14 +41,18 @@ class Pooling:
         return self.num_pooled == (1 if self.mode == "last" else self.num_prompt_tokens)
 
     @property
-    def takes_prefix_hits(self) -> bool:
-        return self.mode == "last" or self.complete
+    def needs_every_position(self) -> bool:
+        """Mean pooling not yet complete: every position must be computed (no prefix-cache hit), and
+        its chunks' results applied in order before the next is planned (no planning ahead, as for
+        a prompt being scored). Last-token pooling needs only its last chunk's result, whenever it
+        comes: a step that computed it holds a valid hidden state even if the sequence was
+        preempted while it ran."""
+        return self.mode == "mean" and not self.complete
 
     def num_rows(self, start: int, end: int) -> int:
         """How many of the chunk ``[start, end)``'s last rows a step computing it must pool. Chunks
-        are asked for in order, the next one maybe before the result of the one before has come
-        (async scheduling); a result of a step sent before a recompute preemption is not added
-        (``step_results``), and the chunk from position 0 after it starts the sum over."""
+        are asked for in order; the chunk from position 0 (again after a recompute preemption)
+        starts the sum over."""
         end = min(end, self.num_prompt_tokens)
         if start == 0 or self.mode == "last" and end == self.num_prompt_tokens:
             self.num_pooled, self.num_requested, self.total = 0, 0, None  # (again after a recompute preemption)

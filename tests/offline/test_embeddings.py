@@ -69,8 +69,9 @@ def test_alone_equals_in_a_batch_and_beside_generation(model, async_scheduling):
     assert mixed.mixed_steps > 0
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("pooling", ["last", "mean"])
-def test_prefix_cache_hits_and_preemption_keep_the_vector(model, pooling):
+def test_prefix_cache_hits_and_preemption_keep_the_vector(model, pooling, async_scheduling):
     prompt = random_prompts([40], seed=9)[0]
     engine = InProcessEngine(model, num_blocks=64, block_size=4)
     engine.add("first", prompt, max_tokens=0, pooling=pooling)
@@ -82,7 +83,8 @@ def test_prefix_cache_hits_and_preemption_keep_the_vector(model, pooling):
     cached = max(o.num_cached_tokens for o in engine.outputs["again"])
     assert cached == (36 if pooling == "last" else 0)  # mean pooling computes every position
     # a pool too small for both: the later request is preempted (recompute) and computed again
-    tight = InProcessEngine(model, num_blocks=14, block_size=4, max_num_batched_tokens=4, enable_prefix_caching=False)
+    tight = InProcessEngine(model, num_blocks=14, block_size=4, max_num_batched_tokens=4, enable_prefix_caching=False,
+                            async_scheduling=async_scheduling)
     tight.add("g", random_prompts([8], seed=2)[0], temperature=0.0, max_tokens=30, ignore_eos=True)
     tight.add("e", prompt, max_tokens=0, pooling=pooling)
     tight.run()

@@ -17,7 +17,7 @@ def result(rows: np.ndarray) -> StepResult:
 
 def test_mean_pooling_sums_every_chunk_and_starts_over_from_position_zero():
     pooling = Pooling(10, "mean")
-    assert not pooling.takes_prefix_hits
+    assert pooling.needs_every_position
     assert pooling.num_rows(0, 4) == 4
     pooling.add(result(np.array([[4.0, 8.0]])), 0, 4)
     assert pooling.num_rows(4, 8) == 4
@@ -28,7 +28,7 @@ def test_mean_pooling_sums_every_chunk_and_starts_over_from_position_zero():
         pooling.num_rows(8, 10)
     assert pooling.num_rows(6, 12) == 4  # only prompt positions
     pooling.add(result(np.array([[4.0, 14.0]])), 0, 4)
-    assert pooling.complete and pooling.takes_prefix_hits
+    assert pooling.complete and not pooling.needs_every_position
     out = RequestOutput("r", 0, [], "length")
     pooling.attach(out)
     np.testing.assert_array_equal(np.frombuffer(out.embedding, "<f4"), [1.0, 2.0])
@@ -39,7 +39,7 @@ def test_mean_pooling_sums_every_chunk_and_starts_over_from_position_zero():
 
 def test_last_token_pooling_takes_only_the_last_prompt_position():
     pooling = Pooling(10, "last")
-    assert pooling.takes_prefix_hits  # the last prompt token is always computed
+    assert not pooling.needs_every_position  # the last prompt token is always computed
     assert pooling.num_rows(0, 8) == 0
     out = RequestOutput("r", 0, [], "length")
     pooling.attach(out)
@@ -55,8 +55,8 @@ def test_an_unknown_mode_is_refused():
         Pooling(3, "cls")
 
 
-def test_the_next_chunk_may_be_asked_for_before_the_result_of_the_one_before():
-    pooling = Pooling(6, "mean")  # async scheduling: two steps in flight
+def test_chunks_are_asked_for_in_order_and_counted_when_their_results_come():
+    pooling = Pooling(6, "mean")
     assert (pooling.num_rows(0, 3), pooling.num_rows(3, 6), pooling.num_rows(6, 7)) == (3, 3, 0)
     assert not pooling.complete
     pooling.add(result(np.array([[3.0]])), 0, 3)
