@@ -69,9 +69,15 @@ def test_alone_equals_in_a_batch_and_beside_generation(model, async_scheduling):
     assert mixed.mixed_steps > 0
 
 
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama(seed=3)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("pooling", ["last", "mean"])
-def test_prefix_cache_hits_and_preemption_keep_the_vector(model, pooling, async_scheduling):
+def test_prefix_cache_hits_and_preemption_keep_the_vector(llama, pooling, async_scheduling):
+    model = llama  # one family: the scheduler's part is the same for all
     prompt = random_prompts([40], seed=9)[0]
     engine = InProcessEngine(model, num_blocks=64, block_size=4)
     engine.add("first", prompt, max_tokens=0, pooling=pooling)
