@@ -37,10 +37,14 @@ async def embed_token_lists(state: FrontendState, request_id: str, token_lists: 
     try:
         for rid, tokens in zip(ids, token_lists):
             queues.append(state.client.add_request(AddRequest(rid, np.asarray(tokens, np.int32), sampling, time.time())))
+            state.metrics.num_queued += 1  # --max-queue-len counts them until they are answered
         for i, queue in enumerate(queues):
             vectors.append(normalized(await _last_output(queue)))
             finished.add(i)
+            state.metrics.num_queued -= 1
+            state.metrics.prompt_tokens.inc(len(token_lists[i]))
     finally:
+        state.metrics.num_queued -= len(queues) - len(finished)
         state.generating.discard(task)
         for i, rid in enumerate(ids[:len(queues)]):
             if i not in finished:

@@ -134,3 +134,15 @@ def test_openai_client_sees_a_400(served):
     client = served[3]
     with pytest.raises(openai.BadRequestError, match="Matryoshka"):
         client.embeddings.create(model="tiny", input="hi", dimensions=8)
+
+
+def test_metrics_count_the_embedded_prompt_tokens(served):
+    _, _, url, client = served
+
+    def metric(name: str) -> float:
+        text = requests.get(f"{url}/metrics", timeout=10).text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+    before = metric("pagedserve:prompt_tokens_total")
+    usage = client.embeddings.create(model="tiny", input=TEXTS[1:3], encoding_format="float").usage
+    assert metric("pagedserve:prompt_tokens_total") - before == usage.prompt_tokens
