@@ -189,6 +189,13 @@ class LLM:
                 choice.text = self._detokenize(choice.token_ids)
         return list(results.values())
 
+    def embed(self, prompts: str | list[int] | Sequence[str | list[int]], pooling: str = "last") -> list[np.ndarray]:
+        """Each prompt's embedding, as the server's /v1/embeddings makes it: the final hidden
+        states pooled (``last`` token or ``mean``) and L2-normalized, float32, batched together."""
+        outputs = self.generate(prompts, SamplingParams(max_tokens=0, pooling=pooling))
+        return [(out.embedding / np.linalg.norm(out.embedding.astype(np.float64))).astype(np.float32)
+                for out in outputs]
+
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True) -> list[PromptOutput]:

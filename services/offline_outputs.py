@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from shared.messages import RequestOutput
 
 
@@ -41,6 +43,8 @@ class PromptOutput:
     # With SamplingParams.prompt_logprobs = k, vLLM's shape: per prompt token, None for the first,
     # then {token id: Logprob} for the prompt token and the k most likely tokens at its position.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # With SamplingParams.pooling: the pooled final hidden state, float32, not normalized.
+    embedding: np.ndarray | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Fold one ``RequestOutput`` delta into the choices."""
@@ -48,6 +52,8 @@ class PromptOutput:
             self.prompt_logprobs = [None, *map(_ranked, self.prompt_token_ids[1:], delta.prompt_logprobs,
                                                delta.prompt_ranks, delta.prompt_top_token_ids,
                                                delta.prompt_top_logprobs)]
+        if delta.embedding:
+            self.embedding = np.frombuffer(delta.embedding, "<f4").copy()
         while len(self.choices) <= delta.choice_idx:
             self.choices.append(ChoiceOutput(len(self.choices)))
         choice = self.choices[delta.choice_idx]

@@ -20,6 +20,7 @@ from .attention import AttentionMetadata
 from .histories import TokenHistories
 from .model import CausalLM
 from .placeholders import SampledTokens
+from .pooling import pool_rows
 from .prompt_logprobs import score_prompts
 from .sampler import Sampler
 
@@ -128,6 +129,7 @@ class ModelRunner:
             self.kv_caches, meta, self.backend,
         )  # [T, hidden]
         prompt_scores = score_prompts(step, hidden, self.histories, self.model.compute_logits)
+        prompt_scores.update(pool_rows(step, hidden) if self.comm.rank == 0 else {})
         sample_rows = torch.from_numpy(step.query_start_loc[1:][step.sample_mask] - 1).long().to(dev)
         sampled_ids = step.seq_ids[step.sample_mask]
         if len(sampled_ids) == 0:

@@ -16,7 +16,7 @@ from typing import Callable
 import structlog
 from aiohttp import web
 
-from services.frontend import anthropic_routes, responses_api, routes_info, serving
+from services.frontend import anthropic_routes, embeddings_api, responses_api, routes_info, serving
 from services.frontend.anthropic_shapes import error_body
 from services.frontend.engine_client import EngineClient
 from services.frontend.replicas import Replicas
@@ -79,6 +79,7 @@ def create_app(
     app.router.add_post("/v1/chat/completions", serving.create_chat_completion)
     responses_api.add_routes(app)
     anthropic_routes.add_routes(app.router)
+    embeddings_api.add_routes(app.router)
     routes_info.add_routes(app.router)
     if playground:
         add_playground(app, client)

@@ -63,6 +63,7 @@ class FrontendConfig:
     reasoning_parser: str | None = None
     enable_auto_tool_choice: bool = _HTTP.enable_auto_tool_choice
     tool_call_parser: str | None = None
+    pooling_type: str = _HTTP.pooling_type  # --pooling-type: the embeddings' pooling (last or mean)
 
     def __post_init__(self) -> None:
         if self.served_model_name is not None and not self.served_model_name.strip():

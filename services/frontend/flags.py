@@ -18,6 +18,7 @@ from typing import ClassVar
 from services.frontend.reasoning import PARSERS as REASONING_PARSERS
 from services.frontend.tool_parsers import PARSER_NAMES
 from shared.engine_flags import LivenessFlags, ModelFlags
+POOLING_TYPES = ("last", "mean")
 from shared.flag_spec import add_flags, declared, flag, from_args, option_strings
 
 
@@ -49,6 +50,10 @@ class HttpFlags:
                                         "message.reasoning_content and delta.reasoning_content (the <think> family "
                                         "of DeepSeek-R1 and Qwen3, as vLLM's parsers of these names)",
                                         choices=REASONING_PARSERS, shown="none")
+    pooling_type: str = flag("last", "how /v1/embeddings, /v1/rerank and /v1/score pool a prompt's final hidden "
+                             "states into one vector (then L2-normalized): last, the last token's (Qwen3-Embedding, "
+                             "e5-mistral), or mean, their mean (vLLM's PoolerConfig.pooling_type)",
+                             choices=POOLING_TYPES)
     max_queue_len: int | None = flag(None, "most requests waiting for their first token; more get a 503", type=int,
                                      shown="no limit")
     api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every route but /health (or set "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.frontend.embeddings_request import SCHEMAS as EMBEDDING_SCHEMAS
 from services.frontend.fields import Route, schema_properties
 from services.frontend.request_body import CHAT_MESSAGE_SCHEMA, ChatBody, CompletionBody
 from services.frontend.template_kwargs import TEMPLATE_KWARGS
@@ -36,6 +37,7 @@ def _schemas() -> dict[str, Any]:
         "CompletionRequest": _request_schema(CompletionBody, Route.COMPLETIONS),
         "ChatCompletionRequest": _request_schema(ChatBody, Route.CHAT),
         "ChatMessage": CHAT_MESSAGE_SCHEMA,
+        **EMBEDDING_SCHEMAS,
         "TokenizeRequest": {"oneOf": [
             {"type": "object", "required": ["prompt"], "properties": {
                 "model": {"type": "string"}, "prompt": {"type": "string"},
@@ -82,6 +84,13 @@ def _generate_op(summary: str, request: str, response: str) -> dict[str, Any]:
                     "content": _json(response) | {"text/event-stream": {"schema": {"type": "string"}}}},
         } | _errors(400, 401, 413, 503),
     }}
+
+
+def _pooling_op(summary: str, request: str) -> dict[str, Any]:
+    """/v1/embeddings, /v1/rerank, /v1/score (``embeddings_api``): not streamed."""
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": _json(request)},
+                     "responses": {"200": {"description": "OK", "content": {"application/json": {
+                         "schema": {"type": "object"}}}}} | _errors(400, 401, 413, 503)}}
 
 
 def _responses_op() -> dict[str, Any]:
@@ -141,6 +150,11 @@ def openapi_spec(version: str, model_name: str, api_key_required: bool, playgrou
                 "summary": "The prompt's tokens after the chat template: {input_tokens}.",
                 "requestBody": {"required": True, "content": _json("MessagesRequest")},
                 "responses": {"200": {"description": "OK"}} | _errors(400, 401)}},
+            "/v1/embeddings": _pooling_op("Embed texts or token ids (pooled final hidden states, normalized).",
+                                          "EmbeddingsRequest"),
+            "/v1/rerank": _pooling_op("Rank documents by the cosine similarity of their embeddings to the query's.",
+                                      "RerankRequest"),
+            "/v1/score": _pooling_op("Score text pairs: the cosine similarity of their embeddings.", "ScoreRequest"),
             "/v1/models": _get("The served model."),
             "/v1/models/{model_id}": {"get": {
                 "summary": "One model.",

@@ -39,6 +39,10 @@ class ServedModel:
     reasoning_parser: str | None = None
     # the parser of tool_choice "auto" (``tool_parsers``; None: "auto" answers 400)
     tool_parser: str | None = None
+    # how embedding requests pool (--pooling-type); the dimensions a Matryoshka model allows
+    # (``matryoshka_dimensions``: empty, any; None: not a Matryoshka model, ``dimensions`` is a 400)
+    pooling: str = "last"
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.max_token_chars:
@@ -77,9 +81,11 @@ def model_max_len(source: ModelSource, config: Any = None) -> int:
 def load_served_model(config: FrontendConfig) -> ServedModel:
     """Resolve ``config.model``, load its tokenizer and settle the context length (slow: seconds)."""
     source = resolve_model(config.model, convert_gguf=False)  # the executors convert a GGUF file's weights
-    model_vocab_size, hf_config = None, None
+    model_vocab_size, hf_config, matryoshka = None, None, None
     if source.gguf_file is None:  # a broken config.json is one line, before the tokenizer trips on it
-        model_vocab_size = model_shape(read_config_json(source.directory), f"--model {source.directory}").vocab_size
+        config_json = read_config_json(source.directory)
+        model_vocab_size = model_shape(config_json, f"--model {source.directory}").vocab_size
+        matryoshka = matryoshka_dimensions(config_json)
     elif config.tokenizer is not None:  # a GGUF model with another tokenizer: its vocabulary bounds the ids
         hf_config = load_hf_config(source)  # (GGUF metadata: parsed once, for the context length too)
         model_vocab_size = model_shape(hf_config.to_dict(), f"--model {source.where}").vocab_size
@@ -116,4 +122,15 @@ def load_served_model(config: FrontendConfig) -> ServedModel:
         max_tokens_limit=max_tokens_limit(config.generation_config, generation_defaults),
         reasoning_parser=config.reasoning_parser,
         tool_parser=tool_parser,
+        pooling=config.pooling_type,
+        matryoshka_dimensions=matryoshka,
     )
+
+
+def matryoshka_dimensions(config_json: dict[str, Any]) -> tuple[int, ...] | None:
+    """The dimensions a Matryoshka embedding model may be truncated to, as vLLM reads its config:
+    ``matryoshka_dimensions`` (those), or ``is_matryoshka`` true (any); None: not one."""
+    dims = config_json.get("matryoshka_dimensions")
+    if isinstance(dims, list) and dims and all(isinstance(d, int) and d > 0 for d in dims):
+        return tuple(dims)
+    return () if config_json.get("is_matryoshka") is True else None

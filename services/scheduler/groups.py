@@ -31,6 +31,7 @@ from shared.messages import AddRequest, RequestOutput, SamplingParams
 
 from .beam_search import Beam, BeamSearch
 from .outputs import Sample, delta, error_output, merged
+from .pooling import Pooling
 from .prompt_scores import PromptScores
 from .sequence import ErrorKind, FinishReason, Sequence
 
@@ -97,6 +98,9 @@ class SequenceGroup:
         if request.sampling.prompt_logprobs is not None:
             self.prompt_scores = PromptScores(len(prompt), request.sampling.prompt_logprobs)
             self.seqs[0].prompt_scores = self.prompt_scores
+        self.pooling: Pooling | None = None
+        if request.sampling.pooling is not None:
+            self.pooling = self.seqs[0].pooling = Pooling(len(prompt), request.sampling.pooling)
 
     def _executor_sampling(self, sampling: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """The sampling the executors get for every sequence of the group."""
@@ -173,6 +177,8 @@ class SequenceGroup:
         """The first output carries the prompt's scores (once), the last ``request_finished``."""
         if update.outputs and self.prompt_scores is not None:
             self.prompt_scores.attach(update.outputs[0])
+        if update.outputs and self.pooling is not None:
+            self.pooling.attach(update.outputs[-1])
         if update.outputs and self.done:
             update.outputs[-1].request_finished = True
         return update

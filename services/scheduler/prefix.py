@@ -11,6 +11,8 @@ def prefix_hits(blocks: BlockManager, seq: Sequence) -> list[int]:
     """Cached blocks that hold ``seq``'s leading tokens (at least one token is left to compute)."""
     if not blocks.enable_prefix_caching or (seq.prompt_scores is not None and not seq.prompt_scores.complete):
         return []  # a prompt to score is computed whole: a cached block is never computed
+    if seq.pooling is not None and seq.pooling.needs_every_position:
+        return []  # so is a prompt to mean-pool
     limit = (seq.num_tokens - 1) // blocks.block_size
     if len(seq.block_hashes) < limit:
         blocks.prefix_hashes(seq.token_ids, limit, seq.block_hashes)

@@ -126,10 +126,11 @@ class Scheduler:
         """Whether ``schedule`` may plan the next step before the one in flight is answered (async
         scheduling): not while beams or crash suspects run (``in_flight``), nor while a running
         sequence's prompt is being scored (``PromptScores``: its next chunk, or its first decode,
-        must come after the scores of the chunk in flight)."""
+        must come after the scores of the chunk in flight), nor while one is mean-pooled (``Pooling``))."""
         return (not self.crashes.suspects and self._in_flight.can_plan_ahead()
                 and not any(seq.prompt_scores is not None and not seq.prompt_scores.complete
-                            for seq in self.running))
+                            for seq in self.running)
+                and not any(seq.pooling is not None and seq.pooling.needs_every_position for seq in self.running))
 
     def _plan(self, only: str | None) -> Plan:
         """Running, then swapped, then waiting sequences, those the plan allows (``only``: that

@@ -8,6 +8,7 @@ from enum import Enum, StrEnum
 
 from shared.messages import PLACEHOLDER_TOKEN_ID, SamplingParams
 
+from .pooling import Pooling
 from .prompt_scores import PromptScores
 
 
@@ -68,6 +69,7 @@ class Sequence:
     beam_candidates: tuple | None = None  # (token ids, logprobs) awaiting the beam decision
     prompt_scores: PromptScores | None = None  # its group's, on the sequence that prefills the prompt
     num_placeholders: int = 0  # tokens sampled in steps in flight, after output_token_ids
+    pooling: Pooling | None = None  # its group's, for an embedding request
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,6 +19,7 @@ class Scheduled:
     num_new_tokens: int
     is_fork_parent: bool = False  # forked children follow it in the prefill part, sharing its last row
     scored_rows: slice | None = None  # its rows of the step's prompt scores, if any (set by build_step)
+    pooled_row: tuple[int, int] | None = None  # (its row of the step's pooled sums, rows summed), if any
     # Set by build_step: its tokens in the cache once the step has run, whether it samples, and its
     # preemptions so far (one more by the time the result comes: its blocks are no longer these).
     context_len: int = 0
@@ -92,7 +93,7 @@ def build_step(
         swap_in=_pairs(swap_in),
         block_copies=_pairs(list(block_copies)),
         num_scored_tokens=num_scored,
-        num_prompt_top_logprobs=num_top,
+        num_prompt_top_logprobs=num_top, num_pooled_tokens=_pooling(scheduled),
     )
 
 
@@ -123,3 +124,15 @@ def _prompt_scoring(scheduled: list[Scheduled]) -> tuple[np.ndarray, int]:
             s.scored_rows = slice(first, first + n)
             num_top = max(num_top, scores.num_top)
     return (num_scored if num_scored.any() else np.zeros(0, np.int32)), num_top
+
+
+def _pooling(scheduled: list[Scheduled]) -> np.ndarray:
+    """``Step.num_pooled_tokens`` for ``scheduled`` (in step order), and each pooled sequence's
+    ``pooled_row``."""
+    num_pooled = np.zeros(len(scheduled), np.int32)
+    for i, s in enumerate(scheduled):
+        pooling, start = s.seq.pooling, s.seq.num_computed_tokens
+        if pooling is not None and (n := pooling.num_rows(start, start + s.num_new_tokens)):
+            s.pooled_row = (int(np.count_nonzero(num_pooled)), n)
+            num_pooled[i] = n
+    return num_pooled if num_pooled.any() else np.zeros(0, np.int32)

@@ -32,6 +32,8 @@ def apply_samples(scheduled: list[Scheduled], result: StepResult, blocks: BlockM
         seq = s.seq
         if s.scored_rows is not None:
             seq.prompt_scores.add(result, s.scored_rows)
+        if s.pooled_row is not None:
+            seq.pooling.add(result, *s.pooled_row)
         if seq.status is SequenceStatus.FINISHED:
             continue  # it ended while the step was in flight (aborted, or stopped the step before)
         seq.num_placeholders -= s.samples

@@ -57,6 +57,9 @@ class SamplingParams:
     # {"json_object": true}, {"json_schema": {...}} or {"choice": [...]}); the executor masks every
     # token that would leave it. None: free text.
     guided: str | None = None
+    # An embedding request (prefill-only: max_tokens 0, n 1): "last" or "mean" pooling of the
+    # prompt's final hidden states, which come back on its output (``RequestOutput.embedding``).
+    pooling: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -125,6 +128,10 @@ class RequestOutput:
     prompt_ranks: list[int] = field(default_factory=list)
     prompt_top_token_ids: list[list[int]] = field(default_factory=list)
     prompt_top_logprobs: list[list[float]] = field(default_factory=list)
+    # On the last output of a request with SamplingParams.pooling (else empty): the pooled final
+    # hidden state (the mean over the prompt, or its last position) as raw little-endian float32
+    # bytes, not normalized.
+    embedding: bytes = b""
 
 
 @dataclass

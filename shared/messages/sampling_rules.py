@@ -152,6 +152,9 @@ def verify(params: SamplingParams) -> None:
             if getattr(params, name) != getattr(_DEFAULTS, name):
                 raise SamplingParamsError(name, f"applies only with use_beam_search; got {getattr(params, name)!r} "
                                                 "without it")
+    if params.pooling is not None and (params.pooling not in ("last", "mean") or params.max_tokens or params.n != 1):
+        raise SamplingParamsError("pooling", f'must be "last" or "mean", with max_tokens 0 and n 1; got '
+                                             f"{params.pooling!r}, max_tokens {params.max_tokens}, n {params.n}")
     if params.guided is not None:
         error = guide_error(params.guided) if isinstance(params.guided, str) else "it is not a spec's JSON text"
         if error is not None:

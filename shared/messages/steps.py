@@ -78,6 +78,9 @@ class Step:
     # no sequence of the step is scored.
     num_scored_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     num_prompt_top_logprobs: int = 0
+    # Pooling (embedding requests): the last ``num_pooled_tokens[i]`` new tokens of sequence ``i``
+    # have their final hidden states summed. [S] int32, or empty when no sequence is pooled.
+    num_pooled_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
 
 @dataclass
@@ -106,3 +109,6 @@ class StepResult:
     prompt_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [R]
     prompt_top_token_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))  # [R, K]
     prompt_top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # [R, K]
+    # Pooling: one row per sequence with ``Step.num_pooled_tokens`` set, in step order: the sum of
+    # those rows' final hidden states (after the final norm), float32. [P, hidden], or empty.
+    pooled: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))

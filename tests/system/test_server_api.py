@@ -2,8 +2,10 @@
 
 - sampling parameters that change the output as documented: seed, logit_bias, min_tokens,
   frequency_penalty, logprobs, through the official client, streamed and not;
-- a fuzz run of at least 500 requests generated from /openapi.json (plus broken variants): never
-  a 5xx, the server stays up, and every KV block is free afterwards;
+- a fuzz run of at least 500 requests generated from /openapi.json (plus broken variants), on
+  the generation, tokenize, embeddings, rerank and score routes, and from hand-written strategies
+  on the Responses and Messages routes: never a 5xx, the server stays up, and every KV block is
+  free afterwards;
 - 50 streams cut after their first token: the scheduler aborts every one (its log says so), their
   blocks are freed and /metrics shows no running request.
 
@@ -314,7 +316,8 @@ def fuzz_request(draw, spec: dict) -> tuple[str, bytes | dict, bool]:
     path, schema = draw(st.sampled_from([("/v1/completions", "CompletionRequest"),
                                          ("/v1/chat/completions", "ChatCompletionRequest"),
                                          ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest"),
-                                         *((route, None) for route in HAND_WRITTEN)]))
+                                         ("/v1/embeddings", "EmbeddingsRequest"), ("/v1/rerank", "RerankRequest"),
+                                         ("/v1/score", "ScoreRequest"), *((route, None) for route in HAND_WRITTEN)]))
     components = spec["components"]["schemas"]
     if schema is None and draw(st.integers(0, 4)) > 0:
         body = draw(HAND_WRITTEN[path]())
