@@ -78,6 +78,10 @@ class Step:
     # no sequence of the step is scored.
     num_scored_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     num_prompt_top_logprobs: int = 0
+    # Speculative decoding: the last ``num_draft_tokens[i]`` new tokens of sequence ``i`` are
+    # proposed, not known: the executor verifies them (every one of its new rows is sampled) and
+    # reports in ``StepResult.num_accepted`` how many it keeps. [S] int32, or empty when none has any.
+    num_draft_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
 
 @dataclass
@@ -106,3 +110,6 @@ class StepResult:
     prompt_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [R]
     prompt_top_token_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))  # [R, K]
     prompt_top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # [R, K]
+    # Speculative decoding (empty unless the step had drafts): per sampled sequence, how many of its
+    # drafts were accepted; its tokens are those drafts, then ``token_ids[row]``. [num_sampled] int32
+    num_accepted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
