@@ -67,15 +67,12 @@ def build_step(
         table = blocks.block_tables[seq.seq_id]
         block_tables[i, : len(table)] = _kernel_table(table)
         query_start_loc[i + 1] = query_start_loc[i] + s.num_new_tokens
-        num_drafts = len(s.draft_token_ids)
-        context_lens[i] = end
-        s.context_len = end - num_drafts  # the drafts' slots count only once accepted
+        context_lens[i], s.context_len = end, end - len(s.draft_token_ids)  # drafts count once accepted
         s.num_preemptions = seq.num_preemptions
         sample_mask[i] = s.samples = s.context_len == seq.num_planned_tokens and seq.sampling.max_tokens > 0
-        for pos in range(start, end):
-            positions.append(pos)
-            slots.append(_slot(table, pos, blocks.block_size))
-        tokens += [seq.token_id(pos) for pos in range(start, end - num_drafts)] + s.draft_token_ids
+        positions += range(start, end)
+        slots += [_slot(table, pos, blocks.block_size) for pos in range(start, end)]
+        tokens += [seq.token_id(pos) for pos in range(start, s.context_len)] + s.draft_token_ids
         if not seq.announced:
             seq.announced = True
             new_seqs.append(NewSequence(seq.seq_id, seq.request_id, seq.sampling,
