@@ -52,7 +52,7 @@ def _run(llm, prompts: list[str], max_tokens: int) -> tuple[float, int, list[lis
     start = time.perf_counter()
     outs = llm.chat(conversations, params)
     elapsed = time.perf_counter() - start
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    tokens = [list(o.choices[0].token_ids) for o in outs]
     counts = (sum(stats.spec_proposed) - before[0], sum(stats.spec_accepted) - before[1])
     return elapsed, sum(len(t) for t in tokens), tokens, counts
 

@@ -155,7 +155,7 @@ class Scheduler:
                 continue
             drafts = self.speculator.drafts(seq, plan.token_budget, len(self.running) - idx - 1,
                                             self.config.max_model_len, bool(self.waiting or self.swapped),
-                                            ) if self.speculator else []
+                                            len(self.running)) if self.speculator else []
             num_new = min(seq.num_pending_tokens, plan.token_budget) + len(drafts)
             if not self._make_room(seq, num_new, plan):
                 break  # seq itself was preempted, and with it every newer sequence

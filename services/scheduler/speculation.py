@@ -11,9 +11,14 @@ guess, ``ngram``), or [] to decode one token as usual:
 - adaptive: each sequence's acceptance is tracked (an exponential average of accepted / proposed);
   its proposal length follows it (``k`` times the rate, rounded up), and below ``MIN_RATE`` it stops
   speculating for ``PAUSE_STEPS`` steps, then tries again with one token;
-- under load none: not while requests wait or are swapped out (their prefills need the budget),
-  and not when the step's token budget left is below one token for every running sequence still
-  to schedule plus the proposal.
+- under load less, then none: a step's rows (one per running sequence, plus the drafts) stay
+  within ``STEP_ROWS``, shared evenly: each running sequence proposes at most
+  ``(STEP_ROWS - running) // running`` tokens (k at one stream, 1 at 8, none from 16). On the
+  2-core EPYC a step's cost grows with its rows once a few sequences run (the 49k-token logits
+  alone are a matmul per row), so verifying 4 drafts for each of 8 sequences was slower than
+  plain decoding. None either while requests wait or are swapped out (their prefills need the
+  budget), or when the step's token budget left is below one token for every running sequence
+  still to schedule plus the proposal.
 
 A proposal is also dropped when its slots would need blocks the pool does not have free (above
 the watermark): speculation never preempts anything.
@@ -36,6 +41,7 @@ from .ngram import NgramProposer
 from .sequence import Sequence
 from .stats import SchedulerStats
 
+STEP_ROWS = 16  # a step's rows that speculation may fill (see above)
 MIN_RATE = 0.2  # acceptance below which a sequence pauses speculating
 PAUSE_STEPS = 16
 _DECAY = 0.7  # weight of the past in the acceptance average
@@ -76,10 +82,11 @@ class Speculator:
         self.log = structlog.get_logger().bind(component="speculation")
 
     def drafts(self, seq: Sequence, budget_left: int, num_to_schedule: int, max_model_len: int,
-               busy: bool) -> list[int]:
+               busy: bool, num_running: int = 1) -> list[int]:
         """The tokens ``seq`` (a decode, its last token known) verifies in its next step; [] for
         none. ``budget_left``: the step's tokens left before ``seq``'s; ``num_to_schedule``: running
-        sequences after it that still need one each; ``busy``: requests wait or are swapped."""
+        sequences after it that still need one each; ``busy``: requests wait or are swapped;
+        ``num_running``: the running sequences."""
         if busy or seq.num_placeholders or seq.num_pending_tokens != 1:
             return []
         reason = ineligible(seq)
@@ -95,7 +102,7 @@ class Speculator:
         room = min(self.k, math.ceil(self.k * track.rate),
                    seq.sampling.max_tokens - len(seq.output_token_ids) - 1,  # the accepted + 1 fit
                    max_model_len - seq.num_tokens - 1,
-                   budget_left - 1 - num_to_schedule)
+                   budget_left - 1 - num_to_schedule, (STEP_ROWS - num_running) // max(num_running, 1))
         drafts = self.proposer.propose(seq.token_ids, room) if room > 0 else []
         return drafts if drafts and self._fits(seq, len(drafts)) else []
 

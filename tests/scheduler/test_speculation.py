@@ -111,6 +111,9 @@ def test_drafts_never_pass_max_tokens_the_model_length_or_the_budget():
     assert spec.drafts(_seq(REPEATING), 100, 0, len(REPEATING) + 2, False) == [3]
     assert spec.drafts(_seq(REPEATING), 4, 1, 1000, False) == [3, 4]  # 1 for it, 1 for the next
     assert spec.drafts(_seq(REPEATING), 100, 0, 1000, True) == []  # requests wait: no proposals
+    assert spec.drafts(_seq(REPEATING), 100, 0, 1000, False, num_running=8) == [3]  # the step's rows shared
+    assert spec.drafts(_seq(REPEATING), 100, 0, 1000, False, num_running=4) == [3, 4, 5]
+    assert spec.drafts(_seq(REPEATING), 100, 0, 1000, False, num_running=16) == []
 
 
 def test_drafts_never_take_blocks_the_pool_lacks():
