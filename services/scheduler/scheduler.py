@@ -129,7 +129,8 @@ class Scheduler:
         scheduling): not while beams or crash suspects run (``in_flight``), nor while a running
         sequence's prompt is being scored (``PromptScores``: its next chunk, or its first decode,
         must come after the scores of the chunk in flight)."""
-        return (not self.crashes.suspects and self._in_flight.can_plan_ahead() and self.speculator is None
+        return (not self.crashes.suspects and self._in_flight.can_plan_ahead()
+                and (self.speculator is None or not self.speculator.wants_lockstep(self.running, self._in_flight))
                 and not any(seq.prompt_scores is not None and not seq.prompt_scores.complete
                             for seq in self.running))
 

@@ -7,6 +7,7 @@ guess, ``ngram``), or [] to decode one token as usual:
   would be those of the verification, not worth the wire), no penalties or ``min_tokens`` (they
   change from one position to the next with the tokens proposed), no guided decoding, no beam
   search or ``best_of`` (their cumulative logprobs); those decode without speculation;
+- with async scheduling, lock-step while a sequence would propose (``wants_lockstep``);
 - never past ``max_tokens`` or the model's length: the accepted tokens plus one always fit;
 - adaptive: each sequence's acceptance is tracked (an exponential average of accepted / proposed);
   its proposal length follows it (``k`` times the rate, rounded up), and below ``MIN_RATE`` it stops
@@ -105,6 +106,16 @@ class Speculator:
                    budget_left - 1 - num_to_schedule, (STEP_ROWS - num_running) // max(num_running, 1))
         drafts = self.proposer.propose(seq.token_ids, room) if room > 0 else []
         return drafts if drafts and self._fits(seq, len(drafts)) else []
+
+    def wants_lockstep(self, running: list[Sequence], in_flight) -> bool:
+        """Whether the next step must wait for the result of the one in flight (async scheduling):
+        when that one verifies drafts (how many tokens it adds is known only then), or when a
+        running sequence would propose now (a sequence fed a placeholder cannot: its last token is
+        not known). Paused and ineligible sequences let async scheduling go on."""
+        if in_flight.has_drafts():
+            return True
+        return any(ineligible(seq) is None and not getattr(self._tracks.get(seq.seq_id), "paused", 0)
+                   and self.proposer.propose(seq.token_ids, 1) for seq in running)
 
     def _fits(self, seq: Sequence, num_drafts: int) -> bool:
         """Whether the blocks for ``num_drafts`` more slots are free (above the watermark)."""

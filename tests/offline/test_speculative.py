@@ -138,3 +138,13 @@ def test_preemption_and_prefix_caching_keep_the_pool_whole(model, mode):
     assert engine.blocks.num_queried_tokens and engine.blocks.num_hit_tokens > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     _counts_consistent(stats)
+
+
+def test_async_scheduling_with_speculation_gives_the_same_tokens(model):
+    """Async scheduling goes lock-step while a sequence would propose, and on while speculation is
+    paused (random prompts: proposals rejected) or a request cannot speculate."""
+    prompts = [REPEATING, *_random_prompts(2, 2)]
+    _, plain = _run(model, prompts, None, max_tokens=40)
+    engine, spec = _run(model, prompts, SPEC, max_tokens=40, async_scheduling=True)
+    assert spec == plain
+    assert sum(engine.scheduler.stats.spec_accepted) > 0
