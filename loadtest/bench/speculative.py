@@ -83,7 +83,7 @@ def main() -> None:
                 same = sum(a == b for a, b in zip(res["plain"][2], res["ngram"][2]))
                 print(f"{name:<10} {streams:>7} {rate['plain']:>12.1f} {rate['ngram']:>12.1f} "
                       f"{rate['ngram'] / rate['plain']:>5.2f}x {accepted / max(proposed, 1):>7.2f} "
-                      f"{same:>2}/{len(batch)}", flush=True)
+                      f"{same:>2}/{len(batch)}   load {open('/proc/loadavg').read().split()[0]}", flush=True)
 
 
 if __name__ == "__main__":

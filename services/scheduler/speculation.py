@@ -11,7 +11,9 @@ guess, ``ngram``), or [] to decode one token as usual:
 - never past ``max_tokens`` or the model's length: the accepted tokens plus one always fit;
 - adaptive: each sequence's acceptance is tracked (an exponential average of accepted / proposed);
   its proposal length follows it (``k`` times the rate, rounded up), and below ``MIN_RATE`` it stops
-  speculating for ``PAUSE_STEPS`` steps, then tries again with one token;
+  speculating for ``PAUSE_STEPS`` steps, then tries again with one token. With more sequences
+  running a draft costs more (below), so the rate needed rises by ``RATE_PER_SEQ`` for each one
+  beyond the first (0.62 at 8: on the EPYC, 8 streams broke even at about 0.65);
 - under load less, then none: a step's rows (one per running sequence, plus the drafts) stay
   within ``STEP_ROWS``, shared evenly: each running sequence proposes at most
   ``(STEP_ROWS - running) // running`` tokens (k at one stream, 1 at 8, none from 16). On the
@@ -43,7 +45,8 @@ from .sequence import Sequence
 from .stats import SchedulerStats
 
 STEP_ROWS = 16  # a step's rows that speculation may fill (see above)
-MIN_RATE = 0.2  # acceptance below which a sequence pauses speculating
+MIN_RATE = 0.2  # acceptance below which a sequence pauses speculating (one running)
+RATE_PER_SEQ = 0.06  # ... plus this for each other running sequence
 PAUSE_STEPS = 16
 _DECAY = 0.7  # weight of the past in the acceptance average
 
@@ -99,6 +102,10 @@ class Speculator:
         track = self._tracks.setdefault(seq.seq_id, _Track())
         if track.paused:
             track.paused -= 1
+            return []
+        needed = min(0.9, MIN_RATE + RATE_PER_SEQ * (num_running - 1))
+        if track.rate < needed:  # not worth its rows at this load: pause, then try again
+            track.rate, track.paused = needed, PAUSE_STEPS
             return []
         room = min(self.k, math.ceil(self.k * track.rate),
                    seq.sampling.max_tokens - len(seq.output_token_ids) - 1,  # the accepted + 1 fit
