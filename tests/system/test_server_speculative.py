@@ -41,14 +41,35 @@ def _metric(text: str, name: str) -> dict[str, float]:
 
 @pytest.mark.slow  # starts the whole server
 def test_served_greedy_with_speculation_is_transformers_text(spec_server, tiny_model_dir):
+    _check_completions(spec_server, tiny_model_dir)
+
+
+@pytest.mark.slow  # starts the whole server with two executor ranks
+def test_two_ranks_with_speculation_are_transformers_text(tmp_path, tiny_model_dir):
+    """-tp 2: rank 1 never samples; its token histories take each step's drafts and are put right
+    by the next step's tokens (``TokenHistories.observe``)."""
+    from tests.doubles.serve import start_server, stop
+
+    proc, url = start_server(tmp_path, "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--dtype",
+                             "float32", "--kv-cache-memory", "16MiB", "-tp", "2", "--speculative-config",
+                             json.dumps(SPEC))
+    try:
+        _check_completions(url, tiny_model_dir)
+    finally:
+        stop(proc)
+
+
+def _check_completions(url: str, model_dir) -> None:
+    """Greedy completions (whole, streamed, with a stop string) of ``PROMPTS`` are transformers'
+    text, and /metrics counts drafts consistently."""
     from transformers import AutoModelForCausalLM
 
     from tests.doubles.fake_scheduler import cached_tokenizer
     from tests.doubles.serve import openai_client
 
     tokenizer = cached_tokenizer()
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    client = openai_client(spec_server)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    client = openai_client(url)
     for text in PROMPTS:
         prompt = tokenizer(text)["input_ids"]
         want_ids = hf_greedy(model, prompt, 24)
@@ -63,7 +84,7 @@ def test_served_greedy_with_speculation_is_transformers_text(spec_server, tiny_m
         resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
                                          extra_body={"ignore_eos": True})
         assert resp.choices[0].text == want[:want.index(stop)] and resp.choices[0].finish_reason == "stop"
-    with urllib.request.urlopen(f"{spec_server}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         metrics = r.read().decode()
     proposed = _metric(metrics, "spec_decode_num_draft_tokens_per_pos_total")
     accepted = _metric(metrics, "spec_decode_num_accepted_tokens_per_pos_total")
