@@ -97,7 +97,7 @@ def test_verify_uses_the_requests_processed_distribution_and_its_seed():
     sampler = _sampler(**params)
     counts = np.zeros(8, np.int64)
     firsts = []
-    for _ in range(4000):
+    for _ in range(2000):
         tokens, accepted = verify(sampler, logits, [0], np.array([2]), [np.array([draft])])
         first = draft if accepted[0] else int(tokens[0])
         counts[first] += 1
