@@ -38,6 +38,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.contiguous import ContiguousBlockManager
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.messages import AddRequest, RequestOutput, SamplingParams, Step, StepResult
+from shared import speculative
 from shared.messages.sampling_rules import verify
 from shared.model_source import eos_token_ids, load_tokenizer, resolve_model, resolve_tokenizer
 
@@ -60,7 +61,7 @@ class EngineCore:
                                        sliding_window=runner.model.freeable_window)
         self.scheduler = Scheduler(
             SchedulerConfig(options.max_num_seqs, options.max_num_batched_tokens, runner.max_model_len,
-                            options.preemption_mode, options.kv_policy),
+                            options.preemption_mode, options.kv_policy, speculative.parse(options.speculative_config)),
             self.blocks,
         )
         self.async_scheduling = options.async_scheduling

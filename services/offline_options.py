@@ -25,6 +25,7 @@ class SchedulingOptions:
     kv_policy: str = _SCHEDULING.kv_policy
     enable_prefix_caching: bool = _SCHEDULING.enable_prefix_caching
     async_scheduling: bool = False  # unlike the server, lock-step unless asked: one process, nothing to overlap
+    speculative_config: str | None = None  # JSON, as the flag (``shared.speculative``)
 
 
 # Which options object takes each keyword; LLM's defaults where they are not the classes' own

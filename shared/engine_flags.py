@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from shared.flag_spec import flag
+from shared.speculative import flag_type as _speculative_config
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +75,10 @@ class SchedulingFlags:
                                 "far through its expected time (judged from recent steps), so that requests "
                                 "arriving meanwhile join it; 0 plans it as soon as that one is sent",
                                 metavar="FRACTION")
+    speculative_config: str | None = flag(None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", "
+                                          "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 1, "
+                                          "\"prompt_lookup_max\": 4} (prompt lookup; see docs/serving.md)",
+                                          type=_speculative_config, metavar="JSON")
 
 
 @dataclass(frozen=True, kw_only=True)

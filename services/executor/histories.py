@@ -4,7 +4,11 @@ A sequence's history starts with what its ``NewSequence`` carried (its prompt, a
 far of a forked beam) and grows with each step's input tokens at positions past its end: a decode
 feeds back the token sampled last, a chunked prefill its next chunk, a re-prefill after a
 recompute preemption only what was never fed before. Tokens at positions already known (a
-prefix-cache hit is never fed; a recompute feeds everything again) change nothing.
+prefix-cache hit is never fed; a recompute feeds everything again) change nothing, unless the
+token differs: then the history is cut there and takes the step's tokens. That is speculative
+decoding's rollback: a step feeds proposed tokens (``Step.num_draft_tokens``) that enter the
+history like any other, and when some were rejected the next step feeds the token sampled in
+place of the first rejected one, at its position.
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ class TokenHistories:
             if first > len(history):
                 raise ValueError(f"step {step.step_id} feeds sequence {seq_id} from position {first}, "
                                  f"but only {len(history)} of its tokens are known")
+            overlap = min(len(history) - first, end - begin)
+            if overlap > 0 and history[first:first + overlap] != token_ids[begin:begin + overlap].tolist():
+                del history[first:]  # it differs from what was proposed there: the rejected drafts go
             if first + (end - begin) > len(history):
                 history.extend(token_ids[begin + len(history) - first:end].tolist())
 

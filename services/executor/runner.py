@@ -23,6 +23,7 @@ from .placeholders import SampledTokens
 from .pooling import pool_rows
 from .prompt_logprobs import score_prompts
 from .sampler import Sampler
+from .speculative import sample_with_drafts
 
 
 def kv_block_bytes(cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -130,6 +131,11 @@ class ModelRunner:
         )  # [T, hidden]
         prompt_scores = score_prompts(step, hidden, self.histories, self.model.compute_logits)
         prompt_scores.update(pool_rows(step, hidden) if self.comm.rank == 0 else {})
+        if len(step.num_draft_tokens):  # speculative decoding: drafts to verify (``speculative``)
+            fields = sample_with_drafts(self.sampler, self.model.compute_logits, step, hidden)
+            if fields is None:  # another rank of a group
+                return StepResult(step.step_id, step.seq_ids[:0], step.seq_ids[:0].copy())
+            return StepResult(step.step_id, **fields, **prompt_scores)
         sample_rows = torch.from_numpy(step.query_start_loc[1:][step.sample_mask] - 1).long().to(dev)
         sampled_ids = step.seq_ids[step.sample_mask]
         if len(sampled_ids) == 0:

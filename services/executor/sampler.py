@@ -105,6 +105,17 @@ class Sampler:
         out.failed = failed
         return out
 
+    def processed(self, logits: torch.Tensor, seq_ids: list[int]) -> tuple[torch.Tensor, list[SamplingParams]]:
+        """``logits`` (one row per id of ``seq_ids``) with logit bias, bans and penalties applied as
+        ``sample`` applies them (not guided masks), and each row's parameters: what speculative
+        decoding verifies against (``speculative``)."""
+        states = [self._seqs[s] for s in seq_ids]
+        return self._process(logits, states), [s.params for s in states]
+
+    def generator_for(self, seq_id: int, device: torch.device) -> torch.Generator:
+        """The generator ``seq_id``'s random draws come from (its own with a seed, else the shared one)."""
+        return self._generator(self._seqs[seq_id], device)
+
     # ------------------------------------------------------------------ steps of ``sample``
 
     def _process(self, logits: torch.Tensor, states: list[_SeqState]) -> torch.Tensor:

@@ -88,6 +88,28 @@ class _EngineStatsCollector(Collector):
         yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", get("num_prefix_cache_hits"))
         yield _counter("num_preemptions", "Sequence groups preempted (recompute or swap).", get("num_preemptions"))
         yield from _group_metrics(stats)
+        yield from _speculation_metrics(stats)
+
+
+def _speculation_metrics(stats: EngineStats | None) -> Iterator[Metric]:
+    """Speculative decoding (vLLM's names): draft tokens proposed and accepted, in all and per
+    position (0: the first draft after the last known token), and the acceptance rate per position."""
+    proposed, accepted = (stats.spec_proposed, stats.spec_accepted) if stats else ([], [])
+    yield _counter("spec_decode_num_draft_tokens", "Draft tokens proposed (speculative decoding).", sum(proposed))
+    yield _counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", sum(accepted))
+    for name, doc, values in (
+        ("spec_decode_num_draft_tokens_per_pos", "Draft tokens proposed at each position.", proposed),
+        ("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position.", accepted),
+    ):
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["position"])
+        for pos, value in enumerate(values):
+            family.add_metric([str(pos)], value)
+        yield family
+    rate = GaugeMetricFamily(PREFIX + "spec_decode_acceptance_rate_per_pos",
+                             "Accepted / proposed draft tokens at each position.", labels=["position"])
+    for pos, (p, a) in enumerate(zip(proposed, accepted)):
+        rate.add_metric([str(pos)], a / p if p else 0.0)
+    yield rate
 
 
 def _group_metrics(stats: EngineStats | None) -> Iterator[Metric]:

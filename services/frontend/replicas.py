@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from typing import Callable, Iterator
 
 import structlog
@@ -54,6 +55,8 @@ def sum_stats(stats: list[EngineStats], counters: list[dict[str, int]] | None = 
     sums = {name: sum(getattr(s, name) for s in stats) for name in _SUMMED}
     if counters is not None:
         sums.update({name: sum(c[name] for c in counters) for name in COUNTERS})
+    for name in ("spec_proposed", "spec_accepted"):  # speculative decoding, per draft position
+        sums[name] = [sum(col) for col in itertools.zip_longest(*(getattr(s, name) for s in stats), fillvalue=0)]
     return dataclasses.replace(first, ready=any(s.ready for s in stats), **sums)
 
 

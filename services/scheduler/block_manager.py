@@ -254,6 +254,13 @@ class BlockManager(SwapMixin):
             self._release(block_id)
         self.trimmed_at.pop(seq_id, None)
 
+    def free_tail(self, seq_id: int, num_tokens: int) -> None:
+        """Release ``seq_id``'s blocks past those its first ``num_tokens`` tokens fill, last first:
+        speculative decoding's rollback of blocks allocated only for rejected tokens."""
+        table = self.block_tables[seq_id]
+        while len(table) > self.blocks_needed(num_tokens):
+            self._release(table.pop())
+
     def free_out_of_window(self, seq_id: int, num_computed_tokens: int) -> int:
         """Release ``seq_id``'s blocks that no query from ``num_computed_tokens`` on attends (their
         entries become ``NULL_BLOCK``); returns how many. Nothing without a window (``sliding_window``)."""

@@ -55,5 +55,8 @@ class ContiguousBlockManager(BlockManager):
         self.block_tables[seq_id] = run
         return True
 
+    def free_tail(self, seq_id: int, num_tokens: int) -> None:
+        pass  # a reservation is freed whole (speculation's tokens stay within it: max_tokens caps them)
+
     def can_swap_out(self, seq_ids: list[int]) -> bool:
         return False  # the baseline preempts by recompute only

@@ -69,6 +69,10 @@ class StepsInFlight:
         (scheduled,) = self._steps.values()
         return not any(s.seq.sampling.use_beam_search for s in scheduled)
 
+    def has_drafts(self) -> bool:
+        """Whether a step in flight verifies speculative drafts (``speculation``)."""
+        return any(s.draft_token_ids for scheduled in self._steps.values() for s in scheduled)
+
     def request_ids(self) -> list[str]:
         """The requests of every step in flight (with repeats)."""
         return [s.seq.request_id for scheduled in self._steps.values() for s in scheduled]

@@ -37,6 +37,7 @@ import time
 import zmq
 
 from shared.heartbeat_file import HeartbeatFile
+from shared import speculative
 from shared.logging import configure_logging
 from shared.messages import AbortRequest, AddRequest, EngineStats, Shutdown, StepResult
 from shared.zmq_auth import load_keys, log_mode, start_authenticator
@@ -223,7 +224,7 @@ class SchedulerProcess:
                                    sliding_window=shape.sliding_window)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, cfg.preemption_mode,
-                            cfg.kv_policy), manager)
+                            cfg.kv_policy, speculative.parse(cfg.speculative_config)), manager)
         self.log.info("scheduler ready", num_blocks=shape.num_blocks, block_size=shape.block_size,
                       max_model_len=max_model_len, max_num_seqs=cfg.max_num_seqs,
                       num_cpu_blocks=shape.num_cpu_blocks, preemption_mode=cfg.preemption_mode,

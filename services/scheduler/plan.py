@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.engine_flags import SchedulingFlags
+from shared.speculative import SpeculativeConfig
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
@@ -21,6 +22,7 @@ class SchedulerConfig:
     max_model_len: int = 2048  # the process settles it from the executors' reports (the flag's default: none)
     preemption_mode: str = _FLAGS.preemption_mode  # or "swap"
     kv_policy: str = _FLAGS.kv_policy  # or "contiguous" (the baseline that reserves up front)
+    speculative: SpeculativeConfig | None = None  # --speculative-config (``speculation``)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -52,8 +54,8 @@ class Plan:
     def allows(self, seq: Sequence) -> bool:
         return seq.request_id == self.only if self.only is not None else seq.request_id not in self.suspects
 
-    def add(self, seq: Sequence, num_new: int) -> None:
-        self.scheduled.append(Scheduled(seq, num_new))
+    def add(self, seq: Sequence, num_new: int, drafts: list[int] = ()) -> None:
+        self.scheduled.append(Scheduled(seq, num_new, draft_token_ids=list(drafts)))
         self.token_budget -= num_new
 
     def drop(self, group: list[Sequence]) -> None:

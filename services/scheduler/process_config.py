@@ -30,6 +30,7 @@ class SchedulerProcessConfig:
     zmq_curve: str | None = None  # --zmq-curve: the CURVE key directory; None: plain ZeroMQ
     async_scheduling: bool = _SCHEDULING.async_scheduling  # plan step N + 1 while the executors run step N (False: lock-step)
     plan_ahead_at: float = PLAN_AT_FRACTION  # ... when N is this far through its expected time (0: at once)
+    speculative_config: str | None = None  # --speculative-config's JSON (``shared.speculative``); None: off
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

@@ -40,6 +40,7 @@ from .plan import Plan, SchedulerConfig
 from .preemption import preempt_newest
 from .recovery import CrashLedger, crash_message, requeue_all
 from .sequence import ErrorKind, Sequence, SequenceStatus
+from .speculation import Speculator
 from .stats import SchedulerStats
 from .step_builder import build_step
 from .step_results import apply_samples, failed_request_ids
@@ -62,6 +63,7 @@ class Scheduler:
         self._in_flight = StepsInFlight()
         self._outbox: list[RequestOutput] = []
         self.crashes = CrashLedger()  # requests that were in a step lost with its executors
+        self.speculator = Speculator(config.speculative, self.stats, block_manager) if config.speculative else None
 
     # ------------------------------------------------------------------ requests in, outputs out
 
@@ -128,6 +130,7 @@ class Scheduler:
         sequence's prompt is being scored (``PromptScores``: its next chunk, or its first decode,
         must come after the scores of the chunk in flight), nor while one is mean-pooled (``Pooling``))."""
         return (not self.crashes.suspects and self._in_flight.can_plan_ahead()
+                and (self.speculator is None or not self.speculator.wants_lockstep(self.running, self._in_flight))
                 and not any(seq.prompt_scores is not None and not seq.prompt_scores.complete
                             for seq in self.running)
                 and not any(seq.pooling is not None and seq.pooling.needs_every_position for seq in self.running))
@@ -152,10 +155,13 @@ class Scheduler:
                     or seq.ends_by_length_ahead(self.config.max_model_len) or not plan.allows(seq)):
                 idx += 1
                 continue
-            num_new = min(seq.num_pending_tokens, plan.token_budget)
+            drafts = self.speculator.drafts(seq, plan.token_budget, len(self.running) - idx - 1,
+                                            self.config.max_model_len, bool(self.waiting or self.swapped),
+                                            len(self.running)) if self.speculator else []
+            num_new = min(seq.num_pending_tokens, plan.token_budget) + len(drafts)
             if not self._make_room(seq, num_new, plan):
                 break  # seq itself was preempted, and with it every newer sequence
-            self._add_to_plan(plan, seq, num_new)
+            self._add_to_plan(plan, seq, num_new, drafts)
             idx += 1
 
     def _schedule_swapped(self, plan: Plan) -> None:
@@ -206,7 +212,7 @@ class Scheduler:
             if len(result.failed_seq_ids):  # before the samples: theirs are not to be kept
                 self._fail(failed_request_ids(scheduled, result),
                            f"the executor could not run this request as asked: {result.failure}")
-            apply_samples(scheduled, result, self.blocks, self.groups, self._apply)
+            apply_samples(scheduled, result, self.blocks, self.groups, self._apply, self.speculator)
             self.crashes.release_caught_up(self.groups)
         for seq_id in self._in_flight.release(result.step_id):
             self.blocks.free(seq_id)
@@ -237,6 +243,8 @@ class Scheduler:
         for seq in update.finished:
             self._dequeue(seq)
             seq.status = SequenceStatus.FINISHED
+            if self.speculator is not None:
+                self.speculator.forget(seq.seq_id)
             if self._in_flight.hold(seq.seq_id):
                 continue  # a step in flight still computes for it
             self.blocks.free(seq.seq_id)
@@ -280,9 +288,10 @@ class Scheduler:
                 return False
         return True
 
-    def _add_to_plan(self, plan: Plan, seq: Sequence, num_new: int) -> None:
-        """``seq`` computes ``num_new`` tokens; the samples waiting for its prompt fork if it completes."""
-        plan.add(seq, num_new)
+    def _add_to_plan(self, plan: Plan, seq: Sequence, num_new: int, drafts: list[int] = ()) -> None:
+        """``seq`` computes ``num_new`` tokens (``drafts`` among them); the samples waiting for its
+        prompt fork if it completes."""
+        plan.add(seq, num_new, drafts)
         for child in plan.fork_children(seq, num_new, self.blocks):
             self._insert_running(child)
 

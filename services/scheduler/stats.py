@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.messages import EngineStats
 
@@ -24,6 +24,9 @@ class SchedulerStats:
     num_recomputes: int = 0
     max_num_running: int = 0
     num_kv_snapshots: int = 0  # built for the playground's watchers (``kv_publisher``)
+    # Speculative decoding, per draft position j: drafts proposed there, and accepted (``speculation``)
+    spec_proposed: list[int] = field(default_factory=list)
+    spec_accepted: list[int] = field(default_factory=list)
 
     @property
     def mean_utilization(self) -> float:
@@ -60,6 +63,7 @@ class SchedulerStats:
             num_prefix_cache_queries=blocks.num_queried_tokens, num_prefix_cache_hits=blocks.num_hit_tokens,
             num_cached_blocks=blocks.num_cached_blocks, num_swap_outs=self.num_swap_outs,
             num_recomputes=self.num_recomputes, num_kv_snapshots=self.num_kv_snapshots,
+            spec_proposed=list(self.spec_proposed), spec_accepted=list(self.spec_accepted),
         )
 
 

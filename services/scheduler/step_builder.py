@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,6 +25,9 @@ class Scheduled:
     context_len: int = 0
     samples: bool = False
     num_preemptions: int = 0
+    # Speculative decoding: tokens proposed after its last one, fed (and counted in
+    # ``num_new_tokens``) after it and verified in this step (``speculation``).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -65,13 +68,12 @@ def build_step(
         table = blocks.block_tables[seq.seq_id]
         block_tables[i, : len(table)] = _kernel_table(table)
         query_start_loc[i + 1] = query_start_loc[i] + s.num_new_tokens
-        context_lens[i] = s.context_len = end
+        context_lens[i], s.context_len = end, end - len(s.draft_token_ids)  # drafts count once accepted
         s.num_preemptions = seq.num_preemptions
-        sample_mask[i] = s.samples = end == seq.num_planned_tokens and seq.sampling.max_tokens > 0
-        for pos in range(start, end):
-            tokens.append(seq.token_id(pos))
-            positions.append(pos)
-            slots.append(_slot(table, pos, blocks.block_size))
+        sample_mask[i] = s.samples = s.context_len == seq.num_planned_tokens and seq.sampling.max_tokens > 0
+        positions += range(start, end)
+        slots += [_slot(table, pos, blocks.block_size) for pos in range(start, end)]
+        tokens += [seq.token_id(pos) for pos in range(start, s.context_len)] + s.draft_token_ids
         if not seq.announced:
             seq.announced = True
             new_seqs.append(NewSequence(seq.seq_id, seq.request_id, seq.sampling,
@@ -94,7 +96,14 @@ def build_step(
         block_copies=_pairs(list(block_copies)),
         num_scored_tokens=num_scored,
         num_prompt_top_logprobs=num_top, num_pooled_tokens=_pooling(scheduled),
+        num_draft_tokens=_num_drafts(scheduled),
     )
+
+
+def _num_drafts(scheduled: list[Scheduled]) -> np.ndarray:
+    """``Step.num_draft_tokens``: each sequence's proposed tokens, or empty when none has any."""
+    counts = np.array([len(s.draft_token_ids) for s in scheduled], np.int32)
+    return counts if counts.any() else np.zeros(0, np.int32)
 
 
 def _kernel_table(table: list[int]) -> list[int]:

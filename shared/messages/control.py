@@ -132,3 +132,6 @@ class EngineStats:
     num_kv_blocks_per_rank: list[int] = field(default_factory=list)
     kv_cache_bytes_per_rank: list[int] = field(default_factory=list)
     num_kv_snapshots: int = 0  # KvSnapshot built for watching frontends (0 while nobody watches)
+    # Speculative decoding, per draft position: tokens proposed and accepted (empty without it)
+    spec_proposed: list[int] = field(default_factory=list)
+    spec_accepted: list[int] = field(default_factory=list)

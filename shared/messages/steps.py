@@ -81,6 +81,10 @@ class Step:
     # Pooling (embedding requests): the last ``num_pooled_tokens[i]`` new tokens of sequence ``i``
     # have their final hidden states summed. [S] int32, or empty when no sequence is pooled.
     num_pooled_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    # Speculative decoding: the last ``num_draft_tokens[i]`` new tokens of sequence ``i`` are
+    # proposed, not known: the executor verifies them (every one of its new rows is sampled) and
+    # reports in ``StepResult.num_accepted`` how many it keeps. [S] int32, or empty when none has any.
+    num_draft_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
 
 @dataclass
@@ -112,3 +116,6 @@ class StepResult:
     # Pooling: one row per sequence with ``Step.num_pooled_tokens`` set, in step order: the sum of
     # those rows' final hidden states (after the final norm), float32. [P, hidden], or empty.
     pooled: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    # Speculative decoding (empty unless the step had drafts): per sampled sequence, how many of its
+    # drafts were accepted; its tokens are those drafts, then ``token_ids[row]``. [num_sampled] int32
+    num_accepted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))

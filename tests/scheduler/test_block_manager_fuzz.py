@@ -1,5 +1,5 @@
-"""A hypothesis state machine over the block manager: conservation holds after every operation;
-and a windowed variant whose sequences also drop the blocks out of a sliding window."""
+"""A hypothesis state machine over the block manager: conservation holds after every operation
+(speculative decoding's rollback among them); and a windowed variant whose sequences also drop the blocks out of a sliding window."""
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -62,6 +62,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
             start = len(tokens)
             tokens.extend(new)
             self._write(seq_id, tokens, start)
+            self._register(seq_id)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), new=st.integers(1, 3), drafts=st.lists(st.integers(1, 3), min_size=1, max_size=5),
+          accept=st.integers(0, 5))
+    def speculate(self, data, new, drafts, accept):
+        """Speculative decoding: a step feeds one token and drafts after it into allocated slots;
+        the first ``accept`` drafts are kept, the rest rolled back (``free_tail``); only the kept
+        tokens' full blocks are registered (a later hit must read exactly them)."""
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        tokens = self.seqs[seq_id]
+        fed = [new, *drafts]
+        if self.bm.allocate_slots(seq_id, len(tokens) + len(fed), num_computed_tokens=len(tokens)):
+            for src, dst in self.bm.take_copies():
+                self.content[dst] = list(self.content[src])
+            start = len(tokens)
+            self._write(seq_id, tokens + fed, start)
+            tokens.extend(fed[:1 + min(accept, len(drafts))])
+            self.bm.free_tail(seq_id, len(tokens))
+            assert len(self.bm.block_tables[seq_id]) == self.bm.blocks_needed(len(tokens))
             self._register(seq_id)
 
     @precondition(lambda self: self.seqs)
