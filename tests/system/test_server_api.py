@@ -363,7 +363,8 @@ def check_answer(path: str, body, status: int, raw: bytes) -> None:
             assert set(error["error"]) == {"message", "type", "param", "code"}, raw
         assert "executor failed" not in error["error"]["message"], (path, body, error)  # a bad request fails alone
         return
-    streamed = isinstance(body, dict) and body.get("stream") is True and path.startswith("/v1")
+    streamed = (isinstance(body, dict) and body.get("stream") is True and path.startswith("/v1")
+                and path != "/v1/messages/count_tokens")  # a count, whatever "stream" says
     if streamed and path in ("/v1/responses", "/v1/messages"):
         events = [json.loads(line[len("data: "):]) for line in raw.decode().splitlines() if line.startswith("data: ")]
         last = {"/v1/responses": ("response.completed", "response.incomplete"), "/v1/messages": ("message_stop",)}
