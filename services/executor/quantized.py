@@ -64,7 +64,7 @@ def shard_quantized(name: str, w: QuantWeight, plan: ShardPlan) -> QuantWeight:
     start, count = int(cols[0]), len(cols)
     if start % w.block or count % w.block:
         raise ValueError(f"--tensor-parallel-size {plan.world_size}: {name} ({w.type_name}, blocks of {w.block}) "
-                         f"would be split at input {start}, inside a block; it cannot be served quantized so "
+                         f"would take inputs {start}..{start + count}, not whole blocks; it cannot be served quantized so "
                          f"(--quantization none dequantizes)")
     per_block = w.raw.shape[1] // (w.in_features // w.block)
     lo, hi = start // w.block * per_block, (start + count) // w.block * per_block
