@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from kernels.cpu.common import sync_threads
+
 PREFILL_ROWS = 16  # rows from which the dequantized tiles and torch's matmul are used
 TILE_ROWS = 1024  # output rows dequantized at a time for prefill
 
@@ -116,6 +118,7 @@ def dequantize_rows(p: QuantPack, rows: np.ndarray) -> torch.Tensor:
     """float32 ``[len(rows), in]``: the weight's output rows ``rows`` (int64), dequantized (the
     embedding lookup of a quantized table, and the prefill tiles)."""
     out = np.empty((len(rows), p.in_features), dtype=np.float32)
+    sync_threads()
     if p.four_bit:
         _q4_dequant(p.q, p.scale, p.minv, rows, out)
     else:
@@ -127,6 +130,7 @@ def matmul_rows(x: torch.Tensor, p: QuantPack) -> torch.Tensor:
     """``x @ W.T`` (float32 ``[M, out]``) by the Numba kernel: one pass over the weight."""
     xf = x.detach().float().contiguous().numpy()
     out = np.empty((xf.shape[0], p.out_features), dtype=np.float32)
+    sync_threads()
     if p.four_bit:
         xsum = np.ascontiguousarray(xf.reshape(xf.shape[0], -1, 32).sum(axis=2, dtype=np.float32))
         _q4_rows(xf, xsum, p.q, p.scale, p.minv, out)

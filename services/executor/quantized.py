@@ -11,6 +11,7 @@ blocks are repacked for the kernels (``kernels/cpu/quant_matmul.py``).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .gguf_weights import QuantWeight
@@ -129,9 +130,22 @@ def install_quantized(model, quantized: dict[str, QuantWeight], plan: ShardPlan,
             setattr(parent, attr, QuantLinear(packs, getattr(old, "bias", None)))
 
 
+def weights_summary(model) -> dict:
+    """The executor's "model loaded" fields: the weights' bytes, and for a quantized model its
+    kernel, types and why the kernel (``kernels/cpu/quant_matmul.py``)."""
+    summary = quantized_summary(model)
+    if not summary["quantized_types"]:
+        return {"weight_bytes": summary["weight_bytes"]}
+    from kernels.cpu.quant_matmul import PREFILL_ROWS
+
+    return {**summary, "quantized_kernel": KERNEL,
+            "quantized_kernel_why": f"below {PREFILL_ROWS} rows one Numba pass over the blocks (a decode step "
+                                    "reads each weight once), from there float32 tiles and torch's matmul"}
+
+
 def quantized_summary(model) -> dict:
-    """What the log and the ready message say of the weights: bytes in memory (quantized packs and
-    float parameters, not the computed tables), and how many matrices of each type are served quantized."""
+    """What the log says of the weights: bytes in memory (quantized packs, float parameters and
+    linear.py's packed copies; not the computed tables), and how many matrices of each type are served quantized."""
     types: dict[str, int] = {}
     packs = {}
     for m in model.modules():
@@ -141,9 +155,11 @@ def quantized_summary(model) -> dict:
         types[p.type_name] = types.get(p.type_name, 0) + 1
     quant_bytes = sum(p.nbytes for p in packs.values())
     seen, float_bytes = set(), 0
-    for t in model.parameters():
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            float_bytes += t.numel() * t.element_size()
+    tensors = [t for m in model.modules() for t in (*m._parameters.values(), getattr(m, "packed", None))]
+    for t in tensors:  # parameters, and the packed copies of linear.py's layers (numpy, or oneDNN's)
+        key = t.data_ptr() if isinstance(t, torch.Tensor) and t.layout == torch.strided else id(t)
+        if t is not None and key not in seen:
+            seen.add(key)
+            float_bytes += t.nbytes if isinstance(t, np.ndarray) else t.numel() * t.element_size()
     return {"quantized_types": types, "weight_bytes": int(quant_bytes + float_bytes),
             "quantized_bytes": int(quant_bytes)}
