@@ -26,8 +26,40 @@ from numba import njit, prange
 
 from kernels.cpu.common import sync_threads
 
-PREFILL_ROWS = 16  # rows from which the dequantized tiles and torch's matmul are used
+# rows from which the dequantized tiles and torch's matmul are used, by form (4-bit, 8-bit): measured
+# with ``python -m loadtest.quantized_kernels`` (docs/benchmarks.md)
+PREFILL_ROWS = {True: 3, False: 6}
 TILE_ROWS = 1024  # output rows dequantized at a time for prefill
+
+
+class Int4Pack:
+    """A 4-bit ``QuantPack`` in torch's int4 CPU layout (``torch.ops.aten._weight_int4pack_mm_for_cpu``):
+    the same 4-bit values, ``(scale, minv + 8 scale)`` per group of 32 in bfloat16 (torch's form
+    is ``w = (q - 8) * scale + zero``). For bfloat16 models: at one row it took a fifth of the
+    Numba pass's time, and at 128 rows 1.2x the tiles' (docs/benchmarks.md). 0.625 bytes a weight."""
+
+    def __init__(self, p: QuantPack) -> None:
+        q = torch.from_numpy(p.q).reshape(p.out_features, -1, 16)
+        values = torch.cat([q & 15, q >> 4], dim=-1).reshape(p.out_features, -1).to(torch.int32)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+        scale, minv = torch.from_numpy(p.scale), torch.from_numpy(p.minv)
+        self.scales_zeros = torch.stack([scale, minv + 8 * scale], dim=-1).transpose(0, 1).contiguous().bfloat16()
+        self.type_name, self.out_features, self.in_features = p.type_name, p.out_features, p.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales_zeros.numel() * 2
+
+
+def int4_supported(p: QuantPack) -> bool:
+    """Whether torch's int4 CPU kernel can hold ``p``: a 4-bit form, output rows a multiple of 16."""
+    return (p.four_bit and p.out_features % 16 == 0 and p.group == 32
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+
+
+def int4_matmul(x: torch.Tensor, p: Int4Pack) -> torch.Tensor:
+    """``x @ W.T`` in bfloat16 by torch's int4 CPU kernel."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16().contiguous(), p.packed, 32, p.scales_zeros)
 
 
 class QuantPack:
@@ -150,6 +182,9 @@ def matmul_tiles(x: torch.Tensor, p: QuantPack) -> torch.Tensor:
     return out
 
 
-def quant_matmul(x: torch.Tensor, p: QuantPack) -> torch.Tensor:
-    """``x @ W.T`` in float32: the Numba pass at few rows, dequantized tiles at many."""
-    return matmul_rows(x, p) if x.shape[0] < PREFILL_ROWS else matmul_tiles(x, p)
+def quant_matmul(x: torch.Tensor, p) -> torch.Tensor:
+    """``x @ W.T``: torch's int4 kernel for an ``Int4Pack`` (bfloat16), else in float32 the Numba
+    pass at few rows, dequantized tiles at many."""
+    if isinstance(p, Int4Pack):
+        return int4_matmul(x, p)
+    return matmul_rows(x, p) if x.shape[0] < PREFILL_ROWS[p.four_bit] else matmul_tiles(x, p)

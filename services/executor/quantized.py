@@ -19,7 +19,6 @@ from .model import FUSED_PROJECTIONS, VocabEmbedding
 from .module import Module
 from .parallel.sharding import _HEAD_COLUMNS, _INTERMEDIATE_COLUMNS, ShardPlan, shard_tensor
 
-KERNEL = "numba-gguf"  # what the log names: kernels/cpu/quant_matmul.py
 
 
 class QuantLinear(Module):
@@ -70,6 +69,14 @@ def shard_quantized(name: str, w: QuantWeight, plan: ShardPlan) -> QuantWeight:
     per_block = w.raw.shape[1] // (w.in_features // w.block)
     lo, hi = start // w.block * per_block, (start + count) // w.block * per_block
     return QuantWeight(w.raw[:, lo:hi].clone(), w.ggml_type, count)
+
+
+def kernel_pack(p, dtype: torch.dtype):
+    """What a matmul multiplies with: in bfloat16 a 4-bit pack in torch's int4 layout where it fits
+    (``kernels/cpu/quant_matmul.py``: ``Int4Pack``), else the pack itself (the Numba kernels)."""
+    from kernels.cpu.quant_matmul import Int4Pack, int4_supported
+
+    return Int4Pack(p) if dtype == torch.bfloat16 and int4_supported(p) else p
 
 
 def _packs(parts: list[QuantWeight]) -> list:
@@ -125,9 +132,9 @@ def install_quantized(model, quantized: dict[str, QuantWeight], plan: ShardPlan,
         if old is embed:
             setattr(parent, attr, QuantEmbedding(old, packs[0], dtype))
             if model.config.tie_word_embeddings:
-                model.lm_head = QuantLinear(packs, None)
+                model.lm_head = QuantLinear([kernel_pack(p, dtype) for p in packs], None)
         else:
-            setattr(parent, attr, QuantLinear(packs, getattr(old, "bias", None)))
+            setattr(parent, attr, QuantLinear([kernel_pack(p, dtype) for p in packs], getattr(old, "bias", None)))
 
 
 def weights_summary(model) -> dict:
@@ -136,11 +143,16 @@ def weights_summary(model) -> dict:
     summary = quantized_summary(model)
     if not summary["quantized_types"]:
         return {"weight_bytes": summary["weight_bytes"]}
-    from kernels.cpu.quant_matmul import PREFILL_ROWS
+    from kernels.cpu.quant_matmul import PREFILL_ROWS, Int4Pack
 
-    return {**summary, "quantized_kernel": KERNEL,
-            "quantized_kernel_why": f"below {PREFILL_ROWS} rows one Numba pass over the blocks (a decode step "
-                                    "reads each weight once), from there float32 tiles and torch's matmul"}
+    kernels = {}
+    for m in model.modules():
+        for p in getattr(m, "packs", None) or []:
+            kernels[p.type_name] = ("torch int4pack (bfloat16: a fifth of the Numba pass's time at one row)"
+                                    if isinstance(p, Int4Pack) else
+                                    f"numba below {PREFILL_ROWS[p.four_bit]} rows (one pass over the blocks), "
+                                    "then float32 tiles and torch's matmul")
+    return {**summary, "quantized_kernels": kernels}
 
 
 def quantized_summary(model) -> dict:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
-from kernels.cpu.quant_matmul import PREFILL_ROWS, dequantize_rows, pack, quant_matmul
+from kernels.cpu.quant_matmul import PREFILL_ROWS, Int4Pack, dequantize_rows, int4_supported, pack, quant_matmul
 from kernels.quant_reference import quant_matmul as reference_matmul
-from kernels.quant_reference import dequantize
+from kernels.quant_reference import FOUR_BIT, decompose, dequantize
 from tests.doubles.gguf_blocks import SERVED, random_quantized
 
 # odd output rows; inputs a few blocks (32 for the simple types, 256 for the K types)
@@ -28,7 +28,7 @@ def test_reference_dequantizes_as_the_gguf_package(qtype):
 
 
 @pytest.mark.parametrize("qtype", SERVED, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, PREFILL_ROWS + 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, 11])  # both forms' Numba pass and tiles (PREFILL_ROWS)
 def test_kernel_equals_reference(qtype, rows):
     raw = torch.from_numpy(random_quantized(qtype, *SHAPES[qtype.name], seed=2))
     x = torch.randn(rows, SHAPES[qtype.name][1], generator=torch.Generator().manual_seed(rows))
@@ -44,3 +44,22 @@ def test_embedding_rows_are_the_dequantized_rows(qtype):
     ids = np.array([5, 0, 5, SHAPES[qtype.name][0] - 1], dtype=np.int64)
     got = dequantize_rows(pack(raw, int(qtype)), ids)
     torch.testing.assert_close(got, dequantize(raw, int(qtype))[torch.from_numpy(ids)], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", [t for t in SERVED if t.name in FOUR_BIT], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 7])
+def test_torch_int4_kernel_equals_the_reference_with_bf16_scales(qtype, rows):
+    """The bfloat16 path: the same 4-bit values; its ``(scale, zero)`` pairs are bfloat16, so the
+    reference is the decomposed weight with those pairs rounded so, and the output bfloat16."""
+    raw = torch.from_numpy(random_quantized(qtype, 48, SHAPES[qtype.name][1], seed=4))
+    p = pack(raw, int(qtype))
+    assert int4_supported(p)
+    d = decompose(raw, int(qtype))
+    scale = d.scale.bfloat16().float().unsqueeze(-1)
+    zero = (d.minv + 8 * d.scale).bfloat16().float().unsqueeze(-1)
+    w = ((d.q.float().reshape(48, -1, 32) - 8) * scale + zero).reshape(48, -1)
+    x = torch.randn(rows, w.shape[1]).bfloat16()
+    got = quant_matmul(x, Int4Pack(p))
+    assert got.dtype == torch.bfloat16
+    want = x.float() @ w.T
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
