@@ -10,8 +10,9 @@ o, gate_up, down) in an order that alternates by round; prints the median per ke
 - ``numba rows``: the Numba pass over the blocks (``matmul_rows``);
 - ``f32 tiles``: dequantized float32 tiles and torch's matmul (``matmul_tiles``);
 - ``torch int4pack``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the same 4-bit values in
-  torch's packing, with ``(scale, minv + 8 scale)`` per group of 32 in bfloat16 (x bfloat16): its
-  scales rounded to bfloat16, so it is not the same weight within float32 rounding.
+  torch's packing (``Int4Pack``), with ``(scale, minv + 8 scale)`` per group of 32 in bfloat16
+  and x in bfloat16, as a bfloat16 model runs it (with float32 scales and x the same op took
+  about 30x as long in one run, so float32 models keep the Numba pass).
 
 ``torch._weight_int8pack_mm`` takes one scale per output row: it does not apply to Q8_0's 32-input
 blocks and is not timed.
@@ -31,7 +32,7 @@ def main() -> None:
     print(configure_cpu_threads(None), file=sys.stderr)
     import torch
 
-    from kernels.cpu.quant_matmul import matmul_rows, matmul_tiles
+    from kernels.cpu.quant_matmul import Int4Pack, int4_matmul, matmul_rows, matmul_tiles
     from services.executor.loader import RunnerOptions, build_runner
     from services.executor.quantized import QuantLinear
     from services.executor.weights import load_hf_config, load_weights
@@ -44,22 +45,19 @@ def main() -> None:
     source = resolve_model(None)
     config = load_hf_config(source)
     runner = build_runner(config, load_weights(source, config, "auto")[0],
-                          RunnerOptions(dtype=torch.bfloat16, num_kv_blocks=16, num_cpu_blocks=0))
+                          RunnerOptions(dtype=torch.float32, num_kv_blocks=16, num_cpu_blocks=0))
     layer = [m for m in runner.model.model.layers[0].modules() if isinstance(m, QuantLinear)]
     packs = [p for m in layer for p in m.packs]
-    int4 = [_int4pack(p) for p in packs]
-    int4f = [(w, _int4pack(p, torch.float32)[1]) for p, (w, _) in zip(packs, int4)]
+    int4 = [Int4Pack(p) for p in packs]
     for rows in (int(r) for r in args.rows.split(",")):
         if rows == int(args.rows.split(",")[0]):
-            print("| rows | numba rows | f32 tiles | torch int4pack bf16 | torch int4pack f32 |")
-            print("|---|---|---|---|---|")
+            print("| rows | numba rows | f32 tiles | torch int4pack |")
+            print("|---|---|---|---|")
         xs = [torch.randn(rows, p.in_features) for p in packs]
+        xb = [x.bfloat16() for x in xs]  # the int4 kernel's input, as a bfloat16 model's
         kernels = {"numba rows": lambda: [matmul_rows(x, p) for x, p in zip(xs, packs)],
                    "f32 tiles": lambda: [matmul_tiles(x, p) for x, p in zip(xs, packs)],
-                   "torch int4pack": lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), w, 32, sz)
-                                              for x, (w, sz) in zip(xs, int4)],
-                   "torch int4pack f32": lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, 32, sz.float())
-                                                  for x, (w, sz) in zip(xs, int4f)]}
+                   "torch int4pack": lambda: [int4_matmul(x, p) for x, p in zip(xb, int4)]}
         times: dict[str, list[float]] = {k: [] for k in kernels}
         names = list(kernels)
         for r in range(args.rounds + 1):  # the first round warms up and is not counted
@@ -69,19 +67,6 @@ def main() -> None:
                 if r:
                     times[name].append((time.perf_counter() - t0) * 1e3)
         print(f"| {rows} | " + " | ".join(f"{statistics.median(times[k]):.3f}" for k in names) + " |", flush=True)
-
-
-def _int4pack(p, dtype=None):
-    """``p`` (4-bit form) in torch's int4 CPU layout: the 4-bit values and bf16 (scale, zero)."""
-    import numpy as np
-    import torch
-
-    q = torch.from_numpy(p.q)
-    vals = torch.cat([q.reshape(p.out_features, -1, 16) & 15, q.reshape(p.out_features, -1, 16) >> 4], dim=-1)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(vals.reshape(p.out_features, -1).to(torch.int32), 1)
-    scale, minv = torch.from_numpy(np.asarray(p.scale)), torch.from_numpy(np.asarray(p.minv))
-    sz = torch.stack([scale, minv + 8 * scale], dim=-1).transpose(0, 1).contiguous().to(dtype or torch.bfloat16)
-    return packed, sz
 
 
 if __name__ == "__main__":
