@@ -115,7 +115,10 @@ class LLM:
         tokenizer_source = resolve_tokenizer(tokenizer, source)  # before the slow part: a bad path is one line
         runner_options, scheduling = split_options(engine_kwargs)
         hf_config = load_hf_config(source)
-        runner = build_runner(hf_config, load_weights(source, hf_config, runner_options.quantization)[0],
+        from services.executor.device import resolve_device
+
+        device_type = resolve_device(runner_options.device).type
+        runner = build_runner(hf_config, load_weights(source, hf_config, runner_options.quantization, device_type)[0],
                               runner_options)
         tokenizer = load_tokenizer(tokenizer_source, "--tokenizer" if tokenizer is not None else "--model")
         from services.frontend.generation_defaults import read_generation_defaults

@@ -48,12 +48,16 @@ def gguf_path(source) -> str | None:
     return os.path.join(source.directory, source.gguf_file) if source.gguf_file else None
 
 
-def choose_quantization(requested: str, is_gguf: bool, model_type: str) -> QuantizationChoice:
-    """What ``--quantization requested`` serves for a model (a GGUF file or not, of ``model_type``)."""
+def choose_quantization(requested: str, is_gguf: bool, model_type: str, device_type: str = "cpu") -> QuantizationChoice:
+    """What ``--quantization requested`` serves for a model (a GGUF file or not, of ``model_type``,
+    on a ``device_type`` device)."""
     if requested == "none":
         return QuantizationChoice("none", "--quantization none: every weight dequantized")
     if not is_gguf:
         return QuantizationChoice("none", "--quantization auto on a Hugging Face checkpoint: its weights as they are")
+    if device_type != "cpu":
+        return QuantizationChoice("none", f"--quantization auto on {device_type}: the quantized kernels are CPU "
+                                          "kernels, so the GGUF file is dequantized")
     if model_type not in ARCHITECTURES:
         return QuantizationChoice("none", f"--quantization auto: {model_type} GGUF files are dequantized "
                                           f"(served quantized: {', '.join(ARCHITECTURES)})")

@@ -94,7 +94,7 @@ class ExecutorProcess:
             group = comm if comm.world_size > 1 else None
             # Before the weights are read: a model or pool too big for this machine is refused in one line.
             plan = plan_runner(hf_config, options, f"the executor ({source.name})", shard_plan(hf_config, group))
-            state, quantization = load_weights(source, hf_config, cfg.quantization)
+            state, quantization = load_weights(source, hf_config, cfg.quantization, device.type)
             self.log.info("quantization chosen", requested=cfg.quantization, chosen=quantization.mode,
                           reason=quantization.reason)
             runner = build_runner(hf_config, state, options, plan, group)

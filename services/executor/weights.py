@@ -85,12 +85,12 @@ def load_state_dict(source: ModelSource, quantization: str = "none", hf_config=N
     return state
 
 
-def load_weights(source: ModelSource, hf_config, quantization: str):
-    """``load_state_dict`` of ``source`` as ``--quantization quantization`` chooses, and the choice
-    (``gguf_weights.QuantizationChoice``, for the log)."""
+def load_weights(source: ModelSource, hf_config, quantization: str, device_type: str = "cpu"):
+    """``load_state_dict`` of ``source`` as ``--quantization quantization`` chooses on a
+    ``device_type`` device, and the choice (``gguf_weights.QuantizationChoice``, for the log)."""
     from .gguf_weights import choose_quantization, gguf_path
 
-    choice = choose_quantization(quantization, gguf_path(source) is not None, hf_config.model_type)
+    choice = choose_quantization(quantization, gguf_path(source) is not None, hf_config.model_type, device_type)
     return load_state_dict(source, choice.mode, hf_config), choice
 
 

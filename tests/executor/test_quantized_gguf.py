@@ -187,3 +187,13 @@ def test_smollm2_q4_1_served_quantized_agrees_with_the_dequantized_model():
     same = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
                for x, y in zip(outputs["auto"], outputs["none"]))
     assert same >= 0.9 * 4 * 24, (same, outputs)
+
+
+def test_quantization_choice():
+    from services.executor.gguf_weights import choose_quantization
+
+    assert choose_quantization("auto", True, "llama").mode == "gguf"
+    assert choose_quantization("none", True, "llama").mode == "none"
+    assert choose_quantization("auto", False, "llama").mode == "none"  # a Hugging Face directory
+    assert choose_quantization("auto", True, "gemma2").mode == "none"  # names this reader does not map
+    assert choose_quantization("auto", True, "qwen3", "cuda").mode == "none"  # CPU kernels only
