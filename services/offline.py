@@ -110,12 +110,17 @@ class LLM:
     and ``SchedulingOptions`` (``max_num_seqs``, ``preemption_mode``...), by their Python names."""
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, **engine_kwargs: Any) -> None:
-        from services.executor.weights import load_hf_config, load_state_dict
+        from services.executor.weights import load_hf_config, load_weights
 
         source = resolve_model(model)
         tokenizer_source = resolve_tokenizer(tokenizer, source)  # before the slow part: a bad path is one line
         runner_options, scheduling = split_options(engine_kwargs)
-        runner = build_runner(load_hf_config(source), load_state_dict(source), runner_options)
+        hf_config = load_hf_config(source)
+        from services.executor.device import resolve_device
+
+        device_type = resolve_device(runner_options.device).type
+        runner = build_runner(hf_config, load_weights(source, hf_config, runner_options.quantization, device_type)[0],
+                              runner_options)
         tokenizer = load_tokenizer(tokenizer_source, "--tokenizer" if tokenizer is not None else "--model")
         from services.frontend.generation_defaults import read_generation_defaults
 

@@ -72,7 +72,7 @@ class ExecutorProcess:
         from .guided import load_vocabulary
         from .loader import build_runner, plan_runner, shard_plan
         from .parallel.group import open_group
-        from .weights import load_hf_config, load_state_dict, resolve_dtype
+        from .weights import load_hf_config, load_weights, resolve_dtype
 
         cfg = self.config
         source = resolve_model(cfg.model)
@@ -94,7 +94,10 @@ class ExecutorProcess:
             group = comm if comm.world_size > 1 else None
             # Before the weights are read: a model or pool too big for this machine is refused in one line.
             plan = plan_runner(hf_config, options, f"the executor ({source.name})", shard_plan(hf_config, group))
-            runner = build_runner(hf_config, load_state_dict(source), options, plan, group)
+            state, quantization = load_weights(source, hf_config, cfg.quantization, device.type)
+            self.log.info("quantization chosen", requested=cfg.quantization, chosen=quantization.mode,
+                          reason=quantization.reason)
+            runner = build_runner(hf_config, state, options, plan, group)
         except BaseException as exc:
             comm.abort(f"rank {cfg.rank} could not load the model: {exc!r}")
             comm.close()
@@ -102,6 +105,7 @@ class ExecutorProcess:
         runner.sampler.guided.load_vocabulary = functools.partial(load_vocabulary, cfg.tokenizer, source,
                                                                  runner.model.config.vocab_size, self.log)
         from .linear import linear_kernel_name  # torch is imported by now
+        from .quantized import weights_summary
 
         backend = runner.backend
         self.log.info("model loaded", architecture=type(runner.model).__name__,
@@ -111,7 +115,8 @@ class ExecutorProcess:
                       prefill_attention=getattr(backend, "prefill_kind", lambda: backend.name)(),
                       linear_kernel=linear_kernel_name(runner.model), max_model_len=runner.max_model_len, num_cpu_blocks=runner.num_cpu_blocks,
                       world_size=comm.world_size, all_reduce=comm.kind,
-                      num_kv_heads=runner.model.plan.num_local_kv_heads, num_heads=runner.model.plan.num_local_heads)
+                      num_kv_heads=runner.model.plan.num_local_kv_heads, num_heads=runner.model.plan.num_local_heads,
+                      **weights_summary(runner.model))
         return comm, runner
 
     def _warm_up(self, runner) -> None:

@@ -58,11 +58,14 @@ class VocabEmbedding(Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if self.comm.world_size == 1:
-            return nn.functional.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         start, stop = self.vocab_range
         outside = (input_ids < start) | (input_ids >= stop)
-        x = nn.functional.embedding((input_ids - start).masked_fill_(outside, 0), self.weight)
+        x = self.lookup((input_ids - start).masked_fill_(outside, 0))
         return self.comm.all_reduce_(x.masked_fill_(outside.unsqueeze(-1), 0.0))
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:  # this shard's rows (quantized.py: from blocks)
+        return nn.functional.embedding(ids, self.weight)
 
 
 class CausalLM(Module):

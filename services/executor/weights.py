@@ -20,6 +20,7 @@ from shared.model_source import ModelSource
 from .architectures import family
 from .model import FUSED_PROJECTIONS, CausalLM, fuse_projections
 from .parallel.sharding import ShardPlan, shard_state_dict
+from .quantized import fused_names, install_quantized, take_quantized
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,8 +54,14 @@ def load_hf_config(source: ModelSource):
     return checked_hf_config(source)
 
 
-def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
-    """Read every weight of ``source`` into CPU tensors with Hugging Face parameter names."""
+def load_state_dict(source: ModelSource, quantization: str = "none", hf_config=None) -> dict[str, torch.Tensor]:
+    """Read every weight of ``source`` into CPU tensors with Hugging Face parameter names; with
+    ``quantization`` "gguf" (``gguf_weights.choose_quantization``) a GGUF file's quantized matrices
+    stay in their blocks (``QuantWeight``s, which ``build_model`` serves quantized)."""
+    if quantization == "gguf":
+        from .gguf_weights import gguf_path, read_gguf
+
+        return read_gguf(gguf_path(source), hf_config).state
     if source.gguf_file:
         hide_hub_kernels()
         from transformers import AutoModelForCausalLM
@@ -76,6 +83,15 @@ def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
     for path in files:
         state.update(load_file(path))
     return state
+
+
+def load_weights(source: ModelSource, hf_config, quantization: str, device_type: str = "cpu"):
+    """``load_state_dict`` of ``source`` as ``--quantization quantization`` chooses on a
+    ``device_type`` device, and the choice (``gguf_weights.QuantizationChoice``, for the log)."""
+    from .gguf_weights import choose_quantization, gguf_path
+
+    choice = choose_quantization(quantization, gguf_path(source) is not None, hf_config.model_type, device_type)
+    return load_state_dict(source, choice.mode, hf_config), choice
 
 
 def check_shapes(state: dict[str, torch.Tensor], model: CausalLM) -> None:
@@ -109,17 +125,22 @@ def build_model(
     # Module.to_empty's empty_like on meta tensors runs torch's Python reference ops, whose first
     # use imports torch._decomp and sympy (about 0.4 s of each start): torch.empty by shape instead.
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    state = fam.hf_state_dict(state_dict, cfg)
+    state, quantized = take_quantized(fam.hf_state_dict(state_dict, cfg))  # GGUF blocks: quantized.py
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+        quantized.pop("lm_head.weight", None)
     state = fuse_projections(shard_state_dict(state, plan))  # each rank's q, k, v cut, then joined
     check_shapes(state, model)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=False)
-    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    quantized_modules = fused_names(quantized)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")
+               and m.removesuffix(".weight") not in quantized_modules]
     if missing or unexpected:
         raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.input_embeddings.weight
     model = model.to(dtype=dtype).eval()
+    if quantized:
+        install_quantized(model, quantized, plan, dtype)
     model.build_buffers(max_model_len, device)  # e.g. the rotary table, float32 whatever the weights are
     return model

@@ -38,8 +38,13 @@ def copy_tokenizer(w, reader) -> None:
         elif t == GGUFValueType.UINT32:
             w.add_uint32(key, int(f.parts[f.data[0]][0]))
 
-def write_qwen3_gguf(model, path: str) -> None:
-    """``model`` (a transformers Qwen3 whose vocabulary is SmolLM2's) as a GGUF file at ``path``."""
+def write_qwen3_gguf(model, path: str, qtypes=None, tokenizer: bool = True) -> None:
+    """``model`` (a transformers Qwen3 whose vocabulary is SmolLM2's) as a GGUF file at ``path``.
+    ``qtypes``: llama.cpp tensor kind (``"token_embd"``, ``"attn_q"``, ...) -> the
+    ``GGMLQuantizationType`` to store its matrices as (``tests/doubles/gguf_blocks.py``: Q8_0, Q4_0
+    and Q4_1 quantized from the model's weights, Q4_K and Q6_K random blocks); others float32.
+    ``tokenizer`` false: no tokenizer (reading SmolLM2's 49k tokens takes seconds), for tests that
+    read only the weights."""
     arch = "qwen3"
     cfg = model.config
     w = GGUFWriter(path, arch)
@@ -48,7 +53,8 @@ def write_qwen3_gguf(model, path: str) -> None:
     w.add_head_count(cfg.num_attention_heads); w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(cfg.head_dim); w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps); w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    copy_tokenizer(w, GGUFReader(smollm2_gguf()))
+    if tokenizer:
+        copy_tokenizer(w, GGUFReader(smollm2_gguf()))
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     parts = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -61,5 +67,13 @@ def write_qwen3_gguf(model, path: str) -> None:
         else:
             i = int(name.split(".")[2]); mod = ".".join(name.split(".")[3:-1])
             g = f"blk.{i}.{parts[mod]}.weight"
-        w.add_tensor(g, t.float().numpy())
+        kind = g.split(".")[-2]
+        if qtypes and kind in qtypes and t.dim() == 2:
+            from tests.doubles.gguf_blocks import random_quantized
+
+            qtype = qtypes[kind]
+            w.add_tensor(g, random_quantized(qtype, *t.shape, seed=len(g), weights=t.float().numpy()),
+                         raw_dtype=qtype)
+        else:
+            w.add_tensor(g, t.float().numpy())
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
