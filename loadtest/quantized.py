@@ -6,7 +6,7 @@ weights by the ``gguf`` package (Q8_0, Q4_0; the package has no Q4_K quantizer).
 
 Each variant runs in a fresh process (so that its RSS is its own): the offline engine
 (``services.offline.EngineCore``) in bfloat16, the weights dequantized (``--quantization none``,
-the matmuls on ``--linear-kernel auto``) for ``bf16``, served quantized (``--quantization auto``)
+the matmuls on ``--linear-kernel auto``) for ``bf16``, served quantized (``--quantization gguf``)
 for the others. It prints the weights' bytes in memory, the RSS after loading, and output tokens per
 second for each stream count (every stream the same 16-token prompt plus its own first token,
 ``--tokens`` greedy tokens each, EOS ignored; prefill included), each ``--rounds`` times, the
@@ -103,7 +103,7 @@ def child(variant: str, path: str, streams: list[int], tokens: int) -> dict:
     from shared.model_source import resolve_model
 
     source = resolve_model(path)
-    quantization = "none" if variant == "bf16" else "auto"
+    quantization = "none" if variant == "bf16" else "gguf"
     options = RunnerOptions(dtype=torch.bfloat16, num_kv_blocks=256, num_cpu_blocks=0, quantization=quantization)
     t0 = time.perf_counter()
     config = load_hf_config(source)

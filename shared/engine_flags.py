@@ -47,10 +47,11 @@ class RunnerFlags:
     linear_kernel: str = flag("auto", "the model's matmuls (auto: on CPUs in bfloat16, the Numba kernel where the "
                               "CPU has AVX-512 BF16 without AMX, else oneDNN-packed weights; F.linear in float32)",
                               choices=("auto", "onednn", "numba", "torch"))
-    quantization: str = flag("auto", "weights served quantized (auto: a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K "
+    quantization: str = flag("auto", "weights served quantized (gguf: a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K "
                              "tensors stay in their blocks and the matmuls read them, other types are "
-                             "dequantized; a Hugging Face directory as it is) or none (dequantize everything)",
-                             choices=("auto", "none"))
+                             "dequantized; none: dequantize everything; auto: none for now, as gguf decodes a "
+                             "batch slower, measured; a Hugging Face directory is served as it is)",
+                             choices=("auto", "gguf", "none"))
     num_threads: int | None = flag(None, "CPU threads for torch and numba", type=int,
                                    shown="this host's cores, shared by its ranks")
     adaptive_threads: bool = flag(True, "run each small step on one thread or on all, whichever its timing shows "

@@ -1,4 +1,4 @@
-"""Matmuls ``x @ W.T`` over GGUF-quantized weights kept quantized in memory (``--quantization auto``
+"""Matmuls ``x @ W.T`` over GGUF-quantized weights kept quantized in memory (``--quantization gguf``
 on a GGUF file; ``services/executor/quantized.py``), and the embedding rows of such a weight.
 
 Layout (``QuantPack``, made once at load from the file's blocks by ``pack``; the same bits, laid out

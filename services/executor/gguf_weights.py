@@ -1,4 +1,4 @@
-"""A GGUF file's tensors read raw (``--quantization auto``): the quantized ones kept in their blocks
+"""A GGUF file's tensors read raw (``--quantization gguf``): the quantized ones kept in their blocks
 (``QuantWeight``), the rest as float32 tensors, all under Hugging Face parameter names.
 
 llama.cpp's converter names tensors ``blk.N.attn_q.weight`` and so on and, for the Llama
@@ -48,20 +48,30 @@ def gguf_path(source) -> str | None:
     return os.path.join(source.directory, source.gguf_file) if source.gguf_file else None
 
 
+# Measured with ``python -m loadtest.quantized`` (2-core Intel Xeon, AMX; docs/benchmarks.md): the
+# embedded SmolLM2 served in its Q4_1 blocks decoded one stream 1.6x faster than dequantized to
+# bfloat16, but 16 streams at 0.43x and 64 at 0.26x. A server batches, so auto dequantizes.
+AUTO_REASON = ("--quantization auto on a GGUF file: dequantized (in its blocks one stream decodes faster but a "
+               "batch much slower, measured; --quantization gguf keeps them, at 0.3x the weight memory)")
+
+
 def choose_quantization(requested: str, is_gguf: bool, model_type: str, device_type: str = "cpu") -> QuantizationChoice:
     """What ``--quantization requested`` serves for a model (a GGUF file or not, of ``model_type``,
     on a ``device_type`` device)."""
     if requested == "none":
         return QuantizationChoice("none", "--quantization none: every weight dequantized")
     if not is_gguf:
-        return QuantizationChoice("none", "--quantization auto on a Hugging Face checkpoint: its weights as they are")
+        return QuantizationChoice("none", f"--quantization {requested} on a Hugging Face checkpoint: its weights as "
+                                          "they are")
+    if requested == "auto":
+        return QuantizationChoice("none", AUTO_REASON)
     if device_type != "cpu":
-        return QuantizationChoice("none", f"--quantization auto on {device_type}: the quantized kernels are CPU "
+        return QuantizationChoice("none", f"--quantization gguf on {device_type}: the quantized kernels are CPU "
                                           "kernels, so the GGUF file is dequantized")
     if model_type not in ARCHITECTURES:
-        return QuantizationChoice("none", f"--quantization auto: {model_type} GGUF files are dequantized "
+        return QuantizationChoice("none", f"--quantization gguf: {model_type} GGUF files are dequantized "
                                           f"(served quantized: {', '.join(ARCHITECTURES)})")
-    return QuantizationChoice("gguf", "--quantization auto on a GGUF file: its Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
+    return QuantizationChoice("gguf", "--quantization gguf on a GGUF file: its Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
                                       "matrices stay in their blocks, the matmuls read them")
 
 

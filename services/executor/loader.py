@@ -59,7 +59,7 @@ class RunnerOptions:
     max_model_len: int | None = None
     attention_backend: str = _RUNNER.attention_backend
     linear_kernel: str = _RUNNER.linear_kernel
-    quantization: str = _RUNNER.quantization  # auto or none (gguf_weights.py)
+    quantization: str = _RUNNER.quantization  # auto, gguf or none (gguf_weights.py)
     seed: int = _RUNNER.seed
 
     def __post_init__(self) -> None:
@@ -72,8 +72,8 @@ class RunnerOptions:
             raise ValueError(f"--max-model-len must be greater than 1, got {self.max_model_len}")
         parse_bytes(self.kv_cache_memory)
         check_linear_kernel(self.linear_kernel)
-        if self.quantization not in ("auto", "none"):
-            raise ValueError(f"--quantization must be auto or none, got {self.quantization!r}")
+        if self.quantization not in ("auto", "gguf", "none"):
+            raise ValueError(f"--quantization must be auto, gguf or none, got {self.quantization!r}")
         if self.swap_space < 0:
             raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
 

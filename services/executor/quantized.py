@@ -1,4 +1,4 @@
-"""The model's layers over GGUF-quantized weights (``--quantization auto`` on a GGUF file): a
+"""The model's layers over GGUF-quantized weights (``--quantization gguf`` on a GGUF file): a
 ``QuantLinear`` for each matmul whose weight the file holds quantized, a ``QuantEmbedding`` reading
 the embedding rows from their blocks, and the tied LM head multiplying with the same blocks.
 

@@ -1,4 +1,4 @@
-"""GGUF files served quantized (``--quantization auto``): a tiny random Qwen3 written as a GGUF file
+"""GGUF files served quantized (``--quantization gguf``): a tiny random Qwen3 written as a GGUF file
 of mixed quantized types gives, served in its blocks, the greedy tokens of the same weights
 dequantized by the ``gguf`` package and run through the plain float path; ``-tp 2`` cuts the blocks
 on their edges and gives rank 0 the one-rank logits; a split inside a block is refused in one line."""
@@ -178,22 +178,24 @@ def test_smollm2_q4_1_served_quantized_agrees_with_the_dequantized_model():
     prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "Once upon a time",
                                        "Water boils at")]
     outputs = {}
-    for mode in ("auto", "none"):
+    for mode in ("gguf", "none"):
         state, choice = load_weights(source, config, mode)
-        assert choice.mode == ("gguf" if mode == "auto" else "none")
+        assert choice.mode == mode
         runner = build_runner(config, state, RunnerOptions(dtype=torch.float32, num_kv_blocks=64, num_cpu_blocks=0))
-        assert any(isinstance(m, QuantLinear) for m in runner.model.modules()) == (mode == "auto")
+        assert any(isinstance(m, QuantLinear) for m in runner.model.modules()) == (mode == "gguf")
         outputs[mode] = greedy_engine(EngineCore(runner), prompts, 24)
     same = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
-               for x, y in zip(outputs["auto"], outputs["none"]))
+               for x, y in zip(outputs["gguf"], outputs["none"]))
     assert same >= 0.9 * 4 * 24, (same, outputs)
 
 
 def test_quantization_choice():
     from services.executor.gguf_weights import choose_quantization
 
-    assert choose_quantization("auto", True, "llama").mode == "gguf"
+    assert choose_quantization("gguf", True, "llama").mode == "gguf"
+    assert choose_quantization("auto", True, "llama").mode == "none"  # a batch decodes slower in blocks, measured
+    assert "measured" in choose_quantization("auto", True, "llama").reason
     assert choose_quantization("none", True, "llama").mode == "none"
-    assert choose_quantization("auto", False, "llama").mode == "none"  # a Hugging Face directory
-    assert choose_quantization("auto", True, "gemma2").mode == "none"  # names this reader does not map
-    assert choose_quantization("auto", True, "qwen3", "cuda").mode == "none"  # CPU kernels only
+    assert choose_quantization("gguf", False, "llama").mode == "none"  # a Hugging Face directory
+    assert choose_quantization("gguf", True, "gemma2").mode == "none"  # names this reader does not map
+    assert choose_quantization("gguf", True, "qwen3", "cuda").mode == "none"  # CPU kernels only
