@@ -21,7 +21,7 @@ ARITHMETIC = r'''
 root   ::= expr
 expr   ::= term (("+" | "-") term)*
 term   ::= factor (("*" | "/") factor)*
-factor ::= [0-9]{1,3} | "(" expr ")"
+factor ::= "0" | [1-9] [0-9]{0,2} | "(" expr ")"
 '''
 
 
