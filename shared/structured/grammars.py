@@ -19,6 +19,7 @@ from typing import Any
 MAX_GUIDE_BYTES = 64 * 1024  # a spec's JSON text (a schema, a regex, a grammar)
 MAX_BLANKS = 32  # blanks between two JSON tokens
 MAX_MESSAGE = 300  # characters of llguidance's message kept in an error
+_GBNF_FAILED = "Failed to convert the grammar from GBNF to Lark: "
 KINDS = ("json_object", "json_schema", "choice", "regex", "grammar")
 _FLEXIBLE = {"whitespace_flexible": True, "whitespace_pattern": f"[ \\t\\n\\r]{{0,{MAX_BLANKS}}}",
              "json_allow_general_unicode_escapes": True}  # "\\u00e9" as json.dumps writes it
@@ -66,10 +67,8 @@ def to_grammar(spec: Any) -> str:
         return llguidance.LLMatcher.grammar_from_regex(value)
     try:
         return llguidance.grammar_from("gbnf", value)  # Lark passes through as it is
-    except ValueError as exc:
-        raise ValueError(_first_line(str(exc))) from None
-    except Exception as exc:  # noqa: BLE001 - the GBNF converter raises bare Exceptions for bad grammars
-        raise ValueError(f"the grammar is malformed: {_first_line(str(exc))}") from None
+    except Exception as exc:  # noqa: BLE001 - the GBNF converter raises ValueError, or bare Exceptions
+        raise ValueError("GBNF: " + _first_line(str(exc).removeprefix(_GBNF_FAILED))) from None
 
 
 def compile_guide(spec: Any) -> str:
