@@ -65,6 +65,27 @@ def load_vocabulary(tokenizer: str | None, model: ModelSource, vocab_size: int, 
     return vocabulary
 
 
+def _set_bits(words: np.ndarray, token_ids: list[int], value: bool) -> None:
+    for token in token_ids:
+        bit = np.uint32(1 << (token & 31))
+        words[token >> 5] = words[token >> 5] | bit if value else words[token >> 5] & ~bit
+
+
+def token_set(words: np.ndarray, size: int) -> TokenSet:
+    """The ``TokenSet`` of a little-endian bitmask (``size`` tokens in uint32 words): the allowed ids
+    or the refused ones, whichever has fewer non-zero words, read from those words alone (most masks
+    allow a few tokens, or all but a few); a mask of neither kind through a boolean array."""
+    refused = ~words
+    on, off = np.flatnonzero(words), np.flatnonzero(refused)
+    keep = len(on) <= len(off)
+    nonzero, bits = (on, words) if keep else (off, refused)
+    if len(nonzero) > len(words) // 4:
+        return TokenSet.from_mask(np.unpackbits(words.view(np.uint8), bitorder="little")[:size].view(bool))
+    rows, columns = np.nonzero(np.unpackbits(bits[nonzero].view(np.uint8), bitorder="little").reshape(-1, 32))
+    ids = nonzero[rows] * 32 + columns
+    return TokenSet(keep, ids[ids < size].astype(np.int64))
+
+
 class GuidedSequences:
     """The guided sequences of one executor. ``vocabulary`` (an ``llguidance.LLTokenizer``) is made
     on first use by ``load_vocabulary``."""
@@ -121,11 +142,11 @@ class GuidedSequences:
         if self._bitmask is None:
             self._bitmask = llguidance.numpy.allocate_token_bitmask(1, size)
         llguidance.numpy.fill_next_token_bitmask(matcher, self._bitmask, 0)
-        allowed = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")[:size].astype(bool)
-        allowed[[t for t in self.vocabulary.eos_tokens if t < size]] = False  # the request's EOS ids instead
-        if matcher.is_accepting() or not allowed.any():
-            allowed[eos] = True
-        return TokenSet.from_mask(allowed)
+        words = self._bitmask[0].view(np.uint32)
+        _set_bits(words, [t for t in self.vocabulary.eos_tokens if t < size], False)  # the request's EOS ids instead
+        if matcher.is_accepting() or not words.any():
+            _set_bits(words, eos, True)
+        return token_set(words, size)
 
     def _matcher(self, tracked: _Tracked, seq_id: int):
         """The sequence's matcher, after every output token so far (made, or reset, as needed)."""

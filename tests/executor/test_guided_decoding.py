@@ -134,6 +134,19 @@ def test_token_sets_keep_the_shorter_list():
     assert few.only_among([1, 7]) and not few.only_among([7]) and not most.only_among([0, 1, 3])
 
 
+@pytest.mark.parametrize("density", [0.0, 0.0005, 0.3, 0.9995, 1.0])
+def test_token_sets_read_from_a_bitmask_equal_numpys_unpacking(density):
+    from services.executor.guided import token_set
+
+    size = 1000  # not a multiple of 32: the last word's spare bits are never ids
+    rng = np.random.default_rng(int(density * 1e4))
+    allowed = rng.random(size) < density
+    words = np.packbits(np.concatenate([allowed, np.zeros(24, bool)]), bitorder="little").view(np.uint32)
+    tokens = token_set(words.copy(), size)
+    assert (tokens.as_mask(size) == allowed).all() and (tokens.ids < size).all()
+    assert tokens.keep == (allowed.sum() <= size // 2) or 0.2 < density < 0.8
+
+
 def test_a_sequence_state_follows_its_history_through_a_restart(tokenizer, vocabulary):
     sampler = Sampler()
     sampler.guided.load_vocabulary = lambda: vocabulary
