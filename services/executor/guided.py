@@ -65,6 +65,12 @@ def load_vocabulary(tokenizer: str | None, model: ModelSource, vocab_size: int, 
     return vocabulary
 
 
+def _reraise_interrupts(exc: BaseException) -> None:
+    """llguidance's panics come as pyo3's PanicException, a BaseException: those are caught, not these."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        raise exc
+
+
 def _set_bits(words: np.ndarray, token_ids: list[int], value: bool) -> None:
     for token in token_ids:
         bit = np.uint32(1 << (token & 31))
@@ -141,7 +147,12 @@ class GuidedSequences:
 
         if self._bitmask is None:
             self._bitmask = llguidance.numpy.allocate_token_bitmask(1, size)
-        llguidance.numpy.fill_next_token_bitmask(matcher, self._bitmask, 0)
+        try:
+            llguidance.numpy.fill_next_token_bitmask(matcher, self._bitmask, 0)
+        except BaseException as exc:  # noqa: BLE001 - a panic inside llguidance: the sequence may only end
+            _reraise_interrupts(exc)
+            tracked.left = True
+            return TokenSet(True, np.asarray(sorted(set(eos)), np.int64))
         words = self._bitmask[0].view(np.uint32)
         _set_bits(words, [t for t in self.vocabulary.eos_tokens if t < size], False)  # the request's EOS ids instead
         if matcher.is_accepting() or not words.any():
@@ -162,9 +173,12 @@ class GuidedSequences:
         if not new or tracked.left or matcher.is_error():
             return matcher
         size = self.vocabulary.vocab_size
-        if all(0 <= t < size for t in new):
+        try:
+            if not all(0 <= t < size for t in new):
+                raise IndexError("an output token outside the vocabulary")
             matcher.consume_tokens(new)
-        else:
+        except BaseException as exc:  # noqa: BLE001 - the guide is left (or llguidance panicked): it may only end
+            _reraise_interrupts(exc)
             tracked.left = True
         return matcher
 
@@ -172,7 +186,11 @@ class GuidedSequences:
         import llguidance
 
         if spec not in self._guides:
-            self._guides[spec] = llguidance.LLMatcher(self.vocabulary, compile_guide(spec), log_level=0)
+            try:
+                grammar = compile_guide(spec)
+            except ValueError as exc:  # the frontend and the offline engine check first: not from them
+                raise GuideUnavailable(f"the guide cannot be followed: {exc}") from None
+            self._guides[spec] = llguidance.LLMatcher(self.vocabulary, grammar, log_level=0)
             if len(self._guides) > GUIDES_KEPT:  # its live sequences keep their copies
                 self._guides.popitem(last=False)
         self._guides.move_to_end(spec)

@@ -72,11 +72,17 @@ def to_grammar(spec: Any) -> str:
 
 
 def compile_guide(spec: Any) -> str:
-    """``spec``'s llguidance grammar once llguidance takes it; raises ``ValueError`` saying why not."""
+    """``spec``'s llguidance grammar once llguidance takes it; raises ``ValueError`` saying why not
+    (a panic inside llguidance too: pyo3 raises it as a ``BaseException``)."""
     import llguidance
 
-    grammar = to_grammar(spec)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    try:
+        grammar = to_grammar(spec)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    except (ValueError, RecursionError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - pyo3_runtime.PanicException on odd schemas
+        raise ValueError(f"llguidance cannot read the guide: {_first_line(str(exc))}") from None
     if is_error:
         raise ValueError(_first_line(messages[0] if messages else "llguidance refused the guide"))
     return grammar

@@ -174,6 +174,20 @@ def test_a_sequence_state_follows_its_history_through_a_restart(tokenizer, vocab
     assert np.flatnonzero(off.mask(9, [0]).as_mask(size)).tolist() == [0]
 
 
+def test_outputs_from_elsewhere_may_only_end_and_a_bad_spec_fails_its_sequence(tokenizer, vocabulary):
+    from services.executor.guided import GuideUnavailable
+
+    histories = TokenHistories()
+    guided = GuidedSequences(histories, lambda: vocabulary)
+    histories.add(sequence(1, [1], [len(tokenizer) + 5], SamplingParams()))  # an id past the vocabulary
+    guided.add(1, json.dumps({"regex": "[a-z]+"}))
+    assert guided.mask(1, [0, 2]).as_mask(len(tokenizer)).nonzero()[0].tolist() == [0, 2]
+    histories.add(sequence(2, [1], [], SamplingParams()))
+    guided.add(2, json.dumps({"regex": "a[0-9"}))  # never from the frontend, which refuses it
+    with pytest.raises(GuideUnavailable, match="unclosed character class"):
+        guided.mask(2, [0])
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
     return LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, block_size=16)

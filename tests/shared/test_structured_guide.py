@@ -140,6 +140,8 @@ def test_choices_are_raw_texts():
     ({"regex": "a", "grammar": "b"}, "a guide is one of"),
     ({"lark": "start: a"}, "unknown guide 'lark'"),
     ({"json_object": True, "whitespace": "no"}, "whitespace must be true or false"),
+    # llguidance 1.9 panics cutting this $ref's text mid-character: still a ValueError
+    ({"json_schema": {"$ref": ["a" * 96 + "😍"]}}, "llguidance cannot read the guide"),
 ])
 def test_specs_it_cannot_follow_are_refused_with_the_reason(spec, message):
     with pytest.raises(ValueError) as info:
