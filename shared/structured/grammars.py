@@ -29,8 +29,9 @@ _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator"
 
 def _read(spec: Any) -> tuple[str, Any, bool]:
     if isinstance(spec, (str, bytes)):
-        if len(spec) > MAX_GUIDE_BYTES:
-            raise ValueError(f"the guide is {len(spec)} bytes, over the limit of {MAX_GUIDE_BYTES} bytes")
+        size = len(spec.encode() if isinstance(spec, str) else spec)
+        if size > MAX_GUIDE_BYTES:
+            raise ValueError(f"the guide is {size} bytes, over the limit of {MAX_GUIDE_BYTES} bytes")
         spec = json.loads(spec)
     if not isinstance(spec, dict):
         raise ValueError(f"a guide is one of {', '.join(KINDS)}")
