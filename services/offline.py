@@ -29,7 +29,7 @@ from shared.hub_kernels import hide_hub_kernels
 
 hide_hub_kernels()  # a script that imports LLM and then transformers' models: `kernels` is ours (shared/hub_kernels.py)
 
-from services.executor.guided import Vocabulary, token_bytes
+from services.executor.guided import vocabulary_of
 from services.executor.loader import build_runner
 from services.executor.runner import ModelRunner
 from services.offline_options import SchedulingOptions, split_options
@@ -154,7 +154,7 @@ class LLM:
         self.eos_token_ids = list(eos_token_ids)
         if tokenizer is not None:
             vocab_size = engine.runner.model.config.vocab_size
-            engine.runner.sampler.guided.load_vocabulary = lambda: Vocabulary(token_bytes(tokenizer, vocab_size))
+            engine.runner.sampler.guided.load_vocabulary = lambda: vocabulary_of(tokenizer, vocab_size)
         self._request_ids = itertools.count()
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],

@@ -1,2 +1,2 @@
-"""The guide engines compared (``python -m loadtest.grammars``): pagedserve's own structured-output
-automaton against xgrammar, llguidance and outlines-core; see ``__main__``."""
+"""The guide engines compared (``python -m loadtest.grammars``): structured-output libraries, llguidance (the
+one pagedserve uses), xgrammar and outlines-core; see ``__main__`` and docs/grammars.md."""

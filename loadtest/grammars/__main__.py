@@ -1,7 +1,7 @@
-"""Guide engines compared on SmolLM2's 49,152-token vocabulary: pagedserve's own automaton against
-xgrammar, llguidance and outlines-core (what vLLM and SGLang use), each on one thread.
+"""Guide engines compared on SmolLM2's 49,152-token vocabulary: llguidance (pagedserve's), xgrammar and
+outlines-core (what vLLM and SGLang use), each on one thread.
 
-    python -m loadtest.grammars [--engines own,xgrammar,llguidance,outlines] [--batch 64] [--suite DIR]
+    python -m loadtest.grammars [--engines xgrammar,llguidance,outlines] [--batch 64] [--suite DIR]
                                 [--walks 2] [--skip-coverage]
 
 Prints, per engine: the mask time per sequence per step with ``--batch`` sequences walking
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--suite", default=None, help="the suite's tests/draft2020-12 folder (default: fetched)")
     parser.add_argument("--walks", type=int, default=2, help="random outputs per suite schema")
     parser.add_argument("--skip-coverage", action="store_true")
-    parser.add_argument("--coverage-engines", default="own,xgrammar,llguidance",
+    parser.add_argument("--coverage-engines", default="xgrammar,llguidance",
                         help="engines run over the suite (outlines-core compiles a schema in seconds: left out)")
     args = parser.parse_args(argv)
     say(f"cpu: {read_cpu_features().summary()}")

@@ -17,65 +17,6 @@ def unpack(bitmask: np.ndarray, row: int, size: int) -> np.ndarray:
     return np.unpackbits(np.ascontiguousarray(bitmask[row]).view(np.uint8), bitorder="little")[:size].astype(bool)
 
 
-class Own:
-    """pagedserve's byte-level automaton (``shared.structured``), masks made as the executor makes them
-    (``services.executor.guided.GuidedSequences``: per state, kept for the next time it comes back)."""
-
-    name = "pagedserve (own)"
-
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
-        from services.executor.guided import GuidedSequences, Vocabulary, token_bytes
-
-        self.size, self._next_id = vocab_size, 0
-        vocabulary = Vocabulary(token_bytes(tokenizer, vocab_size))
-        self._histories = _Histories()
-        self._guided = GuidedSequences(self._histories, lambda: vocabulary)
-
-    def compile(self, kind: str, spec: Any) -> Any:
-        from shared.structured import compile_guide
-
-        if kind != "json":
-            raise ValueError(f"no {kind} guides")
-        compile_guide({"json_schema": spec})  # raises what it does not support
-        return json.dumps({"json_schema": spec})
-
-    def matcher(self, compiled: str) -> int:
-        self._next_id += 1
-        self._histories.tokens[self._next_id] = []
-        self._guided.add(self._next_id, compiled)
-        return self._next_id
-
-    def fill(self, matchers: list[int]) -> list:
-        return [self._guided.mask(m, []) for m in matchers]
-
-    def allowed(self, masks: list, i: int) -> np.ndarray:
-        return masks[i].as_mask(self.size)
-
-    def accept(self, matcher: int, token: int) -> bool:
-        tracked = self._guided._seqs[matcher]
-        ok = bool(self._guided.mask(matcher, []).as_mask(self.size)[token])
-        self._histories.tokens[matcher].append(token)
-        return ok and self._guided._state(matcher, tracked) is not None
-
-    def accepting(self, matcher: int) -> bool:
-        tracked = self._guided._seqs[matcher]
-        state = self._guided._state(matcher, tracked)
-        return state is not None and tracked.guide.is_complete(state)
-
-
-class _Histories:
-    """What ``GuidedSequences`` reads of the executor's token histories: outputs only, no prompt."""
-
-    def __init__(self) -> None:
-        self.tokens: dict[int, list[int]] = {}
-
-    def token_ids(self, seq_id: int) -> list[int]:
-        return self.tokens[seq_id]
-
-    def num_prompt_tokens(self, seq_id: int) -> int:
-        return 0
-
-
 class XGrammar:
     """xgrammar (vLLM's and SGLang's default): ``GrammarCompiler`` and ``GrammarMatcher``."""
 
@@ -168,12 +109,14 @@ class OutlinesCore:
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         import outlines_core
 
-        from services.executor.token_bytes import token_bytes
+        from services.executor.guided import vocabulary_of
 
         self.oc, self.size = outlines_core, vocab_size
+        llg_tokenizer = vocabulary_of(tokenizer, vocab_size)  # each token's bytes, as llguidance reads them
         vocab: dict[bytes, list[int]] = {}
-        for token, data in enumerate(token_bytes(tokenizer, vocab_size)):
-            if data and token != tokenizer.eos_token_id:  # special tokens have no bytes
+        for token in range(vocab_size):
+            data = llg_tokenizer.decode_bytes([token])
+            if data and not llg_tokenizer.is_special_token(token):  # special tokens have no bytes
                 vocab.setdefault(data, []).append(token)
         self._vocabulary = outlines_core.Vocabulary(tokenizer.eos_token_id, vocab)
 
@@ -206,4 +149,4 @@ class OutlinesCore:
         return bool(matcher.is_finished())
 
 
-ENGINES = {"own": Own, "xgrammar": XGrammar, "llguidance": LLGuidance, "outlines": OutlinesCore}
+ENGINES = {"xgrammar": XGrammar, "llguidance": LLGuidance, "outlines": OutlinesCore}

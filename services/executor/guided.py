@@ -1,33 +1,34 @@
-"""Structured output on the executor: for each guided sequence, the vocabulary's tokens that keep its
-output inside its guide (``shared.structured``), as a ``TokenSet`` the sampler applies last.
+"""Structured output on the executor: for each guided sequence, the tokens that keep its output
+inside its guide (a ``shared.structured`` spec, an llguidance grammar), as a ``TokenSet`` the
+sampler applies last.
 
-``GuidedSequences``: a sequence's state is recomputed from its output tokens (the executor's
-``TokenHistories``), so a fork, a recompute, a resumed request or a restarted executor need nothing
-of their own; masks are made from the sorted vocabulary (``vocabulary``, from the tokenizer's bytes
-for each id: ``token_bytes``) and kept per (guide, state) for the next time the state comes back.
+``GuidedSequences`` holds one ``llguidance.LLMatcher`` per sequence over the executor's tokenizer
+(``load_vocabulary``: ``llguidance.hf.from_tokenizer`` over the model's vocabulary size). A
+sequence's state is its output tokens (the executor's ``TokenHistories``): the matcher consumes the
+new ones before each mask, and starts again from them when there are fewer than before, so a fork,
+a recompute, a resumed request or a restarted executor need nothing of their own.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from shared.structured import Guide, compile_guide
+from shared.hub_kernels import hide_hub_kernels
+from shared.model_source import ModelSource
+from shared.structured import compile_guide
 
 from .histories import TokenHistories
-from .token_bytes import token_bytes
 from .token_set import TokenSet
-from .vocabulary import Vocabulary, load_vocabulary
 
-# ``executor.main`` and ``offline`` import the vocabulary's loaders from here
-__all__ = ["GUIDES_KEPT", "MASK_CACHE_SIZE", "GuideUnavailable", "GuidedSequences", "Vocabulary",
-           "load_vocabulary", "token_bytes"]
+__all__ = ["GUIDES_KEPT", "GuideUnavailable", "GuidedSequences", "load_vocabulary", "vocabulary_of"]
 
-MASK_CACHE_SIZE = 1024  # masks kept per guide (a few KiB each: ids, not a bit per token)
-GUIDES_KEPT = 32  # guides kept for their masks after their last sequence, the least recently used dropped
+GUIDES_KEPT = 32  # compiled matchers kept per spec after their last sequence, the least recently used dropped
 
 
 class GuideUnavailable(RuntimeError):
@@ -36,26 +37,76 @@ class GuideUnavailable(RuntimeError):
 
 @dataclass
 class _Tracked:
-    guide: Guide
-    masks: OrderedDict  # state -> mask, shared by every sequence with the same guide
-    state: tuple | None  # after ``consumed`` output tokens; None once they left the guide
-    consumed: int = 0
+    spec: str
+    matcher: Any = None  # llguidance.LLMatcher, made at the first mask
+    consumed: int = 0  # output tokens it has consumed
+    left: bool = False  # an output token outside the vocabulary: the guide is left
+
+
+def vocabulary_of(tokenizer, vocab_size: int):
+    """llguidance's view of a Hugging Face tokenizer, over the model's ``vocab_size`` ids."""
+    hide_hub_kernels()  # llguidance.hf imports transformers
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+
+
+def load_vocabulary(tokenizer: str | None, model: ModelSource, vocab_size: int, log=None):
+    """``vocabulary_of`` the tokenizer ``tokenizer`` names (a ``--tokenizer`` value), or else
+    ``model``'s: made on the first guided request."""
+    from shared.model_source import load_tokenizer, resolve_tokenizer
+
+    start = time.monotonic()
+    source = resolve_tokenizer(tokenizer, model)
+    vocabulary = vocabulary_of(load_tokenizer(source, "--tokenizer" if tokenizer else "--model"), vocab_size)
+    if log is not None:
+        log.info("guided decoding ready", tokenizer=source.where, tokens=vocab_size,
+                 seconds=round(time.monotonic() - start, 2))
+    return vocabulary
+
+
+def _reraise_interrupts(exc: BaseException) -> None:
+    """llguidance's panics come as pyo3's PanicException, a BaseException: those are caught, not these."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        raise exc
+
+
+def _set_bits(words: np.ndarray, token_ids: list[int], value: bool) -> None:
+    for token in token_ids:
+        bit = np.uint32(1 << (token & 31))
+        words[token >> 5] = words[token >> 5] | bit if value else words[token >> 5] & ~bit
+
+
+def token_set(words: np.ndarray, size: int) -> TokenSet:
+    """The ``TokenSet`` of a little-endian bitmask (``size`` tokens in uint32 words): the allowed ids
+    or the refused ones, whichever has fewer non-zero words, read from those words alone (most masks
+    allow a few tokens, or all but a few); a mask of neither kind through a boolean array."""
+    refused = ~words
+    on, off = np.flatnonzero(words), np.flatnonzero(refused)
+    keep = len(on) <= len(off)
+    nonzero, bits = (on, words) if keep else (off, refused)
+    if len(nonzero) > len(words) // 4:
+        return TokenSet.from_mask(np.unpackbits(words.view(np.uint8), bitorder="little")[:size].view(bool))
+    rows, columns = np.nonzero(np.unpackbits(bits[nonzero].view(np.uint8), bitorder="little").reshape(-1, 32))
+    ids = nonzero[rows] * 32 + columns
+    return TokenSet(keep, ids[ids < size].astype(np.int64))
 
 
 class GuidedSequences:
-    """The guided sequences of one executor. ``vocabulary`` is made on first use by
-    ``load_vocabulary`` (the tokenizer's bytes for every id up to the model's vocabulary size)."""
+    """The guided sequences of one executor. ``vocabulary`` (an ``llguidance.LLTokenizer``) is made
+    on first use by ``load_vocabulary``."""
 
-    def __init__(self, histories: TokenHistories, load_vocabulary: Callable[[], Vocabulary] | None = None) -> None:
+    def __init__(self, histories: TokenHistories, load_vocabulary: Callable[[], Any] | None = None) -> None:
         self.histories = histories
         self.load_vocabulary = load_vocabulary
-        self._vocabulary: Vocabulary | None = None
+        self._vocabulary: Any = None
         self._failure: str | None = None
-        self._guides: OrderedDict[str, tuple[Guide, OrderedDict]] = OrderedDict()
+        self._guides: OrderedDict[str, Any] = OrderedDict()  # spec -> a fresh matcher, copied per sequence
         self._seqs: dict[int, _Tracked] = {}
+        self._bitmask: np.ndarray | None = None
 
     @property
-    def vocabulary(self) -> Vocabulary:
+    def vocabulary(self):
         """Loaded on first use; a failure is kept (``GuideUnavailable`` each time, no second try)."""
         if self._vocabulary is None:
             if self._failure is not None:
@@ -70,13 +121,8 @@ class GuidedSequences:
         return self._vocabulary
 
     def add(self, seq_id: int, spec: str) -> None:
-        if spec not in self._guides:
-            self._guides[spec] = (compile_guide(spec), OrderedDict())
-            if len(self._guides) > GUIDES_KEPT:  # its live sequences keep theirs
-                self._guides.popitem(last=False)
-        self._guides.move_to_end(spec)
-        guide, masks = self._guides[spec]
-        self._seqs[seq_id] = _Tracked(guide, masks, guide.initial())
+        """Follow ``spec`` for ``seq_id`` (the matcher is made at its first mask)."""
+        self._seqs[seq_id] = _Tracked(spec)
 
     def remove(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
@@ -88,53 +134,64 @@ class GuidedSequences:
         return seq_id in self._seqs
 
     def mask(self, seq_id: int, eos_token_ids: list[int]) -> TokenSet:
-        """What the sequence may sample next; once its guide is complete, the EOS ids too (alone,
-        when nothing may follow). A sequence whose output has left its guide (it cannot, unless
-        its outputs came from elsewhere) may only end."""
+        """What the sequence may sample next; once its guide accepts the output, the EOS ids too
+        (alone, when nothing may follow). A sequence whose output has left its guide (it cannot,
+        unless its outputs came from elsewhere) may only end."""
         tracked = self._seqs[seq_id]
-        state = self._state(seq_id, tracked)
-        vocab = self.vocabulary
-        if state is None:
-            allowed = TokenSet(True, np.zeros(0, np.int64))
-        else:
-            allowed = self._cached(tracked, state)
-        if state is None or tracked.guide.is_complete(state) or allowed.empty:
-            allowed = allowed.adding([t for t in eos_token_ids if 0 <= t < vocab.size])
-        return allowed
+        matcher = self._matcher(tracked, seq_id)
+        size = self.vocabulary.vocab_size
+        eos = [t for t in eos_token_ids if 0 <= t < size]
+        if tracked.left or matcher.is_error() or matcher.is_stopped():
+            return TokenSet(True, np.asarray(sorted(set(eos)), np.int64))
+        import llguidance.numpy
 
-    def _cached(self, tracked: _Tracked, state: tuple) -> TokenSet:
-        """The state's mask, from the cache or made and kept; in a string with length bounds, made
-        from the same string's unbounded mask (``Guide.bounded_string``) and the tokens' lengths."""
-        allowed = tracked.masks.get(state)
-        if allowed is not None:
-            tracked.masks.move_to_end(state)
-            return allowed
-        vocab = self.vocabulary
-        bounded = tracked.guide.bounded_string(state)
-        if bounded is None:
-            mask = vocab.allowed(tracked.guide, state)
-        else:
-            free, chars, low, high = bounded
-            mask = self._cached(tracked, free).as_mask(vocab.size)
-            written = chars + vocab.string_chars
-            if high >= 0:
-                mask &= written <= high
-            mask &= ~vocab.closes_string | (written >= low)
-        allowed = tracked.masks[state] = TokenSet.from_mask(mask)
-        if len(tracked.masks) > MASK_CACHE_SIZE:
-            tracked.masks.popitem(last=False)
-        return allowed
+        if self._bitmask is None:
+            self._bitmask = llguidance.numpy.allocate_token_bitmask(1, size)
+        try:
+            llguidance.numpy.fill_next_token_bitmask(matcher, self._bitmask, 0)
+        except BaseException as exc:  # noqa: BLE001 - a panic inside llguidance: the sequence may only end
+            _reraise_interrupts(exc)
+            tracked.left = True
+            return TokenSet(True, np.asarray(sorted(set(eos)), np.int64))
+        words = self._bitmask[0].view(np.uint32)
+        _set_bits(words, [t for t in self.vocabulary.eos_tokens if t < size], False)  # the request's EOS ids instead
+        if matcher.is_accepting() or not words.any():
+            _set_bits(words, eos, True)
+        return token_set(words, size)
 
-    def _state(self, seq_id: int, tracked: _Tracked) -> tuple | None:
+    def _matcher(self, tracked: _Tracked, seq_id: int):
+        """The sequence's matcher, after every output token so far (made, or reset, as needed)."""
         outputs = self.histories.token_ids(seq_id)[self.histories.num_prompt_tokens(seq_id):]
+        if tracked.matcher is None:  # a copy of the spec's compiled matcher
+            tracked.matcher = self._compiled(tracked.spec).deep_copy()
+        matcher = tracked.matcher
         if tracked.consumed > len(outputs):  # fewer outputs than before: start again from them
-            tracked.state, tracked.consumed = tracked.guide.initial(), 0
-        state = tracked.state
-        pieces = self.vocabulary.pieces
-        for token in outputs[tracked.consumed:]:
-            if state is None:
-                break
-            piece = pieces[token] if 0 <= token < len(pieces) else None
-            state = tracked.guide.advance_bytes(state, piece) if piece else None
-        tracked.state, tracked.consumed = state, len(outputs)
-        return state
+            matcher.reset()
+            tracked.consumed, tracked.left = 0, False
+        new = [int(t) for t in outputs[tracked.consumed:]]
+        tracked.consumed = len(outputs)
+        if not new or tracked.left or matcher.is_error():
+            return matcher
+        size = self.vocabulary.vocab_size
+        try:
+            if not all(0 <= t < size for t in new):
+                raise IndexError("an output token outside the vocabulary")
+            matcher.consume_tokens(new)
+        except BaseException as exc:  # noqa: BLE001 - the guide is left (or llguidance panicked): it may only end
+            _reraise_interrupts(exc)
+            tracked.left = True
+        return matcher
+
+    def _compiled(self, spec: str):
+        import llguidance
+
+        if spec not in self._guides:
+            try:
+                grammar = compile_guide(spec)
+            except ValueError as exc:  # the frontend and the offline engine check first: not from them
+                raise GuideUnavailable(f"the guide cannot be followed: {exc}") from None
+            self._guides[spec] = llguidance.LLMatcher(self.vocabulary, grammar, log_level=0)
+            if len(self._guides) > GUIDES_KEPT:  # its live sequences keep their copies
+                self._guides.popitem(last=False)
+        self._guides.move_to_end(spec)
+        return self._guides[spec]

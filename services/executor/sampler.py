@@ -68,7 +68,7 @@ class Sampler:
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
         self.histories = histories if histories is not None else TokenHistories()
-        # Structured output: the executor sets ``guided.load_vocabulary`` (its tokenizer's bytes).
+        # Structured output: the executor sets ``guided.load_vocabulary`` (its tokenizer, for llguidance).
         self.guided = GuidedSequences(self.histories)
 
     def add(self, seq_id: int, params: SamplingParams) -> None:

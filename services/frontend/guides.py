@@ -5,16 +5,20 @@
   "strict", "description"}}`` (a value valid against ``schema``). ``name`` is required, as OpenAI
   and vLLM require it; ``schema`` left out is ``{}`` (any JSON value, as JSON Schema reads it);
   ``strict`` and ``description`` are accepted and unused (decoding is always constrained).
-- vLLM's ``guided_json`` (a schema, as an object or as JSON text) and ``guided_choice`` (a
-  non-empty list of non-empty strings: the output is exactly one of them).
+- vLLM's ``guided_json`` (a schema, as an object or as JSON text), ``guided_choice`` (a
+  non-empty list of non-empty strings: the output is exactly one of them), ``guided_regex`` (the
+  output matches the regex whole; Rust ``regex`` syntax, as llguidance reads it) and
+  ``guided_grammar`` (a context-free grammar: GBNF as llama.cpp and vLLM write it, or Lark), and
+  ``structured_outputs`` holding any one of these.
 
 Each reads into a spec ``shared.structured.compile_guide`` takes (``{"json_object": true}``,
-``{"json_schema": schema}``, ``{"choice": [...]}``; ``None``: free text), compiled here so that a
-schema it cannot follow is a 400 naming the field rather than a failure in the executor. The spec
-reaches ``SamplingParams.guided`` as JSON text; ``request_rules`` allows one guide per request, and
-the rulebook (``shared.messages.sampling_rules``) none with beam search. vLLM's ``guided_regex`` and
-``guided_grammar`` are refused (``request_body``), not ignored: output that silently ignores them
-would look guided.
+``{"json_schema": schema}``, ``{"choice": [...]}``, ``{"regex": r}``, ``{"grammar": g}``; ``None``:
+free text), compiled here by llguidance so that a schema, regex or grammar it cannot follow is a 400
+naming the field and saying where (llguidance's message) rather than a failure in the executor; a
+spec over ``MAX_GUIDE_BYTES`` is a 400 naming the limit. The spec reaches ``SamplingParams.guided``
+as JSON text; ``request_rules`` allows one guide per request, and the rulebook
+(``shared.messages.sampling_rules``) none with beam search. vLLM's ``guided_whitespace_pattern``
+is refused (``request_body``), not ignored.
 """
 
 from __future__ import annotations
@@ -25,14 +29,16 @@ from typing import Any
 from services.frontend.errors import APIError, bad_request, describe, json_type, reject_constant
 from services.frontend.field_kinds import Custom
 from shared.messages.sampling_rules import guide_error
+from shared.structured import MAX_GUIDE_BYTES
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 # ``GenerationOptions``' guides
-GUIDE_FIELDS = ("response_format", "guided_json", "guided_choice", "structured_outputs")
+GUIDE_FIELDS = ("response_format", "guided_json", "guided_choice", "guided_regex", "guided_grammar",
+                "structured_outputs")
 # vLLM's structured_outputs: what each key becomes; the keys refused (a kind of guide we cannot
 # follow) and the ones read past (a backend's tuning, no change to what is valid)
-_STRUCTURED_KINDS = ("json", "choice", "json_object")
-_STRUCTURED_REFUSED = ("regex", "grammar", "structural_tag", "whitespace_pattern")
+_STRUCTURED_KINDS = ("json", "choice", "json_object", "regex", "grammar")
+_STRUCTURED_REFUSED = ("structural_tag", "whitespace_pattern")
 _STRUCTURED_PASSED = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
 
 
@@ -102,13 +108,34 @@ def _read_guided_choice(name: str, value: Any) -> dict[str, Any]:
     return checked({"choice": list(value)}, name, name)
 
 
+def _read_text_guide(kind: str, name: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{name} must be a non-empty string ({'a regex' if kind == 'regex' else 'a grammar'}), "
+                          f"got {describe(value)}", name)
+    if len(value.encode()) > MAX_GUIDE_BYTES:
+        raise bad_request(f"{name} is {len(value.encode())} bytes, over the limit of {MAX_GUIDE_BYTES} bytes", name)
+    return checked({kind: value}, name, name)
+
+
+def _read_guided_regex(name: str, value: Any) -> dict[str, Any]:
+    return _read_text_guide("regex", name, value)
+
+
+def _read_guided_grammar(name: str, value: Any) -> dict[str, Any]:
+    return _read_text_guide("grammar", name, value)
+
+
+_READERS = {"choice": _read_guided_choice, "json": _read_guided_json, "regex": _read_guided_regex,
+            "grammar": _read_guided_grammar}
+
+
 def _read_structured_outputs(name: str, value: Any) -> dict[str, Any]:
-    """vLLM's ``structured_outputs``: one of ``json`` (a schema, or its JSON text), ``choice`` or
-    ``json_object: true``; ``disable_any_whitespace: true`` writes the JSON compact. ``regex``,
-    ``grammar``, ``structural_tag`` and ``whitespace_pattern`` are refused (not followed, they would
-    look followed). ``disable_fallback`` (a backend's) and ``disable_additional_properties`` are read
-    past: the guide writes no property an object schema does not list, whatever the flag (only an
-    object schema with no ``properties`` at all takes free keys, where vLLM's flag would close it)."""
+    """vLLM's ``structured_outputs``: one of ``json`` (a schema, or its JSON text), ``choice``,
+    ``regex``, ``grammar`` or ``json_object: true``; ``disable_any_whitespace: true`` writes the JSON
+    compact. ``structural_tag`` and ``whitespace_pattern`` are refused (not followed, they would look
+    followed). ``disable_fallback`` (a backend's) and ``disable_additional_properties`` are read
+    past (an object schema takes the properties JSON Schema lets it: close it with
+    ``additionalProperties: false``)."""
     if not isinstance(value, dict):
         raise bad_request(f"{name} must be an object, got {json_type(value)}", name)
     for key in value:
@@ -130,12 +157,11 @@ def _read_structured_outputs(name: str, value: Any) -> dict[str, Any]:
             raise bad_request(f"{where} must be true, got {describe(value['json_object'])}", name)
         spec: dict[str, Any] = {"json_object": True}
     else:
-        read = _read_guided_choice if kind == "choice" else _read_guided_json
         try:
-            spec = read(where, value[kind])
+            spec = _READERS[kind](where, value[kind])
         except APIError as exc:  # named by the part, for the message; the param is the field
             raise bad_request(exc.message, name) from None
-    if value.get("disable_any_whitespace") and kind != "choice":
+    if value.get("disable_any_whitespace") and kind in ("json", "json_object"):
         spec = {**spec, "whitespace": False}
     return checked(spec, name, where)
 
@@ -163,12 +189,16 @@ GUIDED_JSON = Custom(_read_guided_json, {"oneOf": [
 ]})
 GUIDED_CHOICE = Custom(_read_guided_choice, {"type": "array", "items": {"type": "string", "minLength": 1},
                                              "minItems": 1})
+GUIDED_REGEX = Custom(_read_guided_regex, {"type": "string", "minLength": 1, "maxLength": MAX_GUIDE_BYTES})
+GUIDED_GRAMMAR = Custom(_read_guided_grammar, {"type": "string", "minLength": 1, "maxLength": MAX_GUIDE_BYTES})
 STRUCTURED_OUTPUTS = Custom(_read_structured_outputs, {
     "type": "object",
     "properties": {
         "json": {"oneOf": [_SCHEMA, {"type": "string", "description": "A JSON schema's text."}]},
         "choice": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
         "json_object": {"type": "boolean"},
+        "regex": {"type": "string", "minLength": 1},
+        "grammar": {"type": "string", "minLength": 1},
         "disable_any_whitespace": {"type": "boolean"},
         "disable_fallback": {"type": "boolean"},
         "disable_additional_properties": {"type": "boolean"},

@@ -31,7 +31,7 @@ from services.frontend.errors import bad_request, describe, is_int, json_type
 from services.frontend.field_kinds import Boolean, Custom, Integer, Number
 from services.frontend.fields import Route, declare, declared_fields
 from services.frontend.guides import (
-    GUIDED_CHOICE, GUIDED_JSON, RESPONSE_FORMAT, STRUCTURED_OUTPUTS, guided_text,
+    GUIDED_CHOICE, GUIDED_GRAMMAR, GUIDED_JSON, GUIDED_REGEX, RESPONSE_FORMAT, STRUCTURED_OUTPUTS, guided_text,
 )
 from shared.messages.sampling_rules import (
     LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, RANGES, TOKEN_IDS_RULE, Range,
@@ -210,10 +210,15 @@ class GenerationOptions:
         description="vLLM's extension: a JSON schema (or its text) the output must be valid against.")
     guided_choice: dict[str, Any] | None = declare(
         GUIDED_CHOICE, description="vLLM's extension: the output is exactly one of these.")
+    guided_regex: dict[str, Any] | None = declare(
+        GUIDED_REGEX, description="vLLM's extension: the output matches this regex whole (Rust regex syntax).")
+    guided_grammar: dict[str, Any] | None = declare(
+        GUIDED_GRAMMAR, description="vLLM's extension: the output is a sentence of this context-free grammar "
+                                    "(GBNF as llama.cpp writes it, or Lark).")
     structured_outputs: dict[str, Any] | None = declare(
         STRUCTURED_OUTPUTS,
-        description="vLLM's newer form of the guides: one of json (a schema or its text), choice or json_object: "
-                    "true; disable_any_whitespace: true writes the JSON compact. regex, grammar, structural_tag "
+        description="vLLM's newer form of the guides: one of json (a schema or its text), choice, regex, grammar "
+                    "or json_object: true; disable_any_whitespace: true writes the JSON compact. structural_tag "
                     "and whitespace_pattern are refused.")
     given: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     # chat's tools: the guide a named or "required" tool_choice sets (``tools.settle_tool_choice``),

@@ -3,8 +3,7 @@
 Every problem raises ``APIError`` with the offending parameter's name; nothing here tokenizes
 (``preprocess`` does, and checks the lengths). Fields this module does not know are ignored, as
 OpenAI clients send some; known fields whose non-default values we cannot honour are refused
-(vLLM's ``guided_regex`` and ``guided_grammar`` too: ignored, they would pass free text for guided
-output). Each route's own fields (prompt, echo, messages, chat's tools and tool_choice, read in
+(vLLM's ``guided_whitespace_pattern`` too: ignored, it would look followed). Each route's own fields (prompt, echo, messages, chat's tools and tool_choice, read in
 ``tools``) are declared here, the generation fields both routes share in ``options`` (structured
 outputs among them), and all are read through ``fields``.
 """
@@ -245,8 +244,6 @@ class RequestBody:
 
     model: str | None = declare(String(), description="The served model's name; may be left out.")
     suffix: Any = declare(Refused(_off_when_empty), routes=Route.COMPLETIONS)
-    guided_regex: Any = declare(Refused(_off_when_empty))  # vLLM's; guided_json and guided_choice are supported
-    guided_grammar: Any = declare(Refused(_off_when_empty))
     guided_whitespace_pattern: Any = declare(Refused(_off_when_empty))  # a pattern we would not follow
     guided_decoding_backend: str | None = declare(
         ignored({"type": "string"}), description="vLLM's choice of guide backend: accepted and ignored (one here).")

@@ -60,7 +60,7 @@ def _check_one_guide(opts: GenerationOptions) -> None:
     given = [opts.param(attr) for attr in GUIDE_FIELDS if getattr(opts, attr) is not None]
     if len(given) > 1:
         raise bad_request(f"{given[1]} cannot be combined with {given[0]}: give one of response_format, "
-                          f"guided_json, guided_choice or structured_outputs", given[1])
+                          f"guided_json, guided_choice, guided_regex, guided_grammar or structured_outputs", given[1])
 
 
 def json_param(opts: GenerationOptions, field: str) -> str:

@@ -39,9 +39,9 @@ from typing import Any
 from services.frontend.errors import bad_request, describe, json_type
 from services.frontend.field_kinds import Custom
 from services.frontend.guides import GUIDE_FIELDS, checked
-from shared.structured.guide import MAX_STACKS
 
 MAX_TOOLS = 128  # OpenAI's limit
+MAX_REQUIRED_TOOLS = 64  # the tools tool_choice "required" joins into one guide (an alternative each)
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 NO_PARAMETERS = {"type": "object", "properties": {}}  # a tool's parameters left out (OpenAI's default)
 NONE, AUTO, REQUIRED, NAMED = "none", "auto", "required", "named"
@@ -167,9 +167,9 @@ def settle_tool_choice(tools: list[dict[str, Any]], choice: ToolChoice | None, o
         raise bad_request(f"stop is not supported with {choice.words()}: a stop string would cut the call's "
                           "arguments short and the call would look finished", "stop")
     called = [(i, t) for i, t in enumerate(tools) if choice.mode == REQUIRED or t["function"]["name"] == choice.name]
-    if len(called) > MAX_STACKS:
-        raise bad_request(f'tool_choice "required" takes at most {MAX_STACKS} tools (the alternatives a guide keeps '
-                          f"open), got {len(called)}: name one, or send fewer", "tool_choice")
+    if len(called) > MAX_REQUIRED_TOOLS:
+        raise bad_request(f'tool_choice "required" takes at most {MAX_REQUIRED_TOOLS} tools (the alternatives of '
+                          f"its guide), got {len(called)}: name one, or send fewer", "tool_choice")
     for i, tool in called:
         checked({"json_schema": tool["function"]["parameters"]}, "tools", f"tools[{i}].function.parameters")
     if choice.mode == NAMED:

@@ -54,8 +54,8 @@ class SamplingParams:
     # until its prompt is scored; max_tokens 0 then scores the prompt and generates nothing.
     prompt_logprobs: int | None = None
     # Structured output: a guide's spec as JSON text (``shared.structured.compile_guide`` reads it:
-    # {"json_object": true}, {"json_schema": {...}} or {"choice": [...]}); the executor masks every
-    # token that would leave it. None: free text.
+    # {"json_object": true}, {"json_schema": {...}}, {"choice": [...]}, {"regex": r} or {"grammar": g});
+    # the executor masks every token that would leave it. None: free text.
     guided: str | None = None
     # An embedding request (prefill-only: max_tokens 0, n 1): "last" or "mean" pooling of the
     # prompt's final hidden states, which come back on its output (``RequestOutput.embedding``).

@@ -1,45 +1,56 @@
-"""Guided decoding on the executor (``services/executor/guided.py``, ``vocabulary.py``): the
-vocabulary's masks equal a token-by-token check, the sampler keeps guided rows inside their guide,
-and the offline engine's output on a random model (which goes everywhere the mask lets it) is always
-what the guide says."""
+"""Guided decoding on the executor (``services/executor/guided.py``: an llguidance matcher per
+sequence): the masks equal a token-by-token check by a regex engine no one here wrote (the
+``regex`` package's partial matches), the sampler keeps guided rows inside their guide, and the
+offline engine's output on a random model (which goes everywhere the mask lets it, mid-UTF-8
+tokens included) is always what the guide says: ``re.fullmatch`` for a regex, Python's ``ast`` for
+a GBNF grammar, ``jsonschema`` (formats checked) for a JSON schema."""
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 
+import jsonschema
 import numpy as np
 import pytest
+import regex
 import torch
 
-from services.executor.guided import GuidedSequences
+from services.executor.guided import GuidedSequences, vocabulary_of
 from services.executor.histories import TokenHistories
 from services.executor.sampler import Sampler
-from services.executor.token_bytes import token_bytes
-from services.executor.vocabulary import Vocabulary
 from services.offline import LLM
 from shared.messages import NewSequence, SamplingParams
-from shared.structured import compile_guide
 from tests.doubles.fake_scheduler import cached_tokenizer
+from tests.shared.test_structured_guide import live
 
 SCHEMA = {
     "type": "object",
     "properties": {
         "ok": {"type": "boolean"},
-        "n": {"type": "integer"},
+        "n": {"type": "integer", "minimum": -999, "maximum": 999},
         "tag": {"enum": ["x", "yz", 7]},
-        "s": {"type": "string", "maxLength": 4},
+        "s": {"type": "string", "maxLength": 4, "pattern": "^[a-z€]*$"},
+        "day": {"type": "string", "format": "date"},
     },
     "required": ["ok", "n"],
+    "additionalProperties": False,
 }
+VALIDATOR = jsonschema.Draft202012Validator(SCHEMA, format_checker=jsonschema.FormatChecker())
+# non-ASCII characters, so that a random model's tokens split them (byte-level BPE's byte tokens)
+REGEX = r"[a-c]{1,3}-(é|€|😀|ü){1,4}\.[0-9]{2}"
+# GBNF arithmetic, bounded so that a random walk ends (``test_structured_guide.ARITHMETIC`` recurses)
+SHORT_ARITHMETIC = r'''
+root   ::= term (("+" | "-") term){0,2}
+term   ::= factor (("*" | "/") factor)?
+factor ::= "0" | [1-9] [0-9]{0,2} | "(" [1-9] ("+" [0-9])? ")"
+'''
 
 
 def conforms(value) -> bool:
-    """``value`` is an instance of SCHEMA (checked by hand, not by the guide)."""
-    if not isinstance(value, dict) or not {"ok", "n"} <= set(value) or set(value) - set(SCHEMA["properties"]):
-        return False
-    return (isinstance(value["ok"], bool) and type(value["n"]) is int
-            and value.get("tag", "x") in ("x", "yz", 7) and len(value.get("s", "")) <= 4
-            and isinstance(value.get("s", ""), str))
+    """``value`` is an instance of SCHEMA, as ``jsonschema`` (formats checked) says."""
+    return VALIDATOR.is_valid(value)
 
 
 @pytest.fixture(scope="module")
@@ -49,36 +60,37 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def vocabulary(tokenizer):
-    return Vocabulary(token_bytes(tokenizer, len(tokenizer)))
+    return vocabulary_of(tokenizer, len(tokenizer))
 
 
-def test_token_bytes_are_what_the_tokenizer_writes(tokenizer):
-    pieces = token_bytes(tokenizer, len(tokenizer) + 3)
-    assert pieces[-3:] == [None, None, None]  # ids the model has and the tokenizer does not
-    assert all(pieces[i] is None for i in tokenizer.all_special_ids)
-    text = 'Héllo {"a": [1, 2]}\n\t€ 😀 "quoted\\"'
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    assert b"".join(pieces[i] for i in ids) == text.encode()
+def _texts(vocabulary, size: int) -> list[str | None]:
+    """Each id's text, None for special tokens and bytes that are not whole UTF-8 characters."""
+    out: list[str | None] = []
+    for token in range(size):
+        try:
+            out.append(None if vocabulary.is_special_token(token) else vocabulary.decode_bytes([token]).decode())
+        except UnicodeDecodeError:
+            out.append(None)
+    return out
 
 
-def brute_force(guide, state, pieces) -> np.ndarray:
-    return np.array([bool(p) and guide.advance_bytes(state, p) is not None for p in pieces])
-
-
-@pytest.mark.parametrize("spec, prefixes", [
-    ({"json_object": True}, ["", "{", '{"na', '{"a": ', '{"a": "Bo', '{"a": 1', '{"a": [', '{"a": tr', '{"a": "\\']),
-    ({"json_schema": SCHEMA}, ["", "{", '{"', '{"ok": true, "n": -', '{"ok": true, "n": 1, "s": "',
-                               '{"ok": true, "n": 1, "s": "ab', '{"ok": false, "n": 2, "tag": ']),
-    ({"choice": ["Positive", "Negative", "Neutral"]}, ["", "Ne", "Neutral"]),
-    ({"json_object": True}, [b'{"a": "\xe2\x82', b'{"a": "\xf0']),  # inside a multi-byte character
-])
-def test_masks_equal_checking_every_token(vocabulary, spec, prefixes):
-    guide = compile_guide(spec)
-    for prefix in prefixes:
-        state = guide.advance_bytes(guide.initial(), prefix if isinstance(prefix, bytes) else prefix.encode())
-        mask = vocabulary.allowed(guide, state)
-        assert (mask == brute_force(guide, state, vocabulary.pieces)).all(), prefix
-        assert mask.any() or not guide.can_continue(state)
+def test_regex_masks_equal_checking_every_token_with_partial_matches(tokenizer, vocabulary):
+    pattern = r"(yes|no)-[0-9]{2,4}(ab|c)?!"
+    texts = _texts(vocabulary, len(tokenizer))
+    for seq_id, prefix in enumerate(["", "y", "no-", "no-1", "yes-12", "yes-1234", "no-99c", "no-99c!"]):
+        histories = TokenHistories()
+        histories.add(sequence(seq_id, [1], tokenizer.encode(prefix, add_special_tokens=False), SamplingParams()))
+        guided = GuidedSequences(histories, lambda: vocabulary)
+        guided.add(seq_id, json.dumps({"regex": pattern}))
+        mask = guided.mask(seq_id, []).as_mask(len(tokenizer))
+        expected = np.array([t is not None and t != "" and regex.fullmatch(pattern, prefix + t, partial=True)
+                             is not None for t in texts])
+        assert not (mask & ~expected).any(), prefix  # every token allowed keeps the text a prefix of a match
+        if prefix == "y":  # the next bytes are forced ("es-"): llguidance allows the tokens that write
+            assert mask.any()  # them as the tokenizer would (here "es", not "e")
+        else:  # and otherwise every such token
+            assert (mask == expected).all(), (prefix, np.flatnonzero(mask != expected)[:5])
+        assert mask.any() == (prefix != "no-99c!")
 
 
 def sequence(seq_id: int, prompt: list[int], outputs: list[int], params: SamplingParams) -> NewSequence:
@@ -122,6 +134,19 @@ def test_token_sets_keep_the_shorter_list():
     assert few.only_among([1, 7]) and not few.only_among([7]) and not most.only_among([0, 1, 3])
 
 
+@pytest.mark.parametrize("density", [0.0, 0.0005, 0.3, 0.9995, 1.0])
+def test_token_sets_read_from_a_bitmask_equal_numpys_unpacking(density):
+    from services.executor.guided import token_set
+
+    size = 1000  # not a multiple of 32: the last word's spare bits are never ids
+    rng = np.random.default_rng(int(density * 1e4))
+    allowed = rng.random(size) < density
+    words = np.packbits(np.concatenate([allowed, np.zeros(24, bool)]), bitorder="little").view(np.uint32)
+    tokens = token_set(words.copy(), size)
+    assert (tokens.as_mask(size) == allowed).all() and (tokens.ids < size).all()
+    assert tokens.keep == (allowed.sum() <= size // 2) or 0.2 < density < 0.8
+
+
 def test_a_sequence_state_follows_its_history_through_a_restart(tokenizer, vocabulary):
     sampler = Sampler()
     sampler.guided.load_vocabulary = lambda: vocabulary
@@ -129,7 +154,7 @@ def test_a_sequence_state_follows_its_history_through_a_restart(tokenizer, vocab
     outputs = tokenizer.encode('{"ok": true, "n": 1', add_special_tokens=False)
     sampler.add(9, params)
     sampler.histories.add(sequence(9, [1, 2], outputs, params))
-    size = vocabulary.size
+    size = len(tokenizer)
     before = sampler.guided.mask(9, params.eos_token_ids).as_mask(size)
     fresh = GuidedSequences(sampler.histories, lambda: vocabulary)  # a new executor: only the history
     fresh.add(9, params.guided)
@@ -137,9 +162,30 @@ def test_a_sequence_state_follows_its_history_through_a_restart(tokenizer, vocab
     assert (before == after).all()
     digits = [tokenizer.decode([i]) for i in np.flatnonzero(after)]
     assert "2" in digits and "}" in digits and "," in digits and '"' not in digits
+    shorter = outputs[:-2]  # a history that got shorter (a recompute): the matcher starts again
+    sampler.histories.add(sequence(9, [1, 2], shorter, params))
+    fresh_shorter = GuidedSequences(sampler.histories, lambda: vocabulary)
+    fresh_shorter.add(9, params.guided)
+    assert (sampler.guided.mask(9, params.eos_token_ids).as_mask(size)
+            == fresh_shorter.mask(9, params.eos_token_ids).as_mask(size)).all()
+    sampler.histories.add(sequence(9, [1, 2], outputs, params))
     off = GuidedSequences(sampler.histories, lambda: vocabulary)
     off.add(9, json.dumps({"choice": ["no"]}))  # outputs that left the guide may only end
     assert np.flatnonzero(off.mask(9, [0]).as_mask(size)).tolist() == [0]
+
+
+def test_outputs_from_elsewhere_may_only_end_and_a_bad_spec_fails_its_sequence(tokenizer, vocabulary):
+    from services.executor.guided import GuideUnavailable
+
+    histories = TokenHistories()
+    guided = GuidedSequences(histories, lambda: vocabulary)
+    histories.add(sequence(1, [1], [len(tokenizer) + 5], SamplingParams()))  # an id past the vocabulary
+    guided.add(1, json.dumps({"regex": "[a-z]+"}))
+    assert guided.mask(1, [0, 2]).as_mask(len(tokenizer)).nonzero()[0].tolist() == [0, 2]
+    histories.add(sequence(2, [1], [], SamplingParams()))
+    guided.add(2, json.dumps({"regex": "a[0-9"}))  # never from the frontend, which refuses it
+    with pytest.raises(GuideUnavailable, match="unclosed character class"):
+        guided.mask(2, [0])
 
 
 @pytest.fixture(scope="module")
@@ -148,17 +194,39 @@ def llm(tiny_model_dir):
 
 
 def test_a_random_model_writes_only_what_the_guide_takes(llm):
-    """The tiny model's weights are random: only the mask keeps its output in the schema."""
-    params = SamplingParams(temperature=1.0, seed=11, n=8, max_tokens=200,
-                            guided=json.dumps({"json_schema": SCHEMA}))
-    [out] = llm.generate([[1, 2, 3, 4]], params)
-    finished = [c for c in out.choices if c.finish_reason == "stop"]
-    assert len(finished) >= 6, [c.finish_reason for c in out.choices]
-    for choice in finished:
-        assert conforms(json.loads(choice.text)), choice.text
-    for choice in out.choices:  # even cut short, a prefix of an instance
-        guide = compile_guide({"json_schema": SCHEMA})
-        assert guide.advance_bytes(guide.initial(), choice.text.encode()) is not None
+    """The tiny model's weights are random: only the mask keeps its output in the guide."""
+    guides = [{"json_schema": SCHEMA}, {"regex": REGEX}, {"grammar": SHORT_ARITHMETIC}]
+    params = [SamplingParams(temperature=1.0, seed=11 + i, n=6, max_tokens=120, guided=json.dumps(g))
+              for i, g in enumerate(guides)]
+    outs = llm.generate([[1, 2, 3, 4]] * len(guides), params)
+    accepts = [lambda text: conforms(json.loads(text)), lambda text: re.fullmatch(REGEX, text) is not None,
+               lambda text: isinstance(ast.parse(text, mode="eval"), ast.Expression)]
+    vocabulary = llm.engine.runner.sampler.guided.vocabulary
+    split = 0  # tokens that are not whole UTF-8 characters on their own
+    for guide, out, accept in zip(guides, outs, accepts):
+        finished = [c for c in out.choices if c.finish_reason == "stop"]
+        assert len(finished) >= 4, (guide, [c.finish_reason for c in out.choices])
+        for choice in finished:
+            assert accept(choice.text), (guide, choice.text)
+        for choice in out.choices:  # even cut short, a prefix of a text the guide takes
+            data = b"".join(vocabulary.decode_bytes([t]) for t in choice.token_ids)
+            assert live_spec(guide, data), choice.text
+            split += sum(not _whole_utf8(vocabulary.decode_bytes([t])) for t in choice.token_ids)
+    assert split  # the regex's characters came in pieces too, and the mask took them
+
+
+def live_spec(spec: dict, data: bytes) -> bool:
+    from shared.structured import compile_guide
+
+    return live(compile_guide(spec), data)
+
+
+def _whole_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def test_greedy_json_object_and_choice_offline(llm):
@@ -167,22 +235,21 @@ def test_greedy_json_object_and_choice_offline(llm):
         SamplingParams(temperature=0.0, max_tokens=20, guided=json.dumps({"choice": ["red", "green", "blue"]})),
     ])
     text = outs[0].choices[0].text
-    guide = compile_guide({"json_object": True})
-    assert guide.advance_bytes(guide.initial(), text.encode()) is not None
+    assert live_spec({"json_object": True}, text.encode())
     if outs[0].choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
     assert outs[1].choices[0].text in ("red", "green", "blue") and outs[1].choices[0].finish_reason == "stop"
 
 
 def test_offline_refuses_guides_it_cannot_follow(llm):
-    with pytest.raises(ValueError, match="guided cannot be followed: schema: the keyword 'pattern' is not supported"):
-        llm.generate([[1, 2]], SamplingParams(guided=json.dumps({"json_schema": {"type": "string", "pattern": "a"}})))
+    with pytest.raises(ValueError, match="guided cannot be followed: .*unclosed character class"):
+        llm.generate([[1, 2]], SamplingParams(guided=json.dumps({"regex": "a[0-9"})))
     with pytest.raises(ValueError, match="guided is not supported with use_beam_search"):
         llm.generate([[1, 2]], SamplingParams(n=2, use_beam_search=True, temperature=0.0,
                                               guided=json.dumps({"json_object": True})))
     assert not llm.engine.has_work()
-    with pytest.raises(ValueError, match="'pattern' is not supported"):  # add_request alone checks too
-        llm.add_request([1, 2], SamplingParams(guided=json.dumps({"json_schema": {"pattern": "a"}})))
+    with pytest.raises(ValueError, match="Unknown format: colour"):  # add_request alone checks too
+        llm.add_request([1, 2], SamplingParams(guided=json.dumps({"json_schema": {"format": "colour"}})))
     with pytest.raises(ValueError, match="guided is not supported with use_beam_search"):
         llm.add_request([1, 2], SamplingParams(n=2, use_beam_search=True, temperature=0.0,
                                                guided=json.dumps({"choice": ["yes"]})))
@@ -193,19 +260,21 @@ def test_offline_refuses_guides_it_cannot_follow(llm):
 
 @pytest.mark.slow  # loads two tokenizers' vocabularies
 def test_the_executor_reads_the_models_tokenizer_or_the_one_named(tiny_model_dir, tokenizer, tmp_path):
-    from services.executor.vocabulary import load_vocabulary
+    from services.executor.guided import load_vocabulary
     from shared.model_source import resolve_model
 
     source = resolve_model(str(tiny_model_dir))
     vocab = load_vocabulary(None, source, len(tokenizer) + 2)
-    assert vocab.size == len(tokenizer) + 2 and vocab.pieces == token_bytes(tokenizer, len(tokenizer) + 2)
+    assert vocab.vocab_size == len(tokenizer) + 2
+    text = 'Héllo {"a": [1, 2]} € 😀'
+    assert vocab.decode_bytes(tokenizer.encode(text, add_special_tokens=False)) == text.encode()
     tokenizer.save_pretrained(tmp_path)
-    assert load_vocabulary(str(tmp_path), source, len(tokenizer)).pieces == vocab.pieces[:-2]
+    assert load_vocabulary(str(tmp_path), source, len(tokenizer)).vocab_size == len(tokenizer)
     with pytest.raises(ValueError, match="--tokenizer"):
         load_vocabulary(str(tmp_path / "missing"), source, 10)
 
 
-def test_masks_are_kept_per_state_and_guides_per_spec(tokenizer, vocabulary):
+def test_matchers_are_compiled_once_per_spec_and_kept_for_a_while(tokenizer, vocabulary):
     from services.executor import guided as module
 
     sampler = Sampler()
@@ -216,7 +285,7 @@ def test_masks_are_kept_per_state_and_guides_per_spec(tokenizer, vocabulary):
         sampler.add(seq_id, params)
         sampler.histories.add(sequence(seq_id, [1], [], params))
         first = sampler.guided.mask(seq_id, [0])
-        assert sampler.guided.mask(seq_id, [0]) is first  # the second time from the cache
+        assert (sampler.guided.mask(seq_id, [0]).as_mask(len(tokenizer)) == first.as_mask(len(tokenizer))).all()
     assert len(sampler.guided._guides) == module.GUIDES_KEPT and specs[0] not in sampler.guided._guides
     assert tokenizer.decode(sampler.guided.mask(0, [0]).ids[:1].tolist()) == "c"  # still guided
 
@@ -249,39 +318,3 @@ def test_an_executor_that_cannot_guide_fails_the_guided_requests_alone(tiny_mode
         assert last.error_kind == "engine"
     assert len(loads) == 1  # the failure is kept, not retried every step
     assert llm.engine.blocks.num_used_blocks == 0
-
-
-def test_added_tokens_are_their_text(tmp_path):
-    tokenizer = cached_tokenizer()
-    tokenizer.save_pretrained(tmp_path)
-    from transformers import AutoTokenizer
-
-    grown = AutoTokenizer.from_pretrained(tmp_path)
-    grown.add_tokens(["café", "<tool>"])
-    pieces = token_bytes(grown, len(grown))
-    for text in ("café", "<tool>"):  # as the detokenizer writes them ("caf" and a replacement character)
-        token_id = grown.convert_tokens_to_ids(text)
-        assert pieces[token_id] == grown.decode([token_id]).encode()
-    assert pieces[grown.convert_tokens_to_ids("<tool>")] == b"<tool>"
-
-
-@pytest.mark.parametrize("bounds", [{"minLength": 2, "maxLength": 5}, {"maxLength": 1},
-                                    pytest.param({"minLength": 3}, marks=pytest.mark.slow)])  # slow: the longest walk
-def test_bounded_strings_masks_made_from_the_unbounded_one_equal_checking_every_token(tokenizer, vocabulary, bounds):
-    schema = {"type": "object", "properties": {"s": {"type": "string", **bounds}, "n": {"type": "integer"}},
-              "required": ["s", "n"]}
-    spec = json.dumps({"json_schema": schema})
-    guide = compile_guide(spec)
-    sequences = GuidedSequences(TokenHistories(), lambda: vocabulary)
-    prefixes = ['{"s": "', '{"s": "a', '{"s": "ab', '{"s": "é\\n', '{"s": "abcd', '{"s": "\\ud83d\\ude00',
-                '{"s": "abcde']
-    for seq_id, prefix in enumerate(prefixes):
-        outputs = tokenizer.encode(prefix, add_special_tokens=False)
-        state = guide.advance_bytes(guide.initial(), b"".join(vocabulary.pieces[t] for t in outputs))
-        if state is None:  # past the bound: not a state this guide reaches
-            continue
-        sequences.histories.add(sequence(seq_id, [1], outputs, SamplingParams()))
-        sequences.add(seq_id, spec)
-        assert guide.bounded_string(state) is not None
-        made = sequences.mask(seq_id, []).as_mask(vocabulary.size)
-        assert (made == brute_force(guide, state, vocabulary.pieces)).all(), prefix

@@ -1,6 +1,8 @@
 """Structured outputs in the request: OpenAI's ``response_format`` and vLLM's ``guided_json`` /
-``guided_choice`` on both routes, read into the guide spec that reaches ``SamplingParams.guided``
-as JSON text, and every shape we cannot follow refused with a 400 naming its field."""
+``guided_choice`` / ``guided_regex`` / ``guided_grammar`` / ``structured_outputs`` on both routes,
+read into the guide spec that reaches ``SamplingParams.guided`` as JSON text, and every shape we
+cannot follow refused with a 400 naming its field and, for a schema, regex or grammar llguidance
+refuses, saying where (llguidance's message)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pydantic
 import pytest
 
 from services.frontend.openapi import openapi_spec
+from shared.structured import MAX_GUIDE_BYTES
 from services.frontend.preprocess import sampling_params
 from tests.doubles.http import http
 from tests.frontend.test_fields import chat, completion, refused, to_engine
@@ -41,6 +44,10 @@ def test_each_accepted_shape_reaches_the_engine_as_its_guide(parse, model):
     assert guided(parse(guided_json=SCHEMA), model) == {"json_schema": SCHEMA}
     assert guided(parse(guided_json=json.dumps(SCHEMA)), model) == {"json_schema": SCHEMA}
     assert guided(parse(guided_choice=["yes", "no", "maybe"]), model) == {"choice": ["yes", "no", "maybe"]}
+    assert guided(parse(guided_regex=r"[a-z]+\d?"), model) == {"regex": r"[a-z]+\d?"}
+    assert guided(parse(guided_grammar='root ::= "a" | "b"'), model) == {"grammar": 'root ::= "a" | "b"'}
+    assert guided(parse(guided_json={"type": "string", "format": "email", "pattern": "^a"}), model) == {
+        "json_schema": {"type": "string", "format": "email", "pattern": "^a"}}  # llguidance follows both
     text = {"type": "text"}
     assert guided(parse(response_format=text, guided_choice=["a"]), model) == {"choice": ["a"]}  # text: no guide
     assert guided(parse(response_format={"type": "json_object"}, n=2, best_of=3), model) == {"json_object": True}
@@ -73,10 +80,10 @@ def test_the_guide_text_is_what_the_executor_compiles(model):
     (json_schema_format(schema=SCHEMA), ["response_format.json_schema.name must be a string", "got nothing"]),
     (json_schema_format(name=3, schema=SCHEMA), ["name must be a string", "got number"]),
     (json_schema_format(name="x", schema=[SCHEMA]), ["json_schema.schema must be a JSON schema (an object)"]),
-    (json_schema_format(name="x", schema={"type": "string", "pattern": "^a+$"}),
-     ["response_format.json_schema: ", "'pattern'"]),  # (the rest of the words are compile_guide's)
-    (json_schema_format(name="x", schema={"$ref": "#/$defs/Missing"}), ["#/$defs/Missing"]),
-    (json_schema_format(name="x", schema={"type": "colour"}), ["schema.type", "colour"]),
+    (json_schema_format(name="x", schema={"type": "string", "pattern": "^(a+$"}),
+     ["response_format.json_schema: ", "regex parse error: unclosed group"]),  # (the rest is llguidance's)
+    (json_schema_format(name="x", schema={"$ref": "#/$defs/Missing"}), ["'/$defs/Missing' does not exist"]),
+    (json_schema_format(name="x", schema={"type": "colour"}), ["Invalid type: colour"]),
 ])
 def test_a_response_format_we_cannot_follow_is_refused(parse, value, fragments):
     refused(lambda: parse(response_format=value), "response_format", *fragments)
@@ -88,14 +95,20 @@ def test_a_response_format_we_cannot_follow_is_refused(parse, value, fragments):
     ("guided_json", '{"const": NaN}', ["not valid JSON", "NaN"]),
     ("guided_json", 5, ["guided_json must be a JSON schema (an object, or its JSON text), got number"]),
     ("guided_json", "[1]", ["must be a JSON schema", "got array"]),
-    ("guided_json", {"type": "string", "format": "email"}, ["guided_json: ", "'format'"]),
+    ("guided_json", {"type": "string", "format": "colour"}, ["guided_json: ", "Unknown format: colour"]),
     ("guided_choice", [], ["guided_choice must be a non-empty list of strings, got array []"]),
     ("guided_choice", "yes", ["must be a non-empty list of strings, got string"]),
     ("guided_choice", ["yes", ""], ["guided_choice[1] must be a non-empty string"]),
     ("guided_choice", ["yes", 3], ["guided_choice[1] must be a non-empty string, got number 3"]),
-    ("guided_choice", [f"c{i}" for i in range(5000)], ["at most"]),
-    ("guided_regex", "[a-z]+", ["not supported"]),
-    ("guided_grammar", "root ::= 'a'", ["not supported"]),
+    ("guided_choice", [f"c{i}" for i in range(12000)], [f"over the limit of {MAX_GUIDE_BYTES} bytes"]),
+    ("guided_regex", "[a-z+", ["guided_regex: ", "unclosed character class"]),
+    ("guided_regex", "", ["guided_regex must be a non-empty string (a regex), got string"]),
+    ("guided_regex", ["a"], ["guided_regex must be a non-empty string"]),
+    ("guided_regex", "a" * (MAX_GUIDE_BYTES + 1), [f"over the limit of {MAX_GUIDE_BYTES} bytes"]),
+    ("guided_grammar", 'root ::= "a" ( ', ["guided_grammar: GBNF: Expected ')' at line 1"]),
+    ("guided_grammar", 'root ::= "a" foo', ["guided_grammar: GBNF: Rule 'foo' not found"]),
+    ("guided_grammar", 'start: "a" | b', ["guided_grammar: at 1(8): unknown name: \"b\""]),
+    ("guided_grammar", 7, ["guided_grammar must be a non-empty string (a grammar), got number"]),
 ])
 def test_a_vllm_guide_we_cannot_follow_is_refused(parse, field, value, fragments):
     refused(lambda: parse(**{field: value}), field, *fragments)
@@ -107,11 +120,11 @@ def test_a_schema_nested_past_the_compiler_is_a_400_not_a_crash():
     for _ in range(400):
         inner["items"] = {}
         inner = inner["items"]
-    refused(lambda: chat(guided_json=deep), "guided_json", "nests deeper than 64 levels")
+    refused(lambda: chat(guided_json=deep), "guided_json", "recursion limit exceeded")
     chain = {"$defs": {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(3000)}
              | {"d3000": {"type": "string"}}, "$ref": "#/$defs/d0"}
     refused(lambda: chat(response_format=json_schema_format(name="x", schema=chain)), "response_format",
-            "nests deeper than 64 levels")
+            f"over the limit of {MAX_GUIDE_BYTES} bytes")
 
 
 @BOTH
@@ -122,13 +135,16 @@ def test_one_guide_per_request(parse):
     refused(lambda: parse(guided_json=SCHEMA, guided_choice=["a"]), "guided_choice",
             "guided_choice cannot be combined with guided_json")
     refused(lambda: parse(response_format=json_object, guided_json=SCHEMA), "guided_json",
-            "give one of response_format, guided_json, guided_choice or structured_outputs")
+            "give one of response_format, guided_json, guided_choice, guided_regex, guided_grammar or "
+            "structured_outputs")
+    refused(lambda: parse(guided_regex="a", guided_grammar='root ::= "a"'), "guided_grammar",
+            "guided_grammar cannot be combined with guided_regex")
 
 
 @BOTH
 def test_no_guide_with_beam_search(parse, model):
     for field, value in (("response_format", {"type": "json_object"}), ("guided_json", SCHEMA),
-                         ("guided_choice", ["a", "b"])):
+                         ("guided_choice", ["a", "b"]), ("guided_regex", "a+")):
         refused(lambda: to_engine(parse, model, use_beam_search=True, n=2, **{field: value}), field,
                 f"{field} is not supported with use_beam_search")
     assert parse(use_beam_search=True, n=2, response_format={"type": "text"}).options.use_beam_search
@@ -143,7 +159,8 @@ def test_openapi_describes_the_guides_on_both_routes():
         assert "json_schema" in properties["response_format"]["description"]
         assert [o["type"] for o in properties["guided_json"]["oneOf"]] == ["object", "string"]
         assert properties["guided_choice"]["items"] == {"type": "string", "minLength": 1}
-        assert not {"guided_regex", "guided_grammar"} & set(properties)  # refused, not advertised
+        assert properties["guided_regex"]["type"] == properties["guided_grammar"]["type"] == "string"
+        assert set(properties["structured_outputs"]["properties"]) >= {"json", "choice", "regex", "grammar"}
 
 
 # ---------------------------------------------------------------- over HTTP, with the openai client
@@ -188,11 +205,11 @@ def test_a_bad_schema_is_a_400_in_openai_shape_and_the_service_goes_on(frontend,
     url = frontend.base_url + "/v1/chat/completions"
     messages = [{"role": "user", "content": "Hi"}]
     num_added = len(fake.added)
-    bad = json_schema_format(name="x", schema={"type": "string", "pattern": "^a$"})
+    bad = json_schema_format(name="x", schema={"type": "string", "pattern": "^(a$"})
     status, _, raw = http("POST", url, body={"messages": messages, "response_format": bad})
     error = json.loads(raw)["error"]
     assert status == 400 and (error["type"], error["param"]) == ("invalid_request_error", "response_format")
-    assert "'pattern'" in error["message"] and set(error) == {"message", "type", "param", "code"}
+    assert "unclosed group" in error["message"] and set(error) == {"message", "type", "param", "code"}
     status, _, raw = http("POST", frontend.base_url + "/v1/completions",
                           body={"prompt": "Hi", "guided_choice": ["yes", 7], "stream": True})
     assert status == 400 and json.loads(raw)["error"]["param"] == "guided_choice"
@@ -217,11 +234,16 @@ def test_vllms_structured_outputs(parse, model):
     assert guided(parse(structured_outputs={"json": SCHEMA, "disable_any_whitespace": False}), model) == {
         "json_schema": SCHEMA}
     assert guided(parse(guided_json=SCHEMA, guided_decoding_backend="xgrammar"), model) == {"json_schema": SCHEMA}
-    for value, fragment in (({"regex": "a+"}, "structured_outputs.regex is not supported"),
-                            ({"json": SCHEMA, "grammar": "root ::= x"}, "grammar is not supported"),
+    assert guided(parse(structured_outputs={"regex": "a+"}), model) == {"regex": "a+"}
+    assert guided(parse(structured_outputs={"grammar": 'root ::= "a"', "disable_any_whitespace": True}), model) == {
+        "grammar": 'root ::= "a"'}
+    for value, fragment in (({"regex": "a[+"}, "structured_outputs.regex: "),
+                            ({"grammar": 'root ::= "a" foo'}, "structured_outputs.grammar: GBNF: Rule 'foo' not found"),
+                            ({"json": SCHEMA, "grammar": "root ::= x"}, "got json and grammar"),
+                            ({"structural_tag": "x"}, "structured_outputs.structural_tag is not supported"),
                             ({"json": SCHEMA, "choice": ["a"]}, "got json and choice"),
                             ({}, "got none"), ({"json_object": "yes"}, "json_object must be true"),
-                            ({"json": {"type": "string", "pattern": "x"}}, "structured_outputs.json: schema: the"),
+                            ({"json": {"type": "strin"}}, "structured_outputs.json: Invalid type: strin"),
                             ({"choice": []}, "structured_outputs.choice must be a non-empty list"),
                             ({"jsn": SCHEMA}, "structured_outputs.jsn is not one of its fields"),
                             ({"json": SCHEMA, "disable_any_whitespace": "yes"}, "must be true or false"),
@@ -246,6 +268,6 @@ def test_the_frontend_keeps_its_verdicts_on_specs_it_has_compiled():
     before = _compile_error.cache_info()
     for _ in range(3):
         chat(guided_json=schema)
-        refused(lambda: chat(guided_json={"type": "string", "format": "kept"}), "guided_json", "'format'")
+        refused(lambda: chat(guided_json={"type": "string", "format": "kept"}), "guided_json", "Unknown format: kept")
     after = _compile_error.cache_info()
     assert after.misses - before.misses == 2 and after.hits - before.hits == 4

@@ -107,18 +107,18 @@ def test_malformed_tools_are_refused_naming_tools(tools, fragments):
 
 
 def test_only_the_called_tools_schemas_must_be_ones_the_guide_follows():
-    """A tool the request does not call may use keywords the guide cannot follow (pydantic's ge/le,
-    formats): the chat template reads them; the guide compiles only what it follows."""
+    """A tool the request does not call may use keywords the guide cannot follow (a format llguidance
+    does not know): the chat template reads them; the guide compiles only what it follows."""
     loose = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"day": {"type": "string", "format": "date"}, "n": {"type": "integer",
-                                                                                              "minimum": 1}}}}}
+        "type": "object", "properties": {"day": {"type": "string", "format": "stardate"}, "n": {"type": "integer",
+                                                                                                  "minimum": 1}}}}}
     gone = {"type": "function", "function": {"name": "g", "parameters": {"$ref": "#/$defs/Gone"}}}
     for choice in ("none", named("get_weather")):
         assert chat(tools=[WEATHER, loose, gone], tool_choice=choice).tools[1]["function"]["name"] == "f"
     refused(lambda: chat(tools=[WEATHER, loose], tool_choice=named("f")), "tools",
-            "tools[1].function.parameters: ", "'format'")  # compile_guide's own words follow
+            "tools[1].function.parameters: ", "Unknown format: stardate")  # llguidance's own words follow
     refused(lambda: chat(tools=[WEATHER, gone], tool_choice="required"), "tools",
-            "tools[1].function.parameters: ", "#/$defs/Gone")
+            "tools[1].function.parameters: ", "Pointer '/$defs/Gone' does not exist")
     empty = {"type": "function", "function": {"name": "e", "parameters": {}}}  # {}: an object, as left out
     assert chat(tools=[empty], tool_choice=named("e")).options.tool_guide == {
         "json_schema": {"type": "object", "properties": {}}}
@@ -418,7 +418,7 @@ def test_refusals_over_http_name_the_field(frontend, fake):
     num_added = len(fake.added)
     for body, param, fragment in (
         ({"tools": TOOLS}, "tool_choice", AUTO_REASON),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"format": "email"}}}],
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"format": "stardate"}}}],
           "tool_choice": "required"}, "tools", "tools[0].function.parameters: "),
         ({"tools": TOOLS, "tool_choice": named("nope"), "stream": True}, "tool_choice", "not among the tools"),
     ):

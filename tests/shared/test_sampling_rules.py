@@ -19,7 +19,7 @@ from tests.doubles.engine import tiny_llama
 from tests.doubles.http import http
 
 BEAM = {"use_beam_search": True, "n": 2}
-BAD_SCHEMA = {"type": "string", "pattern": "a"}
+BAD_SCHEMA = {"type": "string", "format": "colour"}  # a format llguidance does not know
 ROUTES = {"completions": ("/v1/completions", {"prompt": "hi"}),
           "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})}
 

@@ -1,12 +1,15 @@
 """Structured outputs through ``pagedserve serve`` and the official openai client: ``response_format``
-(a JSON schema, a pydantic model through ``parse``, any JSON object) and vLLM's ``guided_choice``, on
-the tiny random model in float32, whose output only the guide keeps in shape. Greedy output equals
-the offline engine's for the same model and prompt (the server's overlapped loop against the
-offline engine's lock-step one)."""
+(a JSON schema, a pydantic model through ``parse``, any JSON object), vLLM's ``guided_choice``,
+``guided_regex``, ``guided_grammar`` and ``structured_outputs`` (``extra_body``), on the tiny random
+model in float32, whose output only the guide keeps in shape (checked by ``re``, ``ast`` and
+``jsonschema``). Greedy output equals the offline engine's for the same model and prompt (the
+server's overlapped loop against the offline engine's lock-step one)."""
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 
 import openai
 import pydantic
@@ -14,7 +17,7 @@ import pytest
 
 from services.offline import LLM
 from shared.messages import SamplingParams
-from tests.executor.test_guided_decoding import SCHEMA, conforms
+from tests.executor.test_guided_decoding import REGEX, SCHEMA, SHORT_ARITHMETIC, conforms
 
 pytestmark = pytest.mark.slow
 
@@ -83,10 +86,42 @@ def test_json_object_and_guided_choice(client):
     assert all(c.text in ("red", "green", "blue") and c.finish_reason == "stop" for c in completion.choices)
 
 
-def test_a_schema_it_cannot_follow_is_a_400_and_the_server_goes_on(client):
+def test_regex_and_grammar_guides_in_both_of_vllms_shapes(client):
+    regex = client.completions.create(model="tiny", prompt="Code:", temperature=1.0, seed=3, n=4, max_tokens=40,
+                                      extra_body={"guided_regex": REGEX})
+    grammar = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=1.0, seed=4, n=4,
+                                             max_tokens=40, extra_body={"guided_grammar": SHORT_ARITHMETIC})
+    nested = client.completions.create(model="tiny", prompt="Sum:", temperature=1.0, seed=5, n=2, max_tokens=40,
+                                       extra_body={"structured_outputs": {"grammar": SHORT_ARITHMETIC}})
+    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=1.0, seed=6, max_tokens=40,
+                                            stream=True, extra_body={"structured_outputs": {"regex": REGEX}})
+    chunks = [c for c in stream if c.choices]
+    texts = [(c.text, c.finish_reason, "regex") for c in regex.choices]
+    texts += [(c.message.content, c.finish_reason, "grammar") for c in grammar.choices]
+    texts += [(c.text, c.finish_reason, "grammar") for c in nested.choices]
+    texts.append(("".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason,
+                  "regex"))
+    finished = [(text, kind) for text, reason, kind in texts if reason == "stop"]
+    assert len(finished) >= 6, texts
+    for text, kind in finished:
+        if kind == "regex":
+            assert re.fullmatch(REGEX, text), text
+        else:
+            assert isinstance(ast.parse(text, mode="eval"), ast.Expression), text
+
+
+@pytest.mark.parametrize("extra, param, fragment", [
+    ({"response_format": schema_format({"type": "string", "pattern": "^(a+$"})}, "response_format", "unclosed group"),
+    ({"extra_body": {"guided_regex": "[0-9"}}, "guided_regex", "guided_regex: at 1(8): invalid regex"),
+    ({"extra_body": {"guided_grammar": 'root ::= "a" num'}}, "guided_grammar", "Rule 'num' not found"),
+    ({"extra_body": {"structured_outputs": {"grammar": 'start: "a" | b'}}}, "structured_outputs",
+     'structured_outputs.grammar: at 1(8): unknown name: "b"'),
+    ({"extra_body": {"guided_regex": "a" * 70000}}, "guided_regex", "over the limit of 65536 bytes"),
+])
+def test_a_guide_it_cannot_follow_is_a_400_and_the_server_goes_on(client, extra, param, fragment):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5,
-                                       response_format=schema_format({"type": "string", "pattern": "^a+$"}))
-    assert "'pattern' is not supported" in str(info.value)
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, **extra)
+    assert info.value.status_code == 400 and info.value.body["param"] == param
+    assert fragment in info.value.body["message"], info.value.body
     ok = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
     assert ok.choices[0].finish_reason in ("stop", "length")
