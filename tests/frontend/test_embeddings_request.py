@@ -42,6 +42,9 @@ def test_dimensions_follow_the_models_matryoshka_config():
     assert parse_embeddings_body({"input": "a", "dimensions": 4}, "m", (4, 8)).dimensions == 4
     with pytest.raises(APIError, match=r"one of the model's matryoshka_dimensions \[4, 8\]"):
         parse_embeddings_body({"input": "a", "dimensions": 3}, "m", (4, 8))
+    with pytest.raises(APIError, match="not a Matryoshka embedding model") as refused:
+        parse_embeddings_body({"input": "a", "dimensions": 4}, "m", None)
+    assert refused.value.param == "dimensions"
     v = np.array([3.0, 4.0, 12.0], np.float32)
     np.testing.assert_allclose(normalized(v, 2), [0.6, 0.8], rtol=1e-6)  # truncated, then normalized
     np.testing.assert_allclose(normalized(v), v / 13.0, rtol=1e-6)

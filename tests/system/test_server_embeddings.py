@@ -2,11 +2,13 @@
 tiny random Llama in float32, mean pooling, 4-token blocks, 16-token prefill chunks): the official
 ``openai`` client's ``embeddings.create`` (float and base64) against transformers' pooled final
 hidden states, rerank and score over HTTP against scoring each pair alone, embeddings beside a
-running generation, and the 400s."""
+running generation, ``dimensions`` on a Matryoshka model (its ``config.json`` lists
+``matryoshka_dimensions``, as vLLM reads it), and the 400s."""
 
 from __future__ import annotations
 
 import base64
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -16,37 +18,42 @@ import requests
 import torch
 
 from services.frontend.embeddings_request import MAX_EMBEDDING_INPUTS
-from tests.doubles.serve import tiny_server
+from tests.doubles.serve import save_tiny_model, tiny_server
 
 pytestmark = pytest.mark.slow  # starts a server
 
 TOLERANCE = 1e-5
 MAX_MODEL_LEN = 128
+DIMENSIONS = [16, 48]  # the Matryoshka lengths the served model's config.json lists
 TEXTS = ["The capital of France is Paris, and the capital of Italy is Rome; the capital of Spain is Madrid, "
          "and the capital of Portugal is Lisbon, which lies on the Atlantic coast.",
          "Two plus two is four.", "Rome", "A short note about the weather in Lisbon."]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_model_dir):
+def served(tmp_path_factory):
     """(the Hugging Face base model, its tokenizer, the server's URL, an ``openai`` client)."""
     from transformers import AutoModel, AutoTokenizer
 
+    model_dir = save_tiny_model(tmp_path_factory)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"matryoshka_dimensions": DIMENSIONS}))
     server = tiny_server(tmp_path_factory, "serve-embeddings", "--served-model-name", "tiny", "--dtype", "float32",
                          "--kv-cache-memory", "16MiB", "--block-size", "4", "--max-num-batched-tokens", "16",
-                         "--max-model-len", str(MAX_MODEL_LEN), "--pooling-type", "mean", model_dir=tiny_model_dir)
+                         "--max-model-len", str(MAX_MODEL_LEN), "--pooling-type", "mean", model_dir=model_dir)
     url = next(server)
-    model = AutoModel.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-    yield model, AutoTokenizer.from_pretrained(tiny_model_dir), url, client
+    yield model, AutoTokenizer.from_pretrained(model_dir), url, client
     next(server, None)  # stops it
 
 
-def reference(model, ids: list[int]) -> np.ndarray:
-    """transformers' final hidden states (after the final norm), mean-pooled and L2-normalized."""
+def reference(model, ids: list[int], dimensions: int | None = None) -> np.ndarray:
+    """transformers' final hidden states (after the final norm), mean-pooled, cut to ``dimensions``
+    and L2-normalized."""
     with torch.no_grad():
         hidden = model(torch.tensor([ids])).last_hidden_state[0].float()
-    return torch.nn.functional.normalize(hidden.mean(dim=0), dim=0).numpy()
+    return torch.nn.functional.normalize(hidden.mean(dim=0)[:dimensions], dim=0).numpy()
 
 
 def test_openai_client_embeddings_equal_transformers(served):
@@ -116,7 +123,7 @@ def test_embeddings_beside_a_running_generation(served):
     ({"input": [[]]}, "input", "must not be empty"),
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format", "float, base64"),
     ({"input": [5] * MAX_MODEL_LEN}, "input", "maximum context length is 128"),
-    ({"input": "hi", "dimensions": 8}, "dimensions", "not a Matryoshka"),
+    ({"input": "hi", "dimensions": 8}, "dimensions", "matryoshka_dimensions [16, 48]"),
     ({"query": "q", "documents": []}, "documents", "must not be empty"),
     ({"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2", "same length"),
 ])
@@ -130,12 +137,6 @@ def test_bad_requests_are_400s_naming_the_field(served, body, param, words):
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
 
 
-def test_openai_client_sees_a_400(served):
-    client = served[3]
-    with pytest.raises(openai.BadRequestError, match="Matryoshka"):
-        client.embeddings.create(model="tiny", input="hi", dimensions=8)
-
-
 def test_metrics_count_the_embedded_prompt_tokens(served):
     _, _, url, client = served
 
@@ -146,3 +147,16 @@ def test_metrics_count_the_embedded_prompt_tokens(served):
     before = metric("pagedserve:prompt_tokens_total")
     usage = client.embeddings.create(model="tiny", input=TEXTS[1:3], encoding_format="float").usage
     assert metric("pagedserve:prompt_tokens_total") - before == usage.prompt_tokens
+
+
+def test_dimensions_shorten_a_matryoshka_models_embedding(served):
+    model, tokenizer, _, client = served
+    ids = tokenizer(TEXTS[0])["input_ids"]
+    for dimensions in (None, *DIMENSIONS):
+        kwargs = {} if dimensions is None else {"dimensions": dimensions}
+        got = client.embeddings.create(model="tiny", input=TEXTS[0], encoding_format="float", **kwargs)
+        assert len(got.data[0].embedding) == (dimensions or model.config.hidden_size)
+        np.testing.assert_allclose(np.array(got.data[0].embedding), reference(model, ids, dimensions),
+                                   atol=TOLERANCE, rtol=0)
+    with pytest.raises(openai.BadRequestError, match=r"matryoshka_dimensions \[16, 48\]"):
+        client.embeddings.create(model="tiny", input=TEXTS[0], dimensions=17)
