@@ -27,7 +27,7 @@ from numba import njit, prange
 from kernels.cpu.common import sync_threads
 
 # rows from which the dequantized tiles and torch's matmul are used, by form (4-bit, 8-bit): measured
-# with ``python -m loadtest.quantized_kernels`` (docs/benchmarks.md)
+# with ``python -m loadtest.kernels.quant_matmul`` (docs/benchmarks.md)
 PREFILL_ROWS = {True: 3, False: 6}
 TILE_ROWS = 1024  # output rows dequantized at a time for prefill
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from loadtest.common.machine_state import wait_for_quiet
 from loadtest.common.stream_timing import StreamTimes
 from loadtest.bench.throughput import _get_json, completion_chunks, start_server
+from loadtest.common.machine_state import print_cpu
 
 BACKGROUND_PROMPT, ARRIVAL_PROMPT, BACKGROUND_TOKENS = 64, 32, 1500
 
@@ -147,6 +148,7 @@ def main() -> None:
                     help="server flags per variant (default: the step planned late, and at once)")
     ap.add_argument("--server-flags", default="", help="flags for every server")
     args = ap.parse_args()
+    print_cpu()
     if args.background < 1 or args.arrivals < 1 or args.rounds < 1 or not args.gap_ms > 0:
         ap.error("--background, --arrivals and --rounds must be at least 1, --gap-ms positive")
     servers = []

@@ -17,6 +17,7 @@ import statistics
 import time
 
 import numpy as np
+from loadtest.common.machine_state import print_cpu
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args(argv)
+    print_cpu()
     from services.offline import LLM
     from shared.messages import SamplingParams
 

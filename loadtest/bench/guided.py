@@ -21,6 +21,7 @@ import time
 
 from loadtest.bench.throughput import served_model_name, start_server
 from loadtest.bench.throughput_report import say
+from loadtest.common.machine_state import print_cpu
 
 SUBJECTS = ["a librarian in Lisbon", "a retired pilot", "a chef from Osaka", "a student in Nairobi",
             "a painter in Oslo", "a doctor in Lima", "a baker in Lyon", "a teacher in Seoul", "a farmer in Iowa",
@@ -103,6 +104,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the 20 requests when sampling")
     ap.add_argument("--max-tokens", type=int, default=160)
     args = ap.parse_args()
+    print_cpu()
     proc = None
     url = args.url
     if url is None:

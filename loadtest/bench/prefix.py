@@ -17,6 +17,7 @@ import statistics
 import time
 
 from loadtest.bench.throughput import _get_json, say, start_server, stream_completion
+from loadtest.common.machine_state import print_cpu
 
 EXAMPLES = [
     ("The weather is lovely today, so we are going to walk along the river after lunch.",
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args()
+    print_cpu()
     table = []
     for shots in (1, 5):
         on, off = measure(shots, True, args), measure(shots, False, args)

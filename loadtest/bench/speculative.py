@@ -17,6 +17,7 @@ import json
 import time
 
 from shared.hub_kernels import hide_hub_kernels
+from loadtest.common.machine_state import print_cpu
 
 hide_hub_kernels()
 
@@ -65,6 +66,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
+    print_cpu()
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
                        "prompt_lookup_max": args.lookup_max})
     engines = {"plain": _llm(None, args.dtype), "ngram": _llm(spec, args.dtype)}

@@ -7,6 +7,7 @@ readable the answers say so (nan, None) rather than fail.
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from shared.cpu_features import parse_cpuinfo
@@ -94,3 +95,8 @@ class CpuSteal:
         if self._start is None or end is None or end[1] <= self._start[1]:
             return float("nan")
         return 100.0 * (end[0] - self._start[0]) / (end[1] - self._start[1])
+
+
+def print_cpu(file=None) -> None:
+    """One line naming this machine's CPU, printed before a benchmark's figures (which depend on it)."""
+    print(f"CPU: {cpu_description()}", file=file or sys.stdout, flush=True)

@@ -25,6 +25,7 @@ import tempfile
 import time
 
 import msgpack
+from loadtest.common.machine_state import print_cpu
 
 SHAPES = [(1, 576), (64, 576), (2048, 576)]
 POLICIES = {  # label -> WaitPolicy fields; "shm" is the product's default (spin 20 µs, then yield)
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--policies", action="store_true", help="also time fixed wait policies")
     args = ap.parse_args(argv)
+    print_cpu()
     calls = {shape: args.large_calls if shape[0] > 64 else args.calls for shape in SHAPES}
     labels = ["gloo", *(POLICIES if args.policies else ["shm"])]
     say(f"timing {', '.join(labels)} with {args.world_size} ranks...")

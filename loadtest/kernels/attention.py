@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
+from loadtest.common.machine_state import print_cpu
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 BATCHES = (1, 8, 32, 64)
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ptxas", action="store_true",
                         help="print the CUDA kernels' registers, spills, shared memory, occupancy")
     args = parser.parse_args(argv)
+    print_cpu()
     if args.ptxas:
         from kernels.cuda.resources import main as ptxas_main
 

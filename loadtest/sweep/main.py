@@ -54,6 +54,7 @@ from loadtest.sweep.report import RateSummary, format_full_pool, format_sustaine
 from loadtest.sweep.run import POLICIES, num_requests_at, run_sweep
 from loadtest.bench.throughput import say
 from loadtest.common.workloads import DATASETS
+from loadtest.common.machine_state import print_cpu
 
 # The default pool holds two whole (scaled) contexts: small enough that memory, not the CPU, limits
 # how many sequences run (the paper's setting), large enough for the longest request.
@@ -174,6 +175,7 @@ def scaled_context_note(args) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    print_cpu()
     os.makedirs(args.out, exist_ok=True)
     if args.plot_only:
         load_settings(args)

@@ -48,7 +48,7 @@ def gguf_path(source) -> str | None:
     return os.path.join(source.directory, source.gguf_file) if source.gguf_file else None
 
 
-# Measured with ``python -m loadtest.quantized`` (2-core Intel Xeon, AMX; docs/benchmarks.md): the
+# Measured with ``python -m loadtest.bench.quantized`` (2-core Intel Xeon, AMX; docs/benchmarks.md): the
 # embedded SmolLM2 served in its Q4_1 blocks decoded one stream 1.6x faster than dequantized to
 # bfloat16, but 16 streams at 0.43x and 64 at 0.26x. A server batches, so auto dequantizes.
 AUTO_REASON = ("--quantization auto on a GGUF file: dequantized (in its blocks one stream decodes faster but a "

@@ -1,6 +1,6 @@
-"""``python -m loadtest.sliding_window`` runs and prints its three figures (small sizes)."""
+"""``python -m loadtest.memory.sliding_window`` runs and prints its three figures (small sizes)."""
 
-from loadtest.sliding_window import main, max_blocks_one_sequence, sequences_that_fit
+from loadtest.memory.sliding_window import main, max_blocks_one_sequence, sequences_that_fit
 
 
 def test_prints_the_figures(capsys):

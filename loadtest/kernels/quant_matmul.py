@@ -2,7 +2,7 @@
 int4 CPU kernel, at decode and prefill row counts: which one ``kernels/cpu/quant_matmul.py`` uses
 from how many rows (``PREFILL_ROWS``).
 
-    python -m loadtest.quantized_kernels [--rows 1,4,8,16,32,128] [--rounds 7]
+    python -m loadtest.kernels.quant_matmul [--rows 1,4,8,16,32,128] [--rounds 7]
 
 Per row count, each round times every kernel once over one decoder layer's four matmuls (qkv,
 o, gate_up, down) in an order that alternates by round; prints the median per kernel in ms:
@@ -24,6 +24,7 @@ import argparse
 import statistics
 import sys
 import time
+from loadtest.common.machine_state import print_cpu
 
 
 def main() -> None:
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8,16,32,128")
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
+    print_cpu()
     source = resolve_model(None)
     config = load_hf_config(source)
     runner = build_runner(config, load_weights(source, config, "auto")[0],

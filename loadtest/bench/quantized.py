@@ -2,7 +2,7 @@
 SmolLM2-135M-Instruct (Q4_1 matrices, Q8_0 embedding) and copies requantized from its dequantized
 weights by the ``gguf`` package (Q8_0, Q4_0; the package has no Q4_K quantizer).
 
-    python -m loadtest.quantized [--variants bf16,Q4_1,Q8_0,Q4_0] [--streams 1,8] [--tokens 48] [--rounds 2]
+    python -m loadtest.bench.quantized [--variants bf16,Q4_1,Q8_0,Q4_0] [--streams 1,8] [--tokens 48] [--rounds 2]
 
 Each variant runs in a fresh process (so that its RSS is its own): the offline engine
 (``services.offline.EngineCore``) in bfloat16, the weights dequantized (``--quantization none``,
@@ -141,8 +141,10 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.path, streams, args.tokens)))
         return
+    from loadtest.common.machine_state import print_cpu
     from shared.model_source import resolve_model
 
+    print_cpu()
     embedded = resolve_model(None).where
     variants = args.variants.split(",")
     paths = {v: embedded if v in ("bf16", "Q4_1") else requantized_copy(embedded, v) for v in variants}
@@ -150,7 +152,7 @@ def main() -> None:
     for r in range(args.rounds):
         for v in (variants if r % 2 == 0 else variants[::-1]):
             say(f"round {r + 1}/{args.rounds}: {v} ({os.path.basename(paths[v])})")
-            out = subprocess.run([sys.executable, "-m", "loadtest.quantized", "--child", v, "--path", paths[v],
+            out = subprocess.run([sys.executable, "-m", "loadtest.bench.quantized", "--child", v, "--path", paths[v],
                                   "--streams", args.streams, "--tokens", str(args.tokens)],
                                  capture_output=True, text=True, check=True)
             runs[v].append(json.loads(out.stdout.strip().splitlines()[-1]))

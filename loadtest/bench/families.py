@@ -1,6 +1,6 @@
 """Each model family at SmolLM2-135M's sizes, random weights, in the offline engine:
 
-    python -m loadtest.models [--dtype auto] [--families llama,qwen3,...] [--tokens 32] [--streams 64]
+    python -m loadtest.bench.families [--dtype auto] [--families llama,qwen3,...] [--tokens 32] [--streams 64]
 
 Prints per family: weight memory, KV tokens per GiB, output tokens per second at 1 and at
 ``--streams`` streams (greedy, EOS ignored, prompts of 64 tokens), and that speed per FLOP relative

@@ -1,6 +1,6 @@
 """What sliding-window block freeing buys, in the block manager and scheduler alone (no model).
 
-    python -m loadtest.sliding_window [--window 256] [--block-size 16] [--num-blocks 512] [--num-seqs 24]
+    python -m loadtest.memory.sliding_window [--window 256] [--block-size 16] [--num-blocks 512] [--num-seqs 24]
 
 Prints figures only (no assertions):
 1. the most blocks one sequence holds while it grows to a context of 4W, with the window's blocks
