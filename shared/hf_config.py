@@ -151,6 +151,8 @@ def plain_config(config: Mapping[str, Any]) -> PlainConfig | None:
     rope = config.get("rope_parameters")
     if rope is not None and not (isinstance(rope, dict) and "rope_theta" in rope):
         return None
+    if rope is not None and rope.get("rope_type", rope.get("type", "default")) not in ("default", "linear"):
+        return None  # a scaled table (llama3, yarn...) is computed by transformers' own functions
     if config.get("rope_scaling") is not None and rope is None:
         return None  # transformers folds rope_scaling into rope_parameters: let it
     return PlainConfig(config)

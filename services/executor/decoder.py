@@ -29,6 +29,7 @@ from .model import CausalLM, VocabEmbedding
 from .module import Linear, Module
 from .parallel.base import Communicator
 from .parallel.sharding import ShardPlan
+from .rope import Rope
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class ModelConfig(ModelShape):
     defaults are Llama's. ``families/`` fills it from a transformers config."""
 
     rms_norm_eps: float
-    rope_theta: float
+    rope: Rope  # the rotary frequencies (of the full-attention layers where windowed ones have their own)
     attention_bias: bool
     qk_norm: bool = False  # Qwen3, Gemma 3: an RMS norm of each query and key head before the rotary embedding
     sandwich_norms: bool = False  # Gemma 2, 3: norms after attention and after the MLP, before each residual add
@@ -47,8 +48,7 @@ class ModelConfig(ModelShape):
     attn_softcap: float = 0.0  # Gemma 2: scores capped to (-c, c) by c * tanh(score / c); 0: none
     final_softcap: float = 0.0  # Gemma 2: the logits capped the same way
     layer_windows: tuple[int, ...] = ()  # per layer, its sliding window in tokens (0: full); (): all full
-    local_rope_theta: float | None = None  # the windowed layers' own rotary base (Gemma 3); None: rope_theta
-    rope_linear_factor: float = 1.0  # "linear" rope scaling of the full layers: positions / factor
+    local_rope: Rope | None = None  # the windowed layers' own rotary table (Gemma 3); None: ``rope``
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
@@ -92,7 +92,8 @@ class Attention(Module):
             head_norms_(qkv, self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads, backend)
         key_cache, value_cache = kv_cache
         extra = self.window_softcap
-        out = decode_from_qkv(backend, qkv, rope, key_cache, value_cache, meta, self.scale, self.num_heads, **extra)
+        out = None if rotary.partial else decode_from_qkv(backend, qkv, rope, key_cache, value_cache, meta,
+                                                          self.scale, self.num_heads, **extra)
         if out is None:
             q, k, v = rotary(qkv, *rope, self.num_heads, self.num_kv_heads, backend)
             backend.write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
@@ -164,10 +165,9 @@ class DecoderForCausalLM(CausalLM):
         # float32 whatever the weights are (``RotaryEmbedding.at`` casts per pass); the windowed
         # layers' own table where their base differs (Gemma 3), else the one table
         cfg = self.config
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, cfg.rope_linear_factor).to(device)
-        local = cfg.local_rope_theta
-        self.local_rotary = (RotaryEmbedding(cfg.head_dim, max_model_len, local).to(device)
-                             if local is not None else None)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope).to(device)
+        local = cfg.local_rope
+        self.local_rotary = RotaryEmbedding(cfg.head_dim, max_model_len, local).to(device) if local else None
 
     @torch.inference_mode()
     def forward(

@@ -25,6 +25,7 @@ from torch import nn
 from .module import Linear, Module
 from .parallel.base import Communicator
 from .parallel.sharding import ShardPlan
+from .rope import Rope, cos_sin, plain_rope
 
 if TYPE_CHECKING:
     from .decoder import ModelConfig
@@ -81,43 +82,52 @@ def head_norms_(qkv: torch.Tensor, q_norm: HeadNorm, k_norm: HeadNorm, num_heads
     k_norm.apply_(qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim))
 
 class RotaryEmbedding(Module):
-    """Non-interleaved (``rotate_half``) rotary embedding with a precomputed cos/sin table."""
+    """Non-interleaved (``rotate_half``) rotary embedding with a precomputed cos/sin table of a
+    ``Rope`` (``rope.py``; a float theta: the plain table of that base). Where the table is
+    narrower than a head (``partial_rotary_factor``), only the head's first channels turn."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, linear_factor: float = 1.0) -> None:
+    def __init__(self, head_dim: int, max_positions: int, rope: Rope | float) -> None:
         super().__init__()
         # Computed on the CPU even where the model is built on the meta device (``build_model``
         # replaces this table after): meta tensors run torch's Python reference ops, whose first
         # use imports torch._dynamo (about 1 s of every executor's start here).
-        cpu = torch.device("cpu")
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim
-        inv_freq = 1.0 / (theta ** exponents) / linear_factor  # "linear" scaling: positions / factor
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=cpu), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        rope = plain_rope(head_dim, rope) if isinstance(rope, (int, float)) else rope
+        cos, sin = cos_sin(rope, max_positions)  # [max_positions, rotary_dim]
+        self.head_dim = head_dim
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    @property
+    def partial(self) -> bool:
+        return self.cos.shape[-1] < self.head_dim
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, D]`` of ``positions`` ``[T]`` in ``dtype`` (as transformers casts
-        them): looked up once per forward pass, used by every layer."""
+        """cos and sin ``[T, 1, rotary_dim]`` of ``positions`` ``[T]`` in ``dtype`` (as transformers
+        casts them): looked up once per forward pass, used by every layer."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     def forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                 num_kv_heads: int, backend=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``qkv``: a fused projection's output ``[T, (H + 2 Hkv) * D]``; cos and sin ``[T, 1, D]``.
+        """``qkv``: a fused projection's output ``[T, (H + 2 Hkv) * D]``; cos and sin ``[T, 1, R]``.
         Returns new contiguous rotated queries ``[T, H, D]``, rotated keys and values
         ``[T, Hkv, D]``: in one kernel where the attention backend has one for these tensors
-        (``rope_split``: the numba backend on CPU, bit for bit the same), else as below."""
-        fused = getattr(backend, "rope_split", None)
+        (``rope_split``: the numba backend on CPU, bit for bit the same; whole heads only), else as below."""
+        fused = None if cos.shape[-1] < self.head_dim else getattr(backend, "rope_split", None)
         out = fused(qkv, cos, sin, num_heads, num_kv_heads) if fused else None
         if out is not None:
             return out
-        num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
+        num_tokens, head_dim, turned = qkv.shape[0], self.head_dim, cos.shape[-1]
         qk_size = (num_heads + num_kv_heads) * head_dim
         # queries and keys are adjacent: rotated together, into a new [T, H + Hkv, D]
         x = qkv[:, :qk_size].view(num_tokens, num_heads + num_kv_heads, head_dim)
-        qk = x * cos + _rotate_half(x) * sin
+        if turned < head_dim:  # as transformers: the first ``turned`` channels rotated, the rest kept
+            x_rot = x[..., :turned]
+            qk = torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x[..., turned:]), dim=-1)
+        else:
+            qk = x * cos + _rotate_half(x) * sin
         v = qkv[:, qk_size:].reshape(num_tokens, num_kv_heads, head_dim)
         return qk[:, :num_heads].contiguous(), qk[:, num_heads:].contiguous(), v
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2

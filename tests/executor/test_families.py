@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from services.executor.architectures import FAMILIES, model_class, model_config
+from services.executor.rope import plain_rope
 from tests.doubles.engine import InProcessEngine, hf_greedy
 from tests.doubles.families import FAMILY_SPECS, WINDOWED, random_prompts, tiny_family
 
@@ -59,7 +60,7 @@ def test_each_family_reads_its_differences():
     assert (g2.attn_softcap, g2.final_softcap, g2.query_scale) == (1.5, 2.0, 24**-0.5)
     assert g2.sandwich_norms and g2.hidden_act == "gelu_pytorch_tanh" and g2.embedding_scale == 96**0.5
     g3 = cfg["gemma3_text"]
-    assert g3.qk_norm and (g3.rope_theta, g3.rope_linear_factor, g3.local_rope_theta) == (1e6, 2.0, 1e4)
+    assert g3.qk_norm and (g3.rope, g3.local_rope) == (plain_rope(16, 1e6, 2.0), plain_rope(16, 1e4))
     for name in FAMILY_SPECS:
         assert model_class(tiny_family(name).config).__name__ == "DecoderForCausalLM"
 
@@ -71,9 +72,9 @@ def test_windowed_families_are_the_ones_with_windows():
 
 @pytest.mark.parametrize("name,overrides,match", [
     ("mistral", dict(sliding_window=512), "sliding_window 512 is larger than the context"),
-    ("phi3", dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported"),
-    ("qwen3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                                    "original_max_position_embeddings": 64}), "rope type 'yarn' is not supported"),
+    ("phi3", dict(partial_rotary_factor=0.1), "partial_rotary_factor 0.1 must give an even share of head_dim 16"),
+    ("qwen3", dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}),
+     "rope type 'dynamic' is not supported"),
 ])
 def test_unsupported_settings_are_one_line_errors(name, overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -1,30 +1,16 @@
 """What the families' files share: reading the decoder's config from a transformers config
-(sizes, norm epsilon, rotary base and scaling) and the per-layer sliding windows."""
+(sizes, norm epsilon, rotary frequencies) and the per-layer sliding windows."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
 from shared.hf_config import model_shape
 
 from ..decoder import ModelConfig
-
-
-def rope_of(params: dict[str, Any] | None, hf, where: str) -> tuple[float, float]:
-    """(rotary base, linear scaling factor) of one rope parameter set (transformers v5's
-    ``rope_parameters`` or v4's ``rope_scaling``; the base else ``rope_theta``)."""
-    params = params or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    factor = 1.0
-    if kind == "linear":
-        factor = float(params["factor"])
-    elif kind != "default":
-        raise ValueError(f"{where}: rope type {kind!r} is not supported yet (default, linear)")
-    theta = params.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0)
-    return float(theta), factor
+from ..rope import rope_from_config
 
 
 def layer_windows(hf, num_layers: int, where: str, every_layer: bool = False) -> tuple[int, ...]:
@@ -52,12 +38,12 @@ def layer_windows(hf, num_layers: int, where: str, every_layer: bool = False) ->
 
 def decoder_config(hf, **knobs) -> ModelConfig:
     """The decoder's config for ``hf``: the sizes checked by ``model_shape`` (as every process reads
-    them), the norm epsilon, the rotary base, no attention bias, then the family's ``knobs``."""
+    them), the norm epsilon, the rotary table, no attention bias, then the family's ``knobs``."""
     where = f"model {hf.model_type}"
     shape = model_shape(hf.to_dict(), where)
-    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None)
-    theta, factor = rope_of(rope, hf, where)
-    fields = dict(rms_norm_eps=hf.rms_norm_eps, rope_theta=theta, rope_linear_factor=factor,
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None)
+    rope = knobs.pop("rope", None) or rope_from_config(hf, params, shape.head_dim, where)
+    fields = dict(rms_norm_eps=hf.rms_norm_eps, rope=rope,
                   attention_bias=bool(getattr(hf, "attention_bias", False) or False))
     return ModelConfig(**dataclasses.asdict(shape), **{**fields, **knobs})
 

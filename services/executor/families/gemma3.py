@@ -2,22 +2,25 @@
 ones saved as text models): Gemma 2's layers with an RMS norm of each query and key head, no
 soft-capping, five windowed layers to each global one (``layer_types``), and the windowed layers
 on a rotary base of their own (``rope_parameters["sliding_attention"]``; the global layers'
-may be linearly scaled)."""
+may be scaled)."""
 
-from .common import decoder_config, rope_of
+from shared.hf_config import model_shape
+
+from ..rope import plain_rope, rope_from_config
+from .common import decoder_config
 from .gemma2 import gemma_knobs, hf_state_dict  # noqa: F401 (Gemma 2's weight names and norms)
 
 
 def config(hf):
     where = "model gemma3_text"
-    rope = getattr(hf, "rope_parameters", None) or {}
-    if "full_attention" in rope:  # transformers v5: one set per layer type
-        theta, factor = rope_of(rope["full_attention"], hf, where)
-        local, _ = rope_of(rope.get("sliding_attention"), hf, where)
+    head_dim = model_shape(hf.to_dict(), where).head_dim
+    params = getattr(hf, "rope_parameters", None) or {}
+    if "full_attention" in params:  # transformers v5: one set per layer type
+        rope = rope_from_config(hf, params["full_attention"], head_dim, where, layer_type="full_attention")
+        local = rope_from_config(hf, params.get("sliding_attention"), head_dim, where, layer_type="sliding_attention")
     else:  # v4: rope_theta and rope_scaling for the global layers, rope_local_base_freq for the others
-        theta, factor = rope_of(getattr(hf, "rope_scaling", None), hf, where)
-        local = float(getattr(hf, "rope_local_base_freq", 10000.0))
-    return decoder_config(hf, **gemma_knobs(hf, where), qk_norm=True, rope_theta=theta,
-                          rope_linear_factor=factor, local_rope_theta=local,
+        rope = rope_from_config(hf, getattr(hf, "rope_scaling", None), head_dim, where)
+        local = plain_rope(head_dim, float(getattr(hf, "rope_local_base_freq", 10000.0)))
+    return decoder_config(hf, **gemma_knobs(hf, where), qk_norm=True, rope=rope, local_rope=local,
                           attn_softcap=float(getattr(hf, "attn_logit_softcapping", None) or 0.0),
                           final_softcap=float(getattr(hf, "final_logit_softcapping", None) or 0.0))

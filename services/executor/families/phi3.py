@@ -1,7 +1,8 @@
 """Phi-3 and Phi-3.5: Llama's layers, with the q/k/v and gate/up weights stored fused
 (``qkv_proj``, ``gate_up_proj``): split here into Hugging Face's parts, so that tensor parallelism
 cuts them by heads and columns as any other family's (``model.fuse_projections`` joins each rank's
-parts again); a sliding window on every layer where ``sliding_window`` is set."""
+parts again); a sliding window on every layer where ``sliding_window`` is set. Phi-3.5's
+``longrope`` and Phi-4-mini's partial rotary come with the shared rotary table (``rope.py``)."""
 
 import torch
 
@@ -9,10 +10,6 @@ from .common import decoder_config, layer_windows
 
 
 def config(hf):
-    rope = getattr(hf, "rope_parameters", None) or {}
-    partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) or 1.0
-    if partial != 1.0:
-        raise ValueError(f"model phi3: partial_rotary_factor {partial} is not supported yet (1.0)")
     return decoder_config(hf, layer_windows=layer_windows(hf, hf.num_hidden_layers, "model phi3", every_layer=True))
 
 
