@@ -50,8 +50,21 @@ class ModelShape:
     position_rows: int
 
 
+# multimodal model types served as their text model (the image tower's weights are not loaded)
+TEXT_MODELS = {"gemma3": "gemma3_text"}
+
+
+def text_model_json(config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal ``config.json`` (``TEXT_MODELS``) as its text model's config, else ``config``."""
+    text = config.get("text_config")
+    if config.get("model_type") not in TEXT_MODELS or not isinstance(text, dict):
+        return config
+    return {**text, "model_type": TEXT_MODELS[config["model_type"]]}
+
+
 def read_config_json(directory: str) -> dict[str, Any]:
-    """``directory``/config.json as a JSON object, or a one-line ``ModelCheckError``."""
+    """``directory``/config.json as a JSON object (a multimodal model's: its text model's,
+    ``text_model_json``), or a one-line ``ModelCheckError``."""
     path = os.path.join(directory, "config.json")
     try:
         with open(path, "rb") as f:
@@ -62,7 +75,7 @@ def read_config_json(directory: str) -> dict[str, Any]:
         raise ModelCheckError(f"--model {directory}: config.json is not valid JSON: {_one_line(exc)}") from None
     if not isinstance(config, dict):
         raise ModelCheckError(f"--model {directory}: config.json must hold a JSON object, not {type(config).__name__}")
-    return config
+    return text_model_json(config)
 
 
 def model_shape(config: Mapping[str, Any], where: str) -> ModelShape:
@@ -176,6 +189,8 @@ def load_hf_config(source: ModelSource) -> Any:
     except Exception as exc:  # transformers raises anything (OSError, ValueError, KeyError, ZeroDivisionError...)
         message = f"{type(exc).__name__}: {_one_line(exc)}{kernels_clash_hint(exc)}"
         raise ModelCheckError(f"{where}: cannot read the model config: {message}") from None
+    if getattr(config, "model_type", None) in TEXT_MODELS:
+        config = config.text_config  # served as a text model
     model_shape(config.to_dict(), where)
     return config
 
