@@ -49,9 +49,10 @@ class RunnerFlags:
                               choices=("auto", "onednn", "numba", "torch"))
     quantization: str = flag("auto", "weights served quantized (gguf: a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K "
                              "tensors stay in their blocks and the matmuls read them, other types are "
-                             "dequantized; none: dequantize everything; auto: none for now, as gguf decodes a "
-                             "batch slower, measured; a Hugging Face directory is served as it is)",
-                             choices=("auto", "gguf", "none"))
+                             "dequantized; int8: every matmul quantized at load, int8 per output channel; none: "
+                             "dequantize everything; auto: none for now, as gguf decodes a batch slower, "
+                             "measured; a Hugging Face directory is served as it is)",
+                             choices=("auto", "gguf", "int8", "none"))
     num_threads: int | None = flag(None, "CPU threads for torch and numba", type=int,
                                    shown="this host's cores, shared by its ranks")
     adaptive_threads: bool = flag(True, "run each small step on one thread or on all, whichever its timing shows "

@@ -1,6 +1,7 @@
 """GGUF weights served quantized against the same model dequantized to bfloat16: the embedded
 SmolLM2-135M-Instruct (Q4_1 matrices, Q8_0 embedding) and copies requantized from its dequantized
-weights by the ``gguf`` package (Q8_0, Q4_0; the package has no Q4_K quantizer).
+weights by the ``gguf`` package (Q8_0, Q4_0; the package has no Q4_K quantizer), and ``int8``: the
+dequantized weights quantized at load by ``--quantization int8`` (one scale per output channel).
 
     python -m loadtest.bench.quantized [--variants bf16,Q4_1,Q8_0,Q4_0] [--streams 1,8] [--tokens 48] [--rounds 2]
 
@@ -103,7 +104,7 @@ def child(variant: str, path: str, streams: list[int], tokens: int) -> dict:
     from shared.model_source import resolve_model
 
     source = resolve_model(path)
-    quantization = "none" if variant == "bf16" else "gguf"
+    quantization = {"bf16": "none", "int8": "int8"}.get(variant, "gguf")
     options = RunnerOptions(dtype=torch.bfloat16, num_kv_blocks=256, num_cpu_blocks=0, quantization=quantization)
     t0 = time.perf_counter()
     config = load_hf_config(source)
@@ -147,7 +148,7 @@ def main() -> None:
     print_cpu()
     embedded = resolve_model(None).where
     variants = args.variants.split(",")
-    paths = {v: embedded if v in ("bf16", "Q4_1") else requantized_copy(embedded, v) for v in variants}
+    paths = {v: embedded if v in ("bf16", "Q4_1", "int8") else requantized_copy(embedded, v) for v in variants}
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for r in range(args.rounds):
         for v in (variants if r % 2 == 0 else variants[::-1]):
@@ -168,8 +169,8 @@ def report(runs: dict[str, list[dict]], streams: list[int]) -> None:
     for v, rs in runs.items():
         first = rs[0]
         rates = [" / ".join(str(r["tok_s"][str(n)]) for r in rs) for n in streams]
-        agree = "-" if v == "bf16" else "other weights (requantized)"
-        if base and v == "Q4_1":  # the same file as bf16's, served in its blocks
+        agree = "-"
+        if base and v != "bf16":  # the file's weights in their blocks, or requantized from bf16's weights
             pairs = [agreement(first["tokens"][str(n)], base[0]["tokens"][str(n)]) for n in streams]
             same, total = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
             agree = f"{same}/{total} ({same / total:.0%})"

@@ -37,7 +37,7 @@ log = structlog.get_logger()
 
 
 class QuantizationChoice(NamedTuple):
-    mode: str  # "gguf" (served in their blocks) or "none" (dequantized, or a plain checkpoint)
+    mode: str  # "gguf" (served in their blocks), "int8" (quantized at load) or "none" (as they are)
     reason: str
 
 
@@ -60,6 +60,12 @@ def choose_quantization(requested: str, is_gguf: bool, model_type: str, device_t
     on a ``device_type`` device)."""
     if requested == "none":
         return QuantizationChoice("none", "--quantization none: every weight dequantized")
+    if requested == "int8":
+        if device_type != "cpu" or model_type == "opt":
+            return QuantizationChoice("none", f"--quantization int8 on {model_type if device_type == 'cpu' else device_type}: "
+                                              "not served in int8 (CPU kernels, decoder families), weights as they are")
+        return QuantizationChoice("int8", "--quantization int8: every matmul and the embeddings quantized at load "
+                                          "to int8 with a scale per output channel (int8_weights.py)")
     if not is_gguf:
         return QuantizationChoice("none", f"--quantization {requested} on a Hugging Face checkpoint: its weights as "
                                           "they are")

@@ -13,6 +13,7 @@ from shared.engine_flags import RunnerFlags
 
 from .attention import select_backend
 from .device import check_device_name, resolve_device
+from .gguf_weights import choose_quantization
 from .linear import check_linear_kernel, choose_linear_kernel, pack_linears
 from .architectures import model_config
 from .memory_plan import MemoryPlan, plan_memory
@@ -59,7 +60,7 @@ class RunnerOptions:
     max_model_len: int | None = None
     attention_backend: str = _RUNNER.attention_backend
     linear_kernel: str = _RUNNER.linear_kernel
-    quantization: str = _RUNNER.quantization  # auto, gguf or none (gguf_weights.py)
+    quantization: str = _RUNNER.quantization  # auto, gguf, int8 or none (gguf_weights.py)
     seed: int = _RUNNER.seed
 
     def __post_init__(self) -> None:
@@ -72,8 +73,8 @@ class RunnerOptions:
             raise ValueError(f"--max-model-len must be greater than 1, got {self.max_model_len}")
         parse_bytes(self.kv_cache_memory)
         check_linear_kernel(self.linear_kernel)
-        if self.quantization not in ("auto", "gguf", "none"):
-            raise ValueError(f"--quantization must be auto, gguf or none, got {self.quantization!r}")
+        if self.quantization not in ("auto", "gguf", "int8", "none"):
+            raise ValueError(f"--quantization must be auto, gguf, int8 or none, got {self.quantization!r}")
         if self.swap_space < 0:
             raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
 
@@ -120,7 +121,9 @@ def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: Runner
     plan = plan or plan_runner(hf_config, options, shard=shard)
     device = resolve_device(options.device)
     dtype = _dtype(options, device)
-    model = build_model(hf_config, state_dict, dtype, device, plan.max_model_len, shard, comm)
+    # --quantization int8's weights are quantized while the model is built (int8_weights.py)
+    int8 = choose_quantization(options.quantization, False, hf_config.model_type, device.type).mode == "int8"
+    model = build_model(hf_config, state_dict, dtype, device, plan.max_model_len, shard, comm, int8=int8)
     kind = choose_linear_kernel(options.linear_kernel, device, dtype)
     if kind != "torch":
         pack_linears(model, kind)  # oneDNN's blocked weights or the Numba kernel's pairs (linear.py)

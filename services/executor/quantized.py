@@ -148,8 +148,9 @@ def weights_summary(model) -> dict:
     kernels = {}
     for m in model.modules():
         for p in getattr(m, "packs", None) or []:
-            kernels[p.type_name] = ("torch int4pack (bfloat16: a fifth of the Numba pass's time at one row)"
-                                    if isinstance(p, Int4Pack) else
+            kernels[p.type_name] = (getattr(p, "kernel", None) or
+                                    "torch int4pack (bfloat16: a fifth of the Numba pass's time at one row)"
+                                    if isinstance(p, Int4Pack) or hasattr(p, "kernel") else
                                     f"numba below {PREFILL_ROWS[p.four_bit]} rows (one pass over the blocks), "
                                     "then float32 tiles and torch's matmul")
     return {**summary, "quantized_kernels": kernels}
@@ -161,7 +162,7 @@ def quantized_summary(model) -> dict:
     types: dict[str, int] = {}
     packs = {}
     for m in model.modules():
-        for p in getattr(m, "packs", None) or ([m.pack] if isinstance(m, QuantEmbedding) else []):
+        for p in getattr(m, "packs", None) or ([m.pack] if hasattr(m, "pack") else []):
             packs[id(p)] = p
     for p in packs.values():
         types[p.type_name] = types.get(p.type_name, 0) + 1

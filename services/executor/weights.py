@@ -20,6 +20,7 @@ from shared.model_source import ModelSource
 from .architectures import family
 from .model import FUSED_PROJECTIONS, CausalLM, fuse_projections
 from .parallel.sharding import ShardPlan, shard_state_dict
+from .int8_weights import install_int8, quantize_state_int8, split_int8
 from .quantized import fused_names, install_quantized, take_quantized
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -109,13 +110,14 @@ def check_shapes(state: dict[str, torch.Tensor], model: CausalLM) -> None:
 
 def build_model(
     hf_config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-    max_model_len: int, plan: ShardPlan | None = None, comm=None,
+    max_model_len: int, plan: ShardPlan | None = None, comm=None, int8: bool = False,
 ) -> CausalLM:
     """Instantiate our model for a transformers config (its family's, ``architectures.py``)
     and load ``state_dict`` into it.
 
     With a ``plan`` (and its rank's communicator), the model is that rank's shard and loads only
-    its slices of the full ``state_dict``.
+    its slices of the full ``state_dict``. ``int8``: the matmul weights quantized to int8 before
+    the split and served so (``int8_weights.py``).
     """
     fam = family(hf_config)
     cls, cfg = fam.model_class, fam.config(hf_config)
@@ -125,7 +127,10 @@ def build_model(
     # Module.to_empty's empty_like on meta tensors runs torch's Python reference ops, whose first
     # use imports torch._decomp and sympy (about 0.4 s of each start): torch.empty by shape instead.
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    state, quantized = take_quantized(fam.hf_state_dict(state_dict, cfg))  # GGUF blocks: quantized.py
+    state, scales = fam.hf_state_dict(state_dict, cfg), {}
+    if int8:
+        state, scales = quantize_state_int8(state)
+    state, quantized = take_quantized(state)  # GGUF blocks: quantized.py
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         quantized.pop("lm_head.weight", None)
@@ -142,5 +147,7 @@ def build_model(
     model = model.to(dtype=dtype).eval()
     if quantized:
         install_quantized(model, quantized, plan, dtype)
+    if scales:
+        install_int8(model, split_int8(scales, plan), dtype)
     model.build_buffers(max_model_len, device)  # e.g. the rotary table, float32 whatever the weights are
     return model
