@@ -12,12 +12,15 @@ blocks are repacked for the kernels (``kernels/cpu/quant_matmul.py``).
 from __future__ import annotations
 
 import numpy as np
+import structlog
 import torch
 
 from .gguf_weights import QuantWeight
 from .model import FUSED_PROJECTIONS, VocabEmbedding
 from .module import Module
 from .parallel.sharding import _HEAD_COLUMNS, _INTERMEDIATE_COLUMNS, ShardPlan, shard_tensor
+
+log = structlog.get_logger()
 
 
 
@@ -93,8 +96,9 @@ def _packs(parts: list[QuantWeight]) -> list:
     return [pack(torch.cat([p.raw for p in run]), run[0].ggml_type) for run in runs]
 
 
-def fused_names(quantized: dict[str, QuantWeight]) -> dict[str, list[str]]:
-    """Our module names (``...qkv_proj``) -> the HF weight names whose rows they join, in order."""
+def fused_names(quantized: dict[str, QuantWeight], partial: bool = False) -> dict[str, list[str]]:
+    """Our module names (``...qkv_proj``) -> the HF weight names whose rows they join, in order
+    (``partial``: also where only some of the parts are there, else an error)."""
     out: dict[str, list[str]] = {}
     for name in quantized:
         module = name.removesuffix(".weight")
@@ -108,15 +112,28 @@ def fused_names(quantized: dict[str, QuantWeight]) -> dict[str, list[str]]:
         parts = next((p for f, p in FUSED_PROJECTIONS.items() if target.endswith("." + f)), None)
         if parts is not None:
             names.sort(key=lambda n: [p in n for p in parts].index(True))
-            if len(names) != len(parts):
+            if len(names) != len(parts) and not partial:
                 raise ValueError(f"{target}: the file holds only some of its parts quantized ({', '.join(names)})")
     return out
 
 
 def take_quantized(state: dict) -> tuple[dict, dict[str, QuantWeight]]:
-    """``state`` split into its float tensors and its ``QuantWeight``s."""
+    """``state`` split into its float tensors and its ``QuantWeight``s. A fused projection whose
+    parts are only partly served quantized (llama.cpp's Q4_K_M gives a 576-wide q and k Q5_0,
+    which is dequantized at read, beside a Q8_0 v) is served in float whole: its quantized parts
+    are dequantized too (``kernels/quant_reference.py``), and logged."""
+    from kernels.quant_reference import dequantize
+
     plain = {k: v for k, v in state.items() if not isinstance(v, QuantWeight)}
-    return plain, {k: v for k, v in state.items() if isinstance(v, QuantWeight)}
+    quantized = {k: v for k, v in state.items() if isinstance(v, QuantWeight)}
+    for target, names in fused_names(quantized, partial=True).items():
+        parts = next((p for f, p in FUSED_PROJECTIONS.items() if target.endswith("." + f)), None)
+        if parts is not None and len(names) != len(parts):
+            log.info("fused projection dequantized", module=target, quantized=names)
+            for name in names:
+                w = quantized.pop(name)
+                plain[name] = dequantize(w.raw, w.ggml_type)
+    return plain, quantized
 
 
 def install_quantized(model, quantized: dict[str, QuantWeight], plan: ShardPlan, dtype: torch.dtype) -> None:

@@ -199,3 +199,21 @@ def test_quantization_choice():
     assert choose_quantization("gguf", False, "llama").mode == "none"  # a Hugging Face directory
     assert choose_quantization("gguf", True, "gemma2").mode == "none"  # names this reader does not map
     assert choose_quantization("gguf", True, "qwen3", "cuda").mode == "none"  # CPU kernels only
+
+
+def test_a_fused_projection_partly_quantized_is_served_in_float_whole():
+    """As llama.cpp's Q4_K_M writes SmolLM2 (q and k Q5_0, dequantized at read; v Q8_0): the v part
+    is dequantized too, by the reference, and the projection loads as float."""
+    from kernels.quant_reference import dequantize
+    from services.executor.quantized import take_quantized
+
+    v = QuantWeight(torch.from_numpy(random_quantized(T.Q8_0, 64, 128, seed=3)), int(T.Q8_0), 128)
+    down = QuantWeight(torch.from_numpy(random_quantized(T.Q8_0, 128, 64, seed=4)), int(T.Q8_0), 64)
+    state = {"model.layers.0.self_attn.q_proj.weight": torch.randn(128, 128),
+             "model.layers.0.self_attn.k_proj.weight": torch.randn(64, 128),
+             "model.layers.0.self_attn.v_proj.weight": v, "model.layers.0.mlp.down_proj.weight": down}
+    plain, quantized = take_quantized(state)
+    assert set(quantized) == {"model.layers.0.mlp.down_proj.weight"}
+    assert torch.equal(plain["model.layers.0.self_attn.v_proj.weight"], dequantize(v.raw, v.ggml_type))
+    np.testing.assert_allclose(plain["model.layers.0.self_attn.v_proj.weight"].numpy(),
+                               gguf_dequantize(v.raw.numpy(), T.Q8_0), rtol=1e-6)
