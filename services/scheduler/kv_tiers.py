@@ -17,6 +17,8 @@ Contract:
   the hash on disk (a corrupt, truncated, foreign or missing file is never served).
 - ``reload(hash, device block)`` sends ``RELOAD (slot, device block)``: the block's bytes are the
   hash's before anything later in the same or a later step reads it (moves run in order).
+- ``pin``/``unpin``: hashes whose host copies a waiting sequence is about to reuse; their slots
+  are never taken (an offload that finds only pinned ones keeps nothing).
 - Moves accumulate in order in ``ops`` (kind, a, b; a key is an index into ``keys``) until
   ``take_ops``; the scheduler puts them in the next ``Step``.
 - ``reset_host`` forgets the host pool and everything in flight (the executors that held it were
@@ -25,7 +27,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from enum import IntEnum
 
 import numpy as np
@@ -47,6 +49,7 @@ class TierIndex:
         self.num_host_blocks, self.num_disk_blocks = num_host_blocks, num_disk_blocks
         self.stored: OrderedDict[bytes, None] = OrderedDict()  # on disk, confirmed, oldest first
         self.pending: set[bytes] = set()  # spilled, write not yet confirmed
+        self.pins: Counter[bytes] = Counter()  # host hashes a waiting sequence is about to reuse
         self.counts = dict.fromkeys(("offloaded", "reloaded", "spilled", "loaded", "load_failed", "deleted"), 0)
         self.reset_host()
 
@@ -98,11 +101,13 @@ class TierIndex:
         """Read stored ``h`` into a host slot; False if no slot can be had."""
         if h not in self.stored or h in self.host or h in self.loading:
             return False
+        self.stored.move_to_end(h)
+        self.loading[h] = -1  # so that making room (a spill, a delete) keeps its file
         slot = self._slot()
         if slot is None:
+            del self.loading[h]
             return False
         self.loading[h] = slot
-        self.stored.move_to_end(h)
         self.ops.append((TierOp.LOAD, self._key(h), slot))
         return True
 
@@ -133,6 +138,14 @@ class TierIndex:
         while len(self.stored) > self.num_disk_blocks and self._delete_oldest():
             pass
 
+    def pin(self, hashes) -> None:
+        """Keep ``hashes``' host copies (a sequence about to reuse them): their slots are not taken."""
+        self.pins.update(hashes)
+
+    def unpin(self, hashes) -> None:
+        self.pins.subtract(hashes)
+        self.pins += Counter()  # drops those at zero
+
     def take_ops(self) -> tuple[np.ndarray, list[bytes]]:
         ops, keys = np.array(self.ops, np.int64).reshape(-1, 3), self.keys
         self.ops, self.keys = [], []
@@ -148,9 +161,10 @@ class TierIndex:
         """A free slot, else the least recently used host hash's (spilled to disk first)."""
         if self.free_slots:
             return self.free_slots.pop()
-        if not self.host:
-            return None
-        victim, slot = self.host.popitem(last=False)
+        victim = next((h for h in self.host if h not in self.pins), None)
+        if victim is None:
+            return None  # every held hash is pinned: the block is not kept
+        slot = self.host.pop(victim)
         if self.num_disk_blocks and victim not in self.stored and victim not in self.pending:
             self._spill(victim, slot)
         return slot

@@ -33,9 +33,7 @@ def revive_host_hits(blocks: BlockManager, seq: Sequence, hits: list[int]) -> li
     if not run:
         return hits
     rest = blocks.blocks_needed(seq.num_planned_tokens) - len(hits) - len(run)
-    for h in run:
-        if h in tiers.host:
-            tiers.host.move_to_end(h)  # the blocks taken below push other hashes out of the host tier
+    tiers.pin(run)  # the blocks taken below may push other hashes out of the host tier, not these
     pinned = list(hits)
     for block_id in pinned:
         blocks._acquire(block_id)  # so that taking blocks below evicts none of them
@@ -45,14 +43,14 @@ def revive_host_hits(blocks: BlockManager, seq: Sequence, hits: list[int]) -> li
         if h in blocks.cached:
             block_id = blocks.cached[h]
             blocks._acquire(block_id)
-        else:
-            block_id = blocks._take()  # may evict a device block to the host tier
-            if tiers.where(h) != "host":  # ... taking the slot of this one's copy: stop here
-                blocks._release(block_id)
-                break
+        elif tiers.where(h) == "host":
+            block_id = blocks._take()  # may evict a device block to the host tier (not a pinned one)
             blocks.block_hashes[block_id], blocks.cached[h] = h, block_id
             tiers.reload(h, block_id)
+        else:
+            break  # a device hit of the run that the blocks taken above evicted (and kept nowhere)
         pinned.append(block_id)
+    tiers.unpin(run)
     for block_id in reversed(pinned):
         blocks._release(block_id)  # cached again, the tail evictable first
     return pinned
@@ -67,9 +65,8 @@ def request_loads(blocks: BlockManager, seq: Sequence) -> bool:
         return False
     prefix = seq.block_hashes[:limit]
     held = [h for h in prefix if h in tiers.host]
-    for h in held:
-        tiers.host.move_to_end(h)  # loads below take other hashes' slots first
-    budget = tiers.num_loadable() - len(held)
+    tiers.pin(held)  # loads below take other hashes' slots
+    budget = tiers.num_loadable() - sum(1 for h in tiers.host if h in tiers.pins)
     waiting = False
     for h in prefix:
         where = tiers.where(h)
@@ -82,4 +79,5 @@ def request_loads(blocks: BlockManager, seq: Sequence) -> bool:
             break
         budget -= 1
         waiting = True
+    tiers.unpin(held)
     return waiting

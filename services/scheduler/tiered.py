@@ -9,7 +9,7 @@ from shared.messages import Step, StepResult
 
 from .kv_tiers import TierIndex
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
 from .step_builder import build_step
 from .tier_admission import request_loads
 
@@ -19,6 +19,7 @@ class TieredScheduler(Scheduler):
         super().__init__(config, block_manager)
         assert block_manager.tiers is not None, "a TieredScheduler needs a block manager with tiers"
         self.parked: list[Sequence] = []  # waiting for their blocks to load from disk
+        self._pins: list[tuple[Sequence, list[bytes]]] = []  # host copies kept for waiting sequences
 
     def has_work(self) -> bool:
         return super().has_work() or bool(self.parked)
@@ -26,6 +27,7 @@ class TieredScheduler(Scheduler):
     def schedule(self) -> Step | None:
         self._park_for_loads()
         step = super().schedule()
+        self._unpin_admitted()
         ops, keys = self.blocks.tiers.take_ops()
         if step is None and len(ops):  # only moves: a step of no sequence carries them
             step = build_step(next(self._step_ids), [], self.blocks, self._freed_seq_ids, [], [])
@@ -43,6 +45,14 @@ class TieredScheduler(Scheduler):
                 seq.waited_for_tiers = True
                 self.waiting.remove(seq)
                 self.parked.append(seq)
+                hashes = list(seq.block_hashes)
+                self.blocks.tiers.pin(hashes)  # until it is admitted: other evictions keep off them
+                self._pins.append((seq, hashes))
+
+    def _unpin_admitted(self) -> None:
+        for seq, hashes in [p for p in self._pins if p[0].status is not SequenceStatus.WAITING]:
+            self.blocks.tiers.unpin(hashes)
+            self._pins.remove((seq, hashes))
 
     def update(self, result: StepResult) -> None:
         super().update(result)
