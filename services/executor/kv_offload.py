@@ -137,6 +137,12 @@ class KvOffload:
             result.tier_store_failed, self._store_failed = self._store_failed, []
         return result
 
+    def ready_fields(self) -> dict:
+        """``ExecutorReady``'s tier fields; the files listed now (a new scheduler's index)."""
+        keys = self.files.listing(self.payload_bytes)[0] if self.files is not None else []
+        return {"num_host_offload_blocks": self.num_host_blocks, "num_disk_offload_blocks": self.num_disk_blocks,
+                "offloaded_keys": keys}
+
     def flush(self) -> None:
         """Wait until every queued write and delete is done (tests; a stopping executor)."""
         if self.files is not None:

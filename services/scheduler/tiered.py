@@ -91,3 +91,9 @@ def scheduler_class(blocks, num_host_blocks: int, num_disk_blocks: int = 0, stor
     blocks.tiers = TierIndex(num_host_blocks, num_disk_blocks)
     blocks.tiers.adopt(list(stored_keys))
     return TieredScheduler
+
+
+def keys_on_every_rank(readies) -> list[bytes]:
+    """The block files every rank found at start (each holds its shard), in the first's order."""
+    common = set(readies[0].offloaded_keys).intersection(*(r.offloaded_keys for r in readies[1:]))
+    return [k for k in readies[0].offloaded_keys if k in common]
