@@ -64,8 +64,8 @@ def request_loads(blocks: BlockManager, seq: Sequence) -> bool:
     if not limit or not tiers.num_disk_blocks:
         return False
     prefix = seq.block_hashes[:limit]
-    held = [h for h in prefix if h in tiers.host]
-    tiers.pin(held)  # loads below take other hashes' slots
+    held = [h for h in prefix if h in tiers.host and h not in blocks.cached]
+    tiers.pin(held)  # loads below take other hashes' slots (or those of copies the device holds too)
     budget = tiers.num_loadable() - sum(1 for h in tiers.host if h in tiers.pins)
     waiting = False
     for h in prefix:

@@ -11,7 +11,10 @@ from .kv_tiers import TierIndex
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 from .step_builder import build_step
-from .tier_admission import request_loads
+from .prefix import prefix_hits
+from .tier_admission import request_loads, revive_host_hits
+
+MAX_LOAD_ROUNDS = 64  # a sequence waits for at most this many rounds of loads (each loads a block or more)
 
 
 class TieredScheduler(Scheduler):
@@ -39,10 +42,17 @@ class TieredScheduler(Scheduler):
 
     def _park_for_loads(self) -> None:
         """Waiting sequences (those that could be admitted soon) whose prefix continues on disk
-        ask for its blocks and step aside, each once."""
+        ask for its blocks and step aside. One back from a round of loads first takes the blocks
+        loaded to the device (their host slots may then take the next ones: a prefix longer than
+        the host tier comes in several rounds)."""
         for seq in list(self.waiting)[: self.config.max_num_seqs]:
-            if not seq.waited_for_tiers and request_loads(self.blocks, seq):
-                seq.waited_for_tiers = True
+            if seq.tier_rounds >= MAX_LOAD_ROUNDS:
+                continue
+            if seq.tier_rounds:
+                revive_host_hits(self.blocks, seq, prefix_hits(self.blocks, seq))
+                self._unpin(lambda s: s is seq)
+            if request_loads(self.blocks, seq):
+                seq.tier_rounds += 1
                 self.waiting.remove(seq)
                 self.parked.append(seq)
                 hashes = list(seq.block_hashes)
@@ -50,7 +60,10 @@ class TieredScheduler(Scheduler):
                 self._pins.append((seq, hashes))
 
     def _unpin_admitted(self) -> None:
-        for seq, hashes in [p for p in self._pins if p[0].status is not SequenceStatus.WAITING]:
+        self._unpin(lambda seq: seq.status is not SequenceStatus.WAITING)
+
+    def _unpin(self, which) -> None:
+        for seq, hashes in [p for p in self._pins if which(p[0])]:
             self.blocks.tiers.unpin(hashes)
             self._pins.remove((seq, hashes))
 
