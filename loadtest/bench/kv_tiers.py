@@ -33,7 +33,7 @@ WORDS = ("river garden market window teacher morning village history letter summ
          "student question answer number silver yellow quiet gentle ancient modern careful").split()
 MODEL = "SmolLM2-135M-Instruct"
 SERVER = ["--num-kv-blocks", "200", "--max-num-seqs", "4"]
-TIERS = ["--kv-offload-memory", "0.02"]
+TIERS = ["--kv-offload-memory", "0.05"]  # 145 blocks: a document fits
 
 
 def document(i: int, num_words: int = 2000) -> str:
