@@ -37,6 +37,7 @@ from services.offline_outputs import ChoiceOutput, Logprob, PromptOutput
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.contiguous import ContiguousBlockManager
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.tiered import scheduler_class
 from shared.messages import AddRequest, RequestOutput, SamplingParams, Step, StepResult
 from shared import speculative
 from shared.messages.sampling_rules import verify
@@ -59,7 +60,10 @@ class EngineCore:
             self.blocks = BlockManager(runner.num_blocks, runner.block_size, num_cpu_blocks=runner.num_cpu_blocks,
                                        enable_prefix_caching=options.enable_prefix_caching,
                                        sliding_window=runner.model.freeable_window)
-        self.scheduler = Scheduler(
+        offload = runner.offload  # the KV offload tiers, if any: their books live with the blocks'
+        scheduler_cls = Scheduler if offload is None else scheduler_class(
+            self.blocks, offload.num_host_blocks, offload.num_disk_blocks, offload.startup_keys)
+        self.scheduler = scheduler_cls(
             SchedulerConfig(options.max_num_seqs, options.max_num_batched_tokens, runner.max_model_len,
                             options.preemption_mode, options.kv_policy, speculative.parse(options.speculative_config)),
             self.blocks,

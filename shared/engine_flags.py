@@ -42,6 +42,14 @@ class RunnerFlags:
                                      shown="as many as --kv-cache-memory holds")
     kv_cache_memory: str = flag("1GiB", "memory for the KV pool")
     swap_space: float = flag(1.0, "GiB of CPU memory for swapped-out KV blocks")
+    kv_offload_memory: float = flag(0.0, "GiB of host memory (per rank) that keeps the prefix-cache blocks the KV "
+                                    "pool evicts, to copy back on a later hit (as vLLM's --kv-offloading-size); "
+                                    "0: none (docs/kv-tiers.md)")
+    kv_offload_dir: str | None = flag(None, "a directory where the host tier's evicted blocks are kept as files "
+                                      "and found again after a restart (needs --kv-offload-memory)",
+                                      metavar="DIR")
+    kv_offload_disk_size: float = flag(10.0, "GiB the block files in --kv-offload-dir may take (all ranks), least "
+                                       "recently used deleted first")
     attention_backend: str = flag("auto", "paged-attention kernels (auto: numba on CPU, cuda on GPUs)",
                                   choices=("auto", "torch", "numba", "cuda"))
     linear_kernel: str = flag("auto", "the model's matmuls (auto: on CPUs in bfloat16, the Numba kernel where the "

@@ -19,6 +19,8 @@ from .architectures import model_config
 from .memory_plan import MemoryPlan, plan_memory
 from .parallel.base import Communicator
 from .parallel.sharding import ShardPlan
+from .kv_files import weights_fingerprint
+from .offload_setup import build_offload, check_offload_options
 from .runner import ModelRunner, allocate_kv_cache
 from .weights import build_model, resolve_dtype
 
@@ -57,6 +59,10 @@ class RunnerOptions:
     kv_cache_memory: str = _RUNNER.kv_cache_memory
     num_cpu_blocks: int | None = None
     swap_space: float = _RUNNER.swap_space
+    kv_offload_memory: float = _RUNNER.kv_offload_memory  # GiB; or num_host_offload_blocks blocks
+    num_host_offload_blocks: int | None = None
+    kv_offload_dir: str | None = _RUNNER.kv_offload_dir
+    kv_offload_disk_size: float = _RUNNER.kv_offload_disk_size
     max_model_len: int | None = None
     attention_backend: str = _RUNNER.attention_backend
     linear_kernel: str = _RUNNER.linear_kernel
@@ -77,6 +83,7 @@ class RunnerOptions:
             raise ValueError(f"--quantization must be auto, gguf, int8 or none, got {self.quantization!r}")
         if self.swap_space < 0:
             raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
+        check_offload_options(self)
 
 
 def plan_runner(hf_config, options: RunnerOptions, where: str = "the model",
@@ -123,6 +130,8 @@ def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: Runner
     dtype = _dtype(options, device)
     # --quantization int8's weights are quantized while the model is built (int8_weights.py)
     int8 = choose_quantization(options.quantization, False, hf_config.model_type, device.type).mode == "int8"
+    # before the build uses them; int8 weights make other KV bytes, so they are a fingerprint of their own
+    fingerprint = (weights_fingerprint(state_dict) + (":int8" if int8 else "")) if options.kv_offload_dir else ""
     model = build_model(hf_config, state_dict, dtype, device, plan.max_model_len, shard, comm, int8=int8)
     kind = choose_linear_kernel(options.linear_kernel, device, dtype)
     if kind != "torch":
@@ -130,8 +139,10 @@ def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: Runner
     kv_cfg = model.kv_cache_config  # only this rank's KV heads
     kv = allocate_kv_cache(kv_cfg, plan.num_blocks, options.block_size, dtype, device)
     cpu_kv = allocate_kv_cache(kv_cfg, plan.num_cpu_blocks, options.block_size, dtype, torch.device("cpu"))
-    return ModelRunner(model, kv, select_backend(options.attention_backend, device), device, seed=options.seed,
-                       cpu_kv_caches=cpu_kv)
+    runner = ModelRunner(model, kv, select_backend(options.attention_backend, device), device, seed=options.seed,
+                         cpu_kv_caches=cpu_kv)
+    runner.offload = build_offload(options, kv_cfg, dtype, fingerprint, comm, device)
+    return runner
 
 
 def _dtype(options: RunnerOptions, device: torch.device) -> torch.dtype:

@@ -134,7 +134,8 @@ class ExecutorProcess:
         return ExecutorReady(cfg.rank, cfg.world_size, runner.num_blocks, runner.block_size, runner.max_model_len,
                              runner.num_cpu_blocks, model=self._model_name, incarnation=self.incarnation,
                              pid=os.getpid(), epoch=self.epoch, all_reduce=comm.kind,
-                             kv_cache_bytes=runner.kv_cache_bytes, sliding_window=runner.model.freeable_window)
+                             kv_cache_bytes=runner.kv_cache_bytes, sliding_window=runner.model.freeable_window,
+                             **(runner.offload.ready_fields() if runner.offload is not None else {}))
 
     def _answer_new_scheduler(self, runner, comm, epoch: int) -> ExecutorReady:
         """A scheduler we have not answered: forget every sequence (it knows none), say ready."""
@@ -226,6 +227,8 @@ class ExecutorProcess:
             elif isinstance(msg, Shutdown):
                 self.log.info("shutdown requested", reason=msg.reason)
                 break
+        if runner.offload is not None:
+            runner.offload.flush()  # the block files being written: a restart finds them
         return 0
 
     def _execute(self, runner, step: Step) -> StepResult:

@@ -31,6 +31,9 @@ class ExecutorConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory: str = _RUNNER.kv_cache_memory
     swap_space: float = _RUNNER.swap_space  # GiB of CPU memory for swapped-out blocks
+    kv_offload_memory: float = _RUNNER.kv_offload_memory  # the KV offload tiers (kv_offload.py)
+    kv_offload_dir: str | None = _RUNNER.kv_offload_dir
+    kv_offload_disk_size: float = _RUNNER.kv_offload_disk_size
     max_model_len: int | None = None
     attention_backend: str = _RUNNER.attention_backend
     linear_kernel: str = _RUNNER.linear_kernel
@@ -69,5 +72,6 @@ class ExecutorConfig:
             dtype=self.dtype, device=self.device, block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
             kv_cache_memory=self.kv_cache_memory, swap_space=self.swap_space, max_model_len=self.max_model_len,
             attention_backend=self.attention_backend, linear_kernel=self.linear_kernel, seed=self.seed,
-            quantization=self.quantization,
+            quantization=self.quantization, kv_offload_memory=self.kv_offload_memory,
+            kv_offload_dir=self.kv_offload_dir, kv_offload_disk_size=self.kv_offload_disk_size,
         )

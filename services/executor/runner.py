@@ -53,6 +53,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, self.histories)
         self.sampled = SampledTokens()
         self.comm = model.comm  # the group's, through which the ranks agree on placeholders
+        self.offload = None  # the KV offload tiers (``kv_offload.KvOffload``), set by the loader
 
     @property
     def num_blocks(self) -> int:
@@ -83,7 +84,10 @@ class ModelRunner:
         self.sampled.clear()
 
     def _move_blocks(self, step: Step) -> None:
-        """Swap out, then swap in, then copy-on-write copies: all before the forward pass."""
+        """The offload tiers' moves, swap out, then swap in, then copy-on-write copies: all before
+        the forward pass."""
+        if self.offload is not None and len(step.tier_ops):
+            self.offload.apply(step, self.kv_caches, self.backend)
         if len(step.swap_out):
             mapping = torch.from_numpy(step.swap_out)
             for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_kv_caches):
@@ -99,7 +103,12 @@ class ModelRunner:
                         torch.from_numpy(step.block_copies))
 
     def execute(self, step: Step) -> StepResult:
-        """Run ``step`` and return the sampled tokens (one per sequence with ``sample_mask``)."""
+        """Run ``step`` and return the sampled tokens (one per sequence with ``sample_mask``), and
+        the offload tiers' news."""
+        result = self._execute(step)
+        return self.offload.report(result) if self.offload is not None else result
+
+    def _execute(self, step: Step) -> StepResult:
         for seq_id in step.finished_seq_ids:
             self.sampler.remove(seq_id)
             self.histories.remove(seq_id)

@@ -10,6 +10,7 @@ from .groups import num_sequences
 from .plan import SchedulerConfig
 from .prefix import prefix_hits
 from .sequence import Sequence
+from .tier_admission import revive_host_hits
 
 
 def refusal(request: AddRequest, config: SchedulerConfig, blocks: BlockManager) -> str | None:
@@ -47,7 +48,7 @@ def admit(seq: Sequence, token_budget: int, blocks: BlockManager, config: Schedu
     """Try to admit waiting ``seq`` with its prefix-cache hits and up to ``token_budget`` tokens to
     compute. Returns the status and how many tokens it computes now; only with ``OK`` has anything
     changed (its slots are allocated and ``num_computed_tokens`` counts its hits)."""
-    cached = prefix_hits(blocks, seq)
+    cached = revive_host_hits(blocks, seq, prefix_hits(blocks, seq))  # the host tier's blocks too
     num_computed = len(cached) * blocks.block_size
     num_new = min(seq.num_planned_tokens - num_computed, token_budget)
     reserve = admission_tokens(seq, num_computed + num_new, config)

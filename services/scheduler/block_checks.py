@@ -25,6 +25,8 @@ def check_block_manager(bm: "BlockManager") -> None:
         assert bm.block_hashes[block_id] == h, f"cache entry for block {block_id} is stale"
     assert sum(h is not None for h in bm.block_hashes) == len(bm.cached), "hash without entry"
     check_window(bm)
+    if bm.tiers is not None:
+        bm.tiers.check()
 
 
 def check_window(bm: "BlockManager") -> None:

@@ -24,6 +24,8 @@ Contract:
   sequence's leading blocks that no later query attends; their entries become ``NULL_BLOCK``, which
   every operation skips (never acquired, released, cached or swapped).
 - ``events`` logs copy-on-write copies, evictions and swaps while the pool is watched (``kv_events``).
+- ``tiers`` (``kv_tiers.TierIndex``, None without ``--kv-offload-memory``): an evicted hashed block
+  is copied to the host tier before it is reused (``tier_admission`` brings such blocks back).
 - ``check_integrity`` verifies conservation in both pools, the consistency of the cache and the
   window's null entries (``block_checks``).
 """
@@ -44,6 +46,7 @@ from . import sliding_window
 from .block_checks import check_block_manager
 from .block_swap import SwapMixin
 from .kv_events import KvEventLog
+from .kv_tiers import TierIndex
 from .sliding_window import NULL_BLOCK
 
 BlockHash = NewType("BlockHash", bytes)
@@ -77,6 +80,7 @@ class BlockManager(SwapMixin):
         self.watermark_blocks = int(watermark * num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.num_cpu_blocks = num_cpu_blocks
+        self.tiers: TierIndex | None = None  # the offload tiers' books (``kv_tiers``), if any
         self.reset()
         self.num_queried_tokens = self.num_hit_tokens = 0  # prefix-cache lookups, for the hit rate
         self.events = KvEventLog()  # kept across ``reset``: whether it records is the publisher's choice
@@ -94,6 +98,8 @@ class BlockManager(SwapMixin):
         self.cpu_free_queue: deque[int] = deque(range(self.num_cpu_blocks))
         self.cpu_tables: dict[int, list[int]] = {}  # swapped-out sequences
         self.trimmed_at: dict[int, int] = {}  # seq id -> computed tokens at its last window trim
+        if self.tiers is not None:
+            self.tiers.reset_host()  # the host pool went with the executors
 
     # ------------------------------------------------------------------ queries
 
@@ -183,6 +189,8 @@ class BlockManager(SwapMixin):
             block_id = self.free_queue.popleft()
         else:
             block_id, _ = self.evictable.popitem(last=False)  # least recently used
+            if self.tiers is not None:
+                self.tiers.offload(self.block_hashes[block_id], block_id)  # copied before reuse
             del self.cached[self.block_hashes[block_id]]
             self.block_hashes[block_id] = None
             self.events.record(KvEventKind.EVICT, block_id)

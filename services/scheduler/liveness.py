@@ -43,13 +43,16 @@ class PoolShape:
     max_model_len: int
     num_cpu_blocks: int
     sliding_window: int = 0  # tokens every layer attends back (0: all); the same on every rank
+    num_host_offload_blocks: int = 0  # the KV offload tiers' sizes (kv_tiers.py)
+    num_disk_offload_blocks: int = 0
 
     @classmethod
     def of(cls, readies: list[ExecutorReady]) -> "PoolShape":
         first = readies[0]
         return cls(first.model, first.block_size, min(r.num_blocks for r in readies),
                    min(r.max_model_len for r in readies), min(r.num_cpu_blocks for r in readies),
-                   max(r.sliding_window for r in readies) if all(r.sliding_window for r in readies) else 0)
+                   max(r.sliding_window for r in readies) if all(r.sliding_window for r in readies) else 0,
+                   min(r.num_host_offload_blocks for r in readies), min(r.num_disk_offload_blocks for r in readies))
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from .kv_publisher import KvPublisher
 from .liveness import ExecutorGroup, Loss
 from .process_config import SchedulerProcessConfig
 from .scheduler import Scheduler, SchedulerConfig
+from .tiered import keys_on_every_rank, scheduler_class
 from .step_timing import PlanAheadTimer
 
 STATS_INTERVAL_S = 0.5
@@ -222,7 +223,10 @@ class SchedulerProcess:
             manager = BlockManager(shape.num_blocks, shape.block_size, num_cpu_blocks=shape.num_cpu_blocks,
                                    enable_prefix_caching=cfg.enable_prefix_caching,
                                    sliding_window=shape.sliding_window)
-        self.scheduler = Scheduler(
+        readies = [state.ready for state in group.ranks]  # their offload tiers' books live with the blocks'
+        scheduler_cls = scheduler_class(manager, shape.num_host_offload_blocks, shape.num_disk_offload_blocks,
+                                        keys_on_every_rank(readies))
+        self.scheduler = scheduler_cls(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, cfg.preemption_mode,
                             cfg.kv_policy, speculative.parse(cfg.speculative_config)), manager)
         self.log.info("scheduler ready", num_blocks=shape.num_blocks, block_size=shape.block_size,

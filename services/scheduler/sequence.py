@@ -70,6 +70,7 @@ class Sequence:
     prompt_scores: PromptScores | None = None  # its group's, on the sequence that prefills the prompt
     num_placeholders: int = 0  # tokens sampled in steps in flight, after output_token_ids
     pooling: Pooling | None = None  # its group's, for an embedding request
+    tier_rounds: int = 0  # times it waited for blocks to load from disk (``tiered``)
 
     @property
     def num_prompt_tokens(self) -> int:

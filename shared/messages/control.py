@@ -35,6 +35,12 @@ class ExecutorReady:
     # The window in tokens within which *every* layer of the model attends (Mistral, Phi-3 with
     # sliding_window): the scheduler frees blocks older than that. 0: none (some layer sees all).
     sliding_window: int = 0
+    # KV offload tiers (--kv-offload-memory, --kv-offload-dir): the host pool's blocks, how many
+    # block files the directory may hold, and the keys (prefix hashes) of those found at start,
+    # oldest first (``services/executor/kv_offload.py``).
+    num_host_offload_blocks: int = 0
+    num_disk_offload_blocks: int = 0
+    offloaded_keys: list[bytes] = field(default_factory=list)
 
 
 @dataclass

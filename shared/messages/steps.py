@@ -85,6 +85,11 @@ class Step:
     # proposed, not known: the executor verifies them (every one of its new rows is sampled) and
     # reports in ``StepResult.num_accepted`` how many it keeps. [S] int32, or empty when none has any.
     num_draft_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    # KV offload tiers (``services/scheduler/kv_tiers.py``): [K, 3] int64 (kind, a, b) moves between
+    # the device pool, the host pool and files, applied in order before every other block move; a
+    # file's key is ``tier_keys[a or b]`` (a block's 16-byte prefix hash).
+    tier_ops: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
+    tier_keys: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -119,3 +124,9 @@ class StepResult:
     # Speculative decoding (empty unless the step had drafts): per sampled sequence, how many of its
     # drafts were accepted; its tokens are those drafts, then ``token_ids[row]``. [num_sampled] int32
     num_accepted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    # KV offload tiers: keys whose file every rank read and checked into its host pool (or not:
+    # missing, corrupt, truncated, foreign), and keys whose file this rank wrote (or failed to).
+    tier_loaded: list[bytes] = field(default_factory=list)
+    tier_load_failed: list[bytes] = field(default_factory=list)
+    tier_stored: list[bytes] = field(default_factory=list)
+    tier_store_failed: list[bytes] = field(default_factory=list)

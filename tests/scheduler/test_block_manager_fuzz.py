@@ -1,12 +1,18 @@
 """A hypothesis state machine over the block manager: conservation holds after every operation
-(speculative decoding's rollback among them); and a windowed variant whose sequences also drop the blocks out of a sliding window."""
+(speculative decoding's rollback among them); and a windowed variant whose sequences also drop the blocks out of a sliding window;
+and a variant with KV offload tiers whose moves are modelled on the blocks' contents."""
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_tiers import TierIndex, TierOp
+from services.scheduler.prefix import prefix_hits
+from services.scheduler.sequence import Sequence
 from services.scheduler.sliding_window import NULL_BLOCK
+from services.scheduler.tier_admission import request_loads, revive_host_hits
+from shared.messages import SamplingParams
 
 BLOCK_SIZE = 4
 TOKENS = st.lists(st.integers(1, 3), min_size=1, max_size=14)  # a tiny alphabet: many shared prefixes
@@ -156,3 +162,119 @@ class WindowedBlockManagerMachine(BlockManagerMachine):
 
 TestWindowedBlockManagerMachine = WindowedBlockManagerMachine.TestCase
 TestWindowedBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class _ModeledTiers(BlockManager):
+    """The block manager, telling the machine below after each call that may queue tier moves (the
+    executor applies them before anything else of the step: copies, swaps, writes)."""
+
+    moved = staticmethod(lambda: None)
+
+    def allocate_slots(self, *args, **kwargs):
+        ok = super().allocate_slots(*args, **kwargs)
+        self.moved()
+        return ok
+
+    def swap_in(self, seq_ids):
+        pairs = super().swap_in(seq_ids)
+        self.moved()
+        return pairs
+
+
+class TieredBlockManagerMachine(BlockManagerMachine):
+    """With offload tiers: the executor's moves are modelled on the blocks' contents (host slots,
+    files being written, files), reads and writes of files finish (or fail) in any order, and every
+    prefix hit, from the device or brought back from the host tier, reads exactly its tokens."""
+
+    @initialize(num_blocks=st.integers(4, 12), num_cpu_blocks=st.integers(0, 8), num_host=st.integers(1, 8),
+                num_disk=st.integers(0, 6))
+    def setup(self, num_blocks, num_cpu_blocks, num_host, num_disk):
+        self.bm = _ModeledTiers(num_blocks, BLOCK_SIZE, watermark=0.0, num_cpu_blocks=num_cpu_blocks)
+        self.bm.tiers = TierIndex(num_host, num_disk)
+        self.bm.moved = self._apply_moves
+        self.seqs, self.swapped, self.next_id, self.content, self.cpu_content = {}, {}, 0, {}, {}
+        self.host: dict[int, list] = {}  # slot -> tokens
+        self.writing: dict[bytes, list] = {}  # key -> tokens snapshotted for its file
+        self.disk: dict[bytes, list] = {}  # key -> tokens in its file
+        self.loads: list[tuple[bytes, int]] = []
+        self.block_tokens: dict[bytes, list] = {}  # hash -> the tokens of its block
+        self.prompts: list[list[int]] = []  # every prompt so far, to ask for again
+
+    def _apply_moves(self):
+        ops, keys = self.bm.tiers.take_ops()
+        for kind, a, b in ops.tolist():
+            if kind == TierOp.OFFLOAD:
+                self.host[b] = list(self.content[a])
+            elif kind == TierOp.RELOAD:
+                self.content[b] = list(self.host[a])
+            elif kind == TierOp.SPILL:
+                self.writing[keys[b]] = list(self.host[a])
+            elif kind == TierOp.LOAD:
+                self.loads.append((keys[a], b))
+            elif kind == TierOp.DELETE:
+                self.disk.pop(keys[a], None)
+
+    def _register(self, seq_id):
+        tokens = self.seqs[seq_id]
+        for i, h in enumerate(self.bm.prefix_hashes(tokens, len(tokens) // BLOCK_SIZE)):
+            self.block_tokens[h] = tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
+        super()._register(seq_id)
+
+    @staticmethod
+    def _sequence(seq_id, tokens):
+        return Sequence(seq_id, "r", 0, list(tokens), SamplingParams(), frozenset(), 0.0)
+
+    @precondition(lambda self: self.prompts)
+    @rule(data=st.data())
+    def allocate_again(self, data):
+        """An earlier prompt again: its blocks may be anywhere by now (device, host, file, gone)."""
+        self.allocate(data.draw(st.sampled_from(self.prompts)))
+
+    @precondition(lambda self: self.prompts)
+    @rule(data=st.data())
+    def load(self, data):
+        """An earlier prompt waits for its blocks on disk: their reads are queued."""
+        request_loads(self.bm, self._sequence(-1, data.draw(st.sampled_from(self.prompts))))
+        self._apply_moves()
+
+    @rule(tokens=TOKENS)
+    def allocate(self, tokens):
+        self.prompts.append(list(tokens))
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        seq = self._sequence(seq_id, tokens)
+        hits = revive_host_hits(self.bm, seq, prefix_hits(self.bm, seq))
+        self._apply_moves()
+        for i, block_id in enumerate(hits):  # a hit, revived or not, holds exactly these tokens
+            assert self.content[block_id] == tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
+        if self.bm.allocate_slots(seq_id, len(tokens), len(hits) * BLOCK_SIZE, hits):
+            self.seqs[seq_id] = list(tokens)
+            self._write(seq_id, tokens, len(hits) * BLOCK_SIZE)
+            self._register(seq_id)
+
+    @rule(data=st.data(), ok=st.booleans())
+    def finish_io(self, data, ok):
+        """One file write or read ends (or fails: a full disk, a corrupt file)."""
+        tiers = self.bm.tiers
+        if self.loads and data.draw(st.booleans()):
+            key, slot = self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1)))
+            if ok:
+                self.host[slot] = list(self.disk[key])
+            tiers.on_loaded(key, ok)
+        elif self.writing:
+            key = data.draw(st.sampled_from(sorted(self.writing)))
+            tokens = self.writing.pop(key)
+            if ok:
+                self.disk[key] = tokens
+            tiers.on_stored(key, ok)
+
+    @invariant()
+    def tiers_hold_their_hashes(self):
+        tiers = self.bm.tiers
+        for h, slot in tiers.host.items():
+            assert self.host[slot] == self.block_tokens[h], "a host slot holds another block's bytes"
+        for h in tiers.stored:
+            assert self.disk[h] == self.block_tokens[h], "a stored hash names another block's file"
+
+
+TestTieredBlockManagerMachine = TieredBlockManagerMachine.TestCase
+TestTieredBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
