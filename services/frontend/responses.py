@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 from services.frontend.errors import APIError
 from services.frontend.logprobs import TokenFormatter, TokenLogprob
+from services.frontend.tool_parsers import kept_special_ids
 from services.frontend.tool_parsers.streaming import StreamingToolParser
 from services.frontend.tool_responses import new_call_id, parse_auto, parse_required, tool_call
 from services.frontend.tools import AUTO, NAMED, REQUIRED, ToolChoice
@@ -68,6 +69,10 @@ class ResponseShapes:
 
     def opening_chunks(self, indices: list[int]) -> list[dict[str, Any]]:
         return []
+
+    def kept_special_ids(self, tokenizer: Any) -> frozenset[int]:
+        """Special tokens the text keeps (``detokenizer``): none, unless a tool-call parser reads them."""
+        return frozenset()
 
     def chunk(
         self, index: int, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None
@@ -173,6 +178,10 @@ class ChatShapes(ResponseShapes):
     @property
     def _required(self) -> bool:
         return self.tool_choice is not None and self.tool_choice.mode == REQUIRED
+
+    def kept_special_ids(self, tokenizer: Any) -> frozenset[int]:
+        """"auto": its parser's markers that the tokenizer writes as special tokens."""
+        return kept_special_ids(self._parser, tokenizer, self._parser is not None)
 
     def full(self, choices: list[Choice], usage_: dict[str, int]) -> dict[str, Any]:
         """vLLM's ``prompt_logprobs`` is the response's here: the choices share the prompt."""

@@ -26,7 +26,7 @@ without the marker at the start of the output.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -114,8 +114,8 @@ def kept_special_ids(name: str | None, tokenizer: Any, tools: bool) -> frozenset
     return frozenset(special_ids(tokenizer, parser_format(name).SPECIAL_MARKERS))
 
 
-def special_ids(tokenizer: Any, contents: Iterable[str]) -> list[int]:
+@functools.lru_cache(maxsize=16)
+def special_ids(tokenizer: Any, contents: tuple[str, ...]) -> tuple[int, ...]:
     """The ids of the tokenizer's special added tokens whose text is one of ``contents``."""
-    wanted = set(contents)
     decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return [i for i, token in decoder.items() if getattr(token, "special", False) and str(token) in wanted]
+    return tuple(i for i, token in decoder.items() if getattr(token, "special", False) and str(token) in contents)
