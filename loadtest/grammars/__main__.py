@@ -1,7 +1,9 @@
 """Guide engines compared on SmolLM2's 49,152-token vocabulary: llguidance (pagedserve's), xgrammar and
-outlines-core (what vLLM and SGLang use), each on one thread.
+outlines-core (what vLLM and SGLang use), each on one thread; and pagedserve's executor over
+llguidance (``executor``: ``GuidedSequences.masks``, the rows filled together; ``executor-alone``:
+row by row), history fed and masks read into token sets as the sampler takes them.
 
-    python -m loadtest.grammars [--engines xgrammar,llguidance,outlines] [--batch 64] [--suite DIR]
+    python -m loadtest.grammars [--engines xgrammar,llguidance,outlines,executor,executor-alone] [--batch 64] [--suite DIR]
                                 [--walks 2] [--skip-coverage]
 
 Prints, per engine: the mask time per sequence per step with ``--batch`` sequences walking

@@ -149,4 +149,69 @@ class OutlinesCore:
         return bool(matcher.is_finished())
 
 
-ENGINES = {"xgrammar": XGrammar, "llguidance": LLGuidance, "outlines": OutlinesCore}
+class Executor:
+    """pagedserve's executor (``services.executor.guided.GuidedSequences``): a matcher per sequence
+    fed its new tokens from the sequence's history, the masks of a step filled together
+    (``masks``: ``fill_next_token_bitmask_par`` over torch's threads) and turned into the token sets
+    the sampler applies. ``executor-alone``: each row through ``mask``, one after another (the
+    executor before the batched path)."""
+
+    name = "executor"
+    together = True
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        from services.executor.guided import GuidedSequences, vocabulary_of
+        from services.executor.histories import TokenHistories
+
+        self.size, self.eos = vocab_size, [tokenizer.eos_token_id]
+        vocabulary = vocabulary_of(tokenizer, vocab_size)
+        self.histories = TokenHistories()
+        self.guided = GuidedSequences(self.histories, lambda: vocabulary)
+        self._next_id = 0
+        self._outputs: dict[int, list[int]] = {}
+
+    def compile(self, kind: str, spec: Any) -> Any:
+        from shared.structured import compile_guide
+
+        key = {"json": "json_schema", "regex": "regex", "grammar": "grammar"}[kind]
+        text = json.dumps({key: spec})
+        compile_guide(text)
+        return text
+
+    def matcher(self, compiled: Any) -> Any:
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        self._outputs[seq_id] = []
+        self._record(seq_id)
+        self.guided.add(seq_id, compiled)
+        return seq_id
+
+    def _record(self, seq_id: int) -> None:
+        from shared.messages import NewSequence, SamplingParams
+
+        self.histories.add(NewSequence(seq_id=seq_id, request_id=str(seq_id), num_prompt_tokens=0,
+                                       token_ids=np.asarray(self._outputs[seq_id], np.int32), sampling=SamplingParams()))
+
+    def fill(self, matchers: list) -> list:
+        if self.together:
+            return self.guided.masks([(seq_id, self.eos) for seq_id in matchers])
+        return [self.guided.mask(seq_id, self.eos) for seq_id in matchers]
+
+    def allowed(self, masks: list, i: int) -> np.ndarray:
+        return masks[i].as_mask(self.size)
+
+    def accept(self, matcher: Any, token: int) -> bool:
+        self._outputs[matcher].append(token)
+        self._record(matcher)
+        return True
+
+    def accepting(self, matcher: Any) -> bool:
+        return bool(self.guided._matcher(self.guided._seqs[matcher], matcher).is_accepting())
+
+
+class ExecutorAlone(Executor):
+    name = "executor-alone"
+    together = False
+
+
+ENGINES = {"xgrammar": XGrammar, "llguidance": LLGuidance, "outlines": OutlinesCore, "executor": Executor,
+           "executor-alone": ExecutorAlone}

@@ -7,6 +7,11 @@ sampler applies last.
 sequence's state is its output tokens (the executor's ``TokenHistories``): the matcher consumes the
 new ones before each mask, and starts again from them when there are fewer than before, so a fork,
 a recompute, a resumed request or a restarted executor need nothing of their own.
+
+``masks`` takes every guided row of a step at once: with more than one to fill it fills their
+bitmasks in one call, ``llguidance.numpy.fill_next_token_bitmask_par`` with an ``LLExecutor`` over
+torch's threads (idle between the forward pass and the sampling), so llguidance computes them in
+native threads without the GIL; one row goes the single path, ``mask``. The masks are the same.
 """
 
 from __future__ import annotations
@@ -92,6 +97,33 @@ def token_set(words: np.ndarray, size: int) -> TokenSet:
     return TokenSet(keep, ids[ids < size].astype(np.int64))
 
 
+def token_sets(words: np.ndarray, size: int) -> list[TokenSet]:
+    """``token_set`` of each row of a ``(rows, size / 32)`` bitmask, read all at once."""
+    on = np.count_nonzero(words, axis=1)
+    off = np.count_nonzero(words != np.uint32(0xFFFFFFFF), axis=1)
+    keep = on <= off
+    dense = np.where(keep, on, off) > words.shape[1] // 4
+    out: list[TokenSet | None] = [None] * len(words)
+    sparse = np.flatnonzero(~dense)
+    bits = np.where(keep[sparse, None], words[sparse], ~words[sparse])
+    rows, columns = np.nonzero(bits)
+    set_rows, set_bits = np.nonzero(np.unpackbits(bits[rows, columns].view(np.uint8), bitorder="little").reshape(-1, 32))
+    ids, owners = columns[set_rows] * 32 + set_bits, rows[set_rows]
+    if size % 32:  # bits past the vocabulary, in its last word
+        ids, owners = ids[ids < size], owners[ids < size]
+    ids = ids.astype(np.int64, copy=False)
+    bounds = np.searchsorted(owners, np.arange(len(sparse) + 1))
+    for k, row in enumerate(sparse.tolist()):
+        out[row] = TokenSet(bool(keep[row]), ids[bounds[k]:bounds[k + 1]])
+    for row in np.flatnonzero(dense).tolist():
+        out[row] = TokenSet.from_mask(np.unpackbits(words[row].view(np.uint8), bitorder="little")[:size].view(bool))
+    return out
+
+
+def _only(eos: list[int]) -> TokenSet:
+    return TokenSet(True, np.asarray(sorted(set(eos)), np.int64))
+
+
 class GuidedSequences:
     """The guided sequences of one executor. ``vocabulary`` (an ``llguidance.LLTokenizer``) is made
     on first use by ``load_vocabulary``."""
@@ -104,6 +136,7 @@ class GuidedSequences:
         self._guides: OrderedDict[str, Any] = OrderedDict()  # spec -> a fresh matcher, copied per sequence
         self._seqs: dict[int, _Tracked] = {}
         self._bitmask: np.ndarray | None = None
+        self._executor: Any = None  # llguidance.LLExecutor, for masks in a batch
 
     @property
     def vocabulary(self):
@@ -137,27 +170,86 @@ class GuidedSequences:
         """What the sequence may sample next; once its guide accepts the output, the EOS ids too
         (alone, when nothing may follow). A sequence whose output has left its guide (it cannot,
         unless its outputs came from elsewhere) may only end."""
-        tracked = self._seqs[seq_id]
-        matcher = self._matcher(tracked, seq_id)
-        size = self.vocabulary.vocab_size
-        eos = [t for t in eos_token_ids if 0 <= t < size]
-        if tracked.left or matcher.is_error() or matcher.is_stopped():
-            return TokenSet(True, np.asarray(sorted(set(eos)), np.int64))
         import llguidance.numpy
 
+        tracked, matcher, eos, ended = self._ready(seq_id, eos_token_ids)
+        if ended is not None:
+            return ended
         if self._bitmask is None:
-            self._bitmask = llguidance.numpy.allocate_token_bitmask(1, size)
+            self._bitmask = llguidance.numpy.allocate_token_bitmask(1, self.vocabulary.vocab_size)
         try:
             llguidance.numpy.fill_next_token_bitmask(matcher, self._bitmask, 0)
         except BaseException as exc:  # noqa: BLE001 - a panic inside llguidance: the sequence may only end
             _reraise_interrupts(exc)
             tracked.left = True
-            return TokenSet(True, np.asarray(sorted(set(eos)), np.int64))
-        words = self._bitmask[0].view(np.uint32)
-        _set_bits(words, [t for t in self.vocabulary.eos_tokens if t < size], False)  # the request's EOS ids instead
+            return _only(eos)
+        return self._token_set(self._bitmask[0], matcher, eos)
+
+    def masks(self, rows: list[tuple[int, list[int]]]) -> list[TokenSet | GuideUnavailable]:
+        """``mask`` of each ``(seq_id, eos_token_ids)``, filled together (see the module's docstring);
+        a row that cannot be guided gets its ``GuideUnavailable``."""
+        out: list[TokenSet | GuideUnavailable | None] = [None] * len(rows)
+        pending = []  # (row, tracked, matcher, eos) whose masks llguidance fills
+        for row, (seq_id, eos_token_ids) in enumerate(rows):
+            try:
+                tracked, matcher, eos, out[row] = self._ready(seq_id, eos_token_ids)
+            except GuideUnavailable as exc:
+                out[row] = exc
+                continue
+            if out[row] is None:
+                pending.append((row, tracked, matcher, eos))
+        if len(pending) == 1:
+            row, *_ = pending[0]
+            out[row] = self.mask(*rows[row])
+        elif pending:
+            self._fill_together(pending, rows, out)
+        return out
+
+    def _fill_together(self, pending: list, rows: list, out: list) -> None:
+        import llguidance
+        import llguidance.numpy
+
+        if self._executor is None:
+            import torch
+
+            self._executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
+        bitmask = llguidance.numpy.allocate_token_bitmask(len(pending), self.vocabulary.vocab_size)
+        try:
+            llguidance.numpy.fill_next_token_bitmask_par(
+                self._executor, [(matcher, k) for k, (_, _, matcher, _) in enumerate(pending)], bitmask)
+        except BaseException as exc:  # noqa: BLE001 - a panic inside llguidance: each row alone, to tell which
+            _reraise_interrupts(exc)
+            for row, *_ in pending:
+                out[row] = self.mask(*rows[row])
+            return
+        words = bitmask.view(np.uint32)
+        for k, (_, _, matcher, eos) in enumerate(pending):
+            self._settle_eos(words[k], matcher, eos)
+        for (row, *_), tokens in zip(pending, token_sets(words, self.vocabulary.vocab_size)):
+            out[row] = tokens
+
+    def _ready(self, seq_id: int, eos_token_ids: list[int]):
+        """``(tracked, matcher, eos ids, ended)``: the sequence's matcher after its outputs so far,
+        and, when it may only end, what it may sample (else None)."""
+        tracked = self._seqs[seq_id]
+        matcher = self._matcher(tracked, seq_id)
+        size = self.vocabulary.vocab_size
+        eos = [t for t in eos_token_ids if 0 <= t < size]
+        ended = _only(eos) if tracked.left or matcher.is_error() or matcher.is_stopped() else None
+        return tracked, matcher, eos, ended
+
+    def _token_set(self, row: np.ndarray, matcher, eos: list[int]) -> TokenSet:
+        """A filled bitmask row as the ``TokenSet`` the sampler applies (the EOS ids settled)."""
+        words = row.view(np.uint32)
+        self._settle_eos(words, matcher, eos)
+        return token_set(words, self.vocabulary.vocab_size)
+
+    def _settle_eos(self, words: np.ndarray, matcher, eos: list[int]) -> None:
+        """The request's EOS ids instead of the tokenizer's, allowed once the guide accepts (or
+        when nothing else is)."""
+        _set_bits(words, [t for t in self.vocabulary.eos_tokens if t < self.vocabulary.vocab_size], False)
         if matcher.is_accepting() or not words.any():
             _set_bits(words, eos, True)
-        return token_set(words, size)
 
     def _matcher(self, tracked: _Tracked, seq_id: int):
         """The sequence's matcher, after every output token so far (made, or reset, as needed)."""

@@ -159,13 +159,12 @@ class Sampler:
         guided goes into ``failed``."""
         out = logits.to(torch.float32, copy=True) if logits is raw else logits
         vocab, device = out.shape[1], out.device
-        for row, state in enumerate(states):
-            if not state.params.guided:
-                continue
-            try:
-                tokens = self.guided.mask(state.seq_id, state.params.eos_token_ids)
-            except GuideUnavailable as exc:
-                failed[state.seq_id] = str(exc)
+        rows = [row for row, state in enumerate(states) if state.params.guided]
+        masks = self.guided.masks([(states[row].seq_id, states[row].params.eos_token_ids) for row in rows])
+        for row, tokens in zip(rows, masks):
+            state = states[row]
+            if isinstance(tokens, GuideUnavailable):
+                failed[state.seq_id] = str(tokens)
                 continue
             ids = torch.from_numpy(tokens.ids[tokens.ids < vocab]).to(device)
             target = out[row]

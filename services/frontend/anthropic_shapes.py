@@ -85,6 +85,9 @@ class AnthropicShapes(ResponseShapes):
 
     # ---------------------------------------------------------------- streamed
 
+    def kept_special_ids(self, tokenizer: Any) -> frozenset[int]:
+        return self.chat.kept_special_ids(tokenizer)
+
     def opening_chunks(self, indices: list[int]) -> list[dict[str, Any]]:
         usage_ = {"input_tokens": self.num_prompt_tokens, "output_tokens": 0}
         start = {"type": "message_start", "message": self._message([], None, None, usage_)}

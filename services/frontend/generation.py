@@ -52,9 +52,9 @@ class Delta:
 class ChoiceState:
     """One choice of a generation: its own text, stop strings and end."""
 
-    def __init__(self, index: int, tokenizer: Any, stop: list[str]) -> None:
+    def __init__(self, index: int, tokenizer: Any, stop: list[str], keep_special: frozenset[int] = frozenset()) -> None:
         self.index = index
-        self.detokenizer = IncrementalDetokenizer(tokenizer, stop)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, stop, keep_special)
         self.num_tokens = 0
         self.finish_reason: str | None = None
         self.engine_done = False  # the scheduler sent this choice's last output
@@ -98,13 +98,15 @@ class Generation:
         index_base: int = 0,
         arrival_time: float | None = None,
         observer: GenerationObserver | None = None,
+        keep_special: frozenset[int] = frozenset(),  # special tokens kept in the text (``detokenizer``)
     ) -> None:
         self._client = client
         self.request_id = request_id
         self.index_base = index_base
         self.prompt_token_ids = prompt_token_ids
         self._sampling = sampling
-        self._all_choices = [ChoiceState(index_base + i, tokenizer, stop) for i in range(max(1, sampling.n))]
+        self._all_choices = [ChoiceState(index_base + i, tokenizer, stop, keep_special)
+                             for i in range(max(1, sampling.n))]
         self.choices = list(self._all_choices)
         self._observer = observer
         self._queue: asyncio.Queue[RequestOutput | None] | None = None

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 from services.frontend.errors import APIError
 from services.frontend.logprobs import TokenFormatter, TokenLogprob
+from services.frontend.tool_parsers import kept_special_ids
 from services.frontend.tool_parsers.streaming import StreamingToolParser
 from services.frontend.tool_responses import new_call_id, parse_auto, parse_required, tool_call
 from services.frontend.tools import AUTO, NAMED, REQUIRED, ToolChoice
@@ -68,6 +69,10 @@ class ResponseShapes:
 
     def opening_chunks(self, indices: list[int]) -> list[dict[str, Any]]:
         return []
+
+    def kept_special_ids(self, tokenizer: Any) -> frozenset[int]:
+        """Special tokens the text keeps (``detokenizer``): none, unless a tool-call parser reads them."""
+        return frozenset()
 
     def chunk(
         self, index: int, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None
@@ -149,7 +154,7 @@ class ChatShapes(ResponseShapes):
     """``tool_choice``: the request's (``tools``); a named or "required" one makes each choice's
     text its tool calls (see ``tools`` for the shapes); "auto" reads the calls, if any, from the
     text with its parser (``tool_parsers``): content before them as content, ``finish_reason``
-    "tool_calls" when there are calls. ``parallel_tool_calls`` false: an "auto" choice keeps its
+    "tool_calls" when there are calls (unless cut by ``length``). ``parallel_tool_calls`` false: an "auto" choice keeps its
     first call only."""
 
     object_full = "chat.completion"
@@ -173,6 +178,10 @@ class ChatShapes(ResponseShapes):
     @property
     def _required(self) -> bool:
         return self.tool_choice is not None and self.tool_choice.mode == REQUIRED
+
+    def kept_special_ids(self, tokenizer: Any) -> frozenset[int]:
+        """"auto": its parser's markers that the tokenizer writes as special tokens."""
+        return kept_special_ids(self._parser, tokenizer, self._parser is not None)
 
     def full(self, choices: list[Choice], usage_: dict[str, int]) -> dict[str, Any]:
         """vLLM's ``prompt_logprobs`` is the response's here: the choices share the prompt."""
@@ -228,7 +237,7 @@ class ChatShapes(ResponseShapes):
         chunks = [self._chunk([self._choice(index, delta, None, logprobs if i == 0 else None)])
                   for i, delta in enumerate(deltas)]
         if finish_reason is not None:
-            reason = "tool_calls" if parser.num_calls else finish_reason
+            reason = _calls_finish(finish_reason) if parser.made_calls else finish_reason
             chunks.append(self._chunk([self._choice(index, {}, reason, None)]))
         return chunks
 
@@ -238,7 +247,8 @@ class ChatShapes(ResponseShapes):
         if self._parser is not None:
             content, calls = parse_auto(self._parser, choice.text, self._first_only)
             if calls:
-                message, finish_reason = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish_reason = _calls_finish(finish_reason)
         elif self._named is not None:
             message = {"role": "assistant", "content": None, "tool_calls": [tool_call(self._named, choice.text)]}
         elif self._required and (calls := parse_required(choice.text)) is not None:
@@ -264,5 +274,6 @@ class ChatShapes(ResponseShapes):
 
 
 def _calls_finish(finish_reason: str) -> str:
-    """A "required" choice that finished with its calls: OpenAI's ``tool_calls`` (vLLM says ``stop``)."""
+    """A choice that finished with its calls: OpenAI's ``tool_calls`` (vLLM says ``stop`` for a
+    "required" one); cut by ``length``, ``length``."""
     return "tool_calls" if finish_reason == "stop" else finish_reason

@@ -183,6 +183,7 @@ async def _generate(
             state.client, shapes.request_id if single else f"{shapes.request_id}-{idx}", prompt.token_ids,
             sampling, model.tokenizer, options.stop,
             index_base=idx * options.n, arrival_time=arrival, observer=state.metrics,
+            keep_special=shapes.kept_special_ids(model.tokenizer),
         )
         for idx, (prompt, sampling) in enumerate(zip(inputs, samplings))
     ]

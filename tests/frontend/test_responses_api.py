@@ -119,11 +119,12 @@ def test_auto_calls_whole_and_streamed(auto, model):
     assert whole.output_text == "Let me look." and json.loads(whole.output[1].arguments)["city"] == "Paris"
     events = list(auto.responses.create(model=model.name, input=say(text), tools=[WEATHER], stream=True))
     types = [e.type for e in events]
-    assert types[-5:] == ["response.output_item.added", "response.function_call_arguments.delta",
-                          "response.function_call_arguments.done", "response.output_item.done",
-                          "response.completed"]
+    added = len(types) - 1 - types[::-1].index("response.output_item.added")
+    assert types[added + 1:] == ["response.function_call_arguments.delta"] * (len(types) - added - 4) + [
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
     call = events[-1].response.output[-1]
     assert call.type == "function_call" and call.arguments == whole.output[1].arguments
+    assert "".join(e.delta for e in events[added + 1:-3]) == call.arguments  # in pieces, as they come
     assert events[-3].arguments == call.arguments and events[-2].item.call_id == call.call_id
 
 

@@ -13,6 +13,7 @@ import re
 
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from services.frontend.config import FrontendConfig
 from services.frontend.flags import add_frontend_arguments
@@ -67,6 +68,16 @@ def accumulated(auto, model, text, **fields):
     return content or None, [(n, json.loads(a)) for n, a in calls.values()], finish, deltas
 
 
+def sdk_accumulated(auto, model, text, tools=TOOLS, **fields):
+    """The stream's choice as the openai SDK accumulates it (``ChatCompletionStreamState``)."""
+    client, _ = auto
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(model=model.name, messages=say(text), tools=tools, stream=True,
+                                                **fields):
+        state.handle_chunk(chunk)
+    return state.current_completion_snapshot.choices[0]
+
+
 @pytest.mark.parametrize("text, content, calls", [
     (PARIS, None, CALLS[:1]),
     (f"Let me look that up.\n\n{PARIS}", "Let me look that up.", CALLS[:1]),
@@ -95,23 +106,52 @@ def test_parallel_tool_calls_false_keeps_the_first(auto, model):
 
 @pytest.mark.parametrize("text", [
     "The weather in Paris is mild; no tool needed.",
-    '<tool_call>\n{"name": "get_weather", "arguments": {city: Paris}}\n</tool_call>',  # not JSON
-    f"{PARIS}\nand then some text after the call",
+    '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>',  # not an object
+    '<tool_call>\n{"nom": "get_weather", "arguments": {}}\n</tool_call>',  # not a call
     '<tool_call>\n{"name": "get_weather"',  # never closed
     "a < b and <tool_ but no call",
 ])
 def test_text_and_malformed_calls_are_plain_content(auto, model, text):
+    """Whole, and streamed when the output breaks before a call's arguments begin."""
     choice = ask(auto, model, text, tool_choice="auto").choices[0]
     assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (text, None, "stop")
     assert accumulated(auto, model, text)[:3] == (text, [], "stop")
 
 
+@pytest.mark.parametrize("text, call, rest, finish", [
+    # the arguments break after they began: the call stays as sent, the rest from there is content
+    ('<tool_call>\n{"name": "get_weather", "arguments": {city: Paris}}\n</tool_call>', ("get_weather", "{"),
+     "city: Paris}}\n</tool_call>", "stop"),
+    # text after whole calls: content after them, the calls whole (tool_calls)
+    (f"{PARIS}\nand then some text after the call", ("get_weather", '{"city": "Paris", "unit": "C"}'),
+     "and then some text after the call", "tool_calls"),
+])
+def test_a_stream_that_breaks_after_a_call_went_out(auto, model, text, call, rest, finish):
+    """Whole, plain content; streamed, what was sent stays (``tool_parsers.streaming``)."""
+    choice = ask(auto, model, text).choices[0]
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (text, None, "stop")
+    final = sdk_accumulated(auto, model, text)
+    got = [(c.function.name, c.function.arguments) for c in final.message.tool_calls]
+    assert (got, final.message.content, final.finish_reason) == ([call], rest, finish)
+
+
 def test_a_call_cut_short_is_content_with_length(auto, model):
-    choice = ask(auto, model, PARIS, max_tokens=6).choices[0]
-    assert choice.finish_reason == "length" and choice.message.tool_calls is None
-    assert PARIS.startswith(choice.message.content) and choice.message.content != PARIS
-    content, calls, finish, _ = accumulated(auto, model, PARIS, max_tokens=6)
-    assert (content, calls, finish) == (choice.message.content, [], "length")
+    """Whole, content; streamed, the call's arguments as far as they came, finishing "length" (as
+    OpenAI's stream cut by max_tokens does), or all content when cut before they began."""
+    num_tokens = len(model.tokenizer.encode(PARIS, add_special_tokens=False))
+    for max_tokens in (6, num_tokens - 4):
+        choice = ask(auto, model, PARIS, max_tokens=max_tokens).choices[0]
+        assert choice.finish_reason == "length" and choice.message.tool_calls is None
+        assert PARIS.startswith(choice.message.content) and choice.message.content != PARIS
+        final = sdk_accumulated(auto, model, PARIS, max_tokens=max_tokens)
+        assert final.finish_reason == "length"
+        if final.message.tool_calls:
+            [call] = final.message.tool_calls
+            assert call.function.name == "get_weather" and '"city": "Paris"' in call.function.arguments
+            assert call.function.arguments in choice.message.content
+            assert choice.message.content.endswith(final.message.content or "")  # what was not sent, if any
+        else:
+            assert final.message.content == choice.message.content
 
 
 def test_raw_stream_sends_name_first_then_arguments(auto):

@@ -3,26 +3,30 @@ format, told from its text (pure functions, no I/O). A format (one module each) 
 
 - ``MARKERS``: strings that start the calls wherever they stand (text before them is content);
 - ``AT_START``: strings that start the calls only at the start of the output (after whitespace);
-- ``parse_calls(rest)``: the calls in ``rest`` (the text from where they start), or None when it
-  is not calls from start to end (whitespace aside).
+- ``SPECIAL_MARKERS``: its marks that tokenizers write as special tokens (the detokenizer keeps
+  them for requests read with this parser: ``kept_special_ids``);
+- ``read(reader)``: the calls in the text from where they start, read as it comes
+  (``incremental``), raising ``Malformed`` where it is not calls from start to end.
 
 ``parse(name, text)`` gives ``(content, calls)``: ``content`` the text before the calls (trailing
-whitespace dropped; None when nothing is left) and one ``ToolCall`` per call; text that is not
-calls in the format, or whose calls are malformed anywhere (JSON that does not parse, a call cut
-short, text after the calls), is all content with no calls: it never raises. A call to a name
-that is not among the request's tools is kept, as vLLM keeps it (the parser does not know the
-tools; the client sees what the model asked for). ``StreamingToolParser`` (``streaming``) gives
-the same, fed the text in pieces.
+whitespace dropped; None when nothing is left) and one ``ToolCall`` per call, its arguments the JSON
+text the model wrote; text that is not calls in the format, or whose calls are malformed anywhere
+(JSON that does not parse, a call cut short, text after the calls), is all content with no calls:
+it never raises. A call to a name that is not among the request's tools is kept, as vLLM keeps it
+(the parser does not know the tools; the client sees what the model asked for).
+``StreamingToolParser`` (``streaming``) reads the same text in pieces, sending each call's name
+first and its arguments as they grow.
 
 The formats: ``hermes`` (Hermes, Qwen2.5 and Qwen3), ``llama3_json`` (Llama 3.1 to 3.3),
-``mistral`` and ``pythonic`` (Llama 3.2 and 4's Python-call lists). Markers written as special
-tokens (``<|python_tag|>``, ``[TOOL_CALLS]``) are dropped by the detokenizer with the other special
-tokens, so those formats also take their calls without the marker at the start of the output.
+``mistral`` (its v3 array and v11's ``[TOOL_CALLS]name[ARGS]{...}``) and ``pythonic`` (Llama 3.2
+and 4's Python-call lists). Where the detokenizer drops a marker (``<|python_tag|>`` of a tokenizer
+that has it as a special token it was not asked to keep), the JSON formats also take their calls
+without the marker at the start of the output.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -34,22 +38,6 @@ class ToolCall:
 
     name: str
     arguments: str
-
-
-def call_of(value: Any, *argument_keys: str) -> ToolCall | None:
-    """``{"name": str, <one of argument_keys>: object}`` as a call; None otherwise."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
-        return None
-    key = next((k for k in argument_keys if k in value), None)
-    arguments = {} if key is None else value[key]
-    if isinstance(arguments, str):  # some fine-tunes write the arguments as JSON text
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict) or set(value) - {"name", key, "type", "id"}:
-        return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False, allow_nan=False))
 
 
 def _formats() -> dict[str, ModuleType]:
@@ -95,16 +83,39 @@ def call_start(fmt: ModuleType, text: str, at_start: bool = True) -> int | None:
     return min(found) if found else None
 
 
+READ_ERRORS = (ValueError, RecursionError, MemoryError, SyntaxError, TypeError)  # Malformed, and ast's
+
+
 def parse(name: str, text: str) -> tuple[str | None, list[ToolCall]]:
     """``(content, calls)`` of ``text`` in the named format (see the module's docstring)."""
+    from services.frontend.tool_parsers.incremental import Reader
+
     fmt = parser_format(name)
     start = call_start(fmt, text)
     if start is None:
         return text, []
+    reader = Reader(text[start:], eof=True)
     try:
-        calls = fmt.parse_calls(text[start:])
-    except (ValueError, RecursionError, MemoryError, SyntaxError, TypeError):
-        calls = None
+        for _ in fmt.read(reader):  # (never yields: the text is whole)
+            pass
+    except READ_ERRORS:
+        return text, []
+    calls = [ToolCall(e[1], e[2]) for e in reader.events if e[0] == "end"]
     if not calls:
         return text, []
     return text[:start].rstrip() or None, calls
+
+
+def kept_special_ids(name: str | None, tokenizer: Any, tools: bool) -> frozenset[int]:
+    """The special tokens the detokenizer keeps for a request read with the named parser (when it
+    has tools): those of the format's ``SPECIAL_MARKERS`` the tokenizer has as special tokens."""
+    if name is None or not tools:
+        return frozenset()
+    return frozenset(special_ids(tokenizer, parser_format(name).SPECIAL_MARKERS))
+
+
+@functools.lru_cache(maxsize=16)
+def special_ids(tokenizer: Any, contents: tuple[str, ...]) -> tuple[int, ...]:
+    """The ids of the tokenizer's special added tokens whose text is one of ``contents``."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return tuple(i for i, token in decoder.items() if getattr(token, "special", False) and str(token) in contents)

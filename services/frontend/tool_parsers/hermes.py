@@ -3,24 +3,19 @@ its own tags, ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``
 
 from __future__ import annotations
 
-import json
-
-from services.frontend.tool_parsers import ToolCall, call_of
+from services.frontend.tool_parsers.incremental import JSON_BLANKS, Reader, Reading, call_object, expect, skip
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MARKERS = (OPEN,)
 AT_START = ()
+SPECIAL_MARKERS = ()  # Qwen's tags are added tokens that decode with the text
 
 
-def parse_calls(rest: str) -> list[ToolCall] | None:
-    calls, rest = [], rest.strip()
-    while rest:
-        if not rest.startswith(OPEN) or CLOSE not in rest:
-            return None
-        body, _, rest = rest[len(OPEN):].partition(CLOSE)
-        call = call_of(json.loads(body), "arguments", "parameters")
-        if call is None:
-            return None
-        calls.append(call)
-        rest = rest.strip()
-    return calls
+def read(r: Reader) -> Reading:
+    while (yield from skip(r)) is not None:
+        yield from expect(r, OPEN)
+        yield from skip(r, JSON_BLANKS)
+        yield from call_object(r, ("arguments", "parameters"))
+        yield from skip(r, JSON_BLANKS)
+        yield from expect(r, CLOSE)
+        r.mark = r.pos

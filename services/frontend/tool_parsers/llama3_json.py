@@ -3,36 +3,23 @@ several separated by ``;``, after ``<|python_tag|>`` or as the whole output."""
 
 from __future__ import annotations
 
-import json
-
-from services.frontend.tool_parsers import ToolCall, call_of
+from services.frontend.tool_parsers.incremental import Malformed, Reader, Reading, call_object, lookahead, skip
 
 PYTHON_TAG = "<|python_tag|>"
 MARKERS = (PYTHON_TAG,)
 AT_START = ("{",)
+SPECIAL_MARKERS = (PYTHON_TAG,)
 
 
-def parse_calls(rest: str) -> list[ToolCall] | None:
-    rest = rest.strip()
-    if rest.startswith(PYTHON_TAG):
-        rest = rest[len(PYTHON_TAG):]
-    decoder, calls, at = json.JSONDecoder(), [], 0
+def read(r: Reader) -> Reading:
+    if (yield from skip(r)) == "<" and (yield from lookahead(r, len(PYTHON_TAG))) == PYTHON_TAG:
+        r.pos += len(PYTHON_TAG)
     while True:
-        at = _skip(rest, at)
-        value, at = decoder.raw_decode(rest, at)
-        call = call_of(value, "parameters", "arguments")
-        if call is None:
-            return None
-        calls.append(call)
-        at = _skip(rest, at)
-        if at == len(rest):
-            return calls
-        if rest[at] != ";":
-            return None
-        at += 1
-
-
-def _skip(text: str, at: int) -> int:
-    while at < len(text) and text[at].isspace():
-        at += 1
-    return at
+        yield from skip(r)
+        yield from call_object(r, ("parameters", "arguments"))
+        char = yield from skip(r)
+        if char is None:
+            return
+        if char != ";":
+            raise Malformed(f"expected ';' at {r.pos}")
+        r.pos += 1
