@@ -150,6 +150,11 @@ class CompletionShapes(ResponseShapes):
         return {"index": index, "text": text, "logprobs": body, "finish_reason": finish_reason}
 
 
+# a "required" choice's text, ``[{"name": ..., "parameters": {...}}, ...]`` as its guide writes it, is
+# what Mistral's v3 array reader reads (it takes "parameters" for "arguments"): streamed by it
+REQUIRED_FORMAT = "mistral"
+
+
 class ChatShapes(ResponseShapes):
     """``tool_choice``: the request's (``tools``); a named or "required" one makes each choice's
     text its tool calls (see ``tools`` for the shapes); "auto" reads the calls, if any, from the
@@ -167,8 +172,7 @@ class ChatShapes(ResponseShapes):
         auto = tool_choice is not None and tool_choice.mode == AUTO
         self._parser = tool_choice.parser if auto else None  # "auto": the tool-call parser
         self._first_only = not parallel_tool_calls
-        self._parsers: dict[int, StreamingToolParser] = {}  # "auto", streamed: per choice
-        self._held: dict[int, tuple[str, list[TokenLogprob] | None]] = {}  # "required", streamed: index -> so far
+        self._parsers: dict[int, StreamingToolParser] = {}  # "auto" and "required", streamed: per choice
 
     @property
     def _named(self) -> str | None:
@@ -202,32 +206,18 @@ class ChatShapes(ResponseShapes):
     def chunks(
         self, index: int, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None
     ) -> list[dict[str, Any]]:
-        """A "required" choice's text is held until it finishes: then its calls in one chunk and the
-        finish in the next (or, when the text is not an array of calls, the text and the finish)."""
+        """"auto" and "required" choices: their calls as they come (``_call_chunks``)."""
         if self._parser is not None:
-            return self._auto_chunks(index, text, finish_reason, logprobs)
-        if not self._required:
-            return super().chunks(index, text, finish_reason, logprobs)
-        held_text, held_logprobs = self._held.get(index, ("", None))
-        held_text += text
-        if logprobs is not None:
-            held_logprobs = (held_logprobs or []) + logprobs
-        if finish_reason is None:
-            self._held[index] = (held_text, held_logprobs)
-            return []
-        self._held.pop(index, None)
-        calls = parse_required(held_text)
-        if calls is None:
-            return [self.chunk(index, held_text, finish_reason, held_logprobs)]
-        delta = {"tool_calls": [tool_call(name, arguments, i) for i, (name, arguments) in enumerate(calls)]}
-        return [self._chunk([self._choice(index, delta, None, held_logprobs)]),
-                self._chunk([self._choice(index, {}, _calls_finish(finish_reason), None)])]
+            return self._call_chunks(index, text, finish_reason, logprobs, self._parser, self._first_only)
+        if self._required:  # every call, as the whole response has them
+            return self._call_chunks(index, text, finish_reason, logprobs, REQUIRED_FORMAT, False)
+        return super().chunks(index, text, finish_reason, logprobs)
 
-    def _auto_chunks(self, index: int, text: str, finish_reason: str | None,
-                     logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
-        """An "auto" choice's content as it comes (what may start a call held back), its calls
-        when it finishes (``tool_parsers.streaming``), then the finish."""
-        parser = self._parsers.setdefault(index, StreamingToolParser(self._parser, new_call_id, self._first_only))
+    def _call_chunks(self, index: int, text: str, finish_reason: str | None,
+                     logprobs: list[TokenLogprob] | None, parser_name: str, first_only: bool) -> list[dict[str, Any]]:
+        """A choice's content as it comes (what may start a call held back), each call's header
+        and its arguments in pieces as they come (``tool_parsers.streaming``), then the finish."""
+        parser = self._parsers.setdefault(index, StreamingToolParser(parser_name, new_call_id, first_only))
         deltas = parser.feed(text)
         if finish_reason is not None:
             deltas += parser.finish()

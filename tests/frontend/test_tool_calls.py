@@ -391,17 +391,21 @@ def test_a_named_call_streams_its_header_then_its_arguments(frontend, client, mo
     assert final.choices[0].message.tool_calls[0].id != final.choices[1].message.tool_calls[0].id
 
 
-def test_required_calls_stream_whole_when_the_choice_finishes(frontend, client, model):
+def test_required_calls_stream_name_first_then_arguments_in_pieces(frontend, client, model):
     events = stream_events(frontend, messages=say(CALLS_TEXT), tools=TOOLS, tool_choice="required", logprobs=True)
     choices = [e["choices"][0] for e in events]
-    opening, calls, finish = choices  # nothing between: the text is held
-    assert opening["delta"] == {"role": "assistant", "content": None}
-    assert [c["index"] for c in calls["delta"]["tool_calls"]] == [0, 1]
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls["delta"]["tool_calls"]] == [
-        (c["name"], c["parameters"]) for c in CALLS]
-    assert all(CALL_ID.fullmatch(c["id"]) and c["type"] == "function" for c in calls["delta"]["tool_calls"])
-    assert calls["finish_reason"] is None and len(calls["logprobs"]["content"]) > 1  # the held tokens' logprobs
-    assert (finish["delta"], finish["finish_reason"]) == ({}, "tool_calls")
+    assert choices[0]["delta"] == {"role": "assistant", "content": None}
+    assert (choices[-1]["delta"], choices[-1]["finish_reason"]) == ({}, "tool_calls")
+    deltas = [d for c in choices[1:-1] for d in c["delta"].get("tool_calls", [])]
+    assert all("content" not in c["delta"] or not c["delta"]["content"] for c in choices[1:])
+    heads = [d for d in deltas if "id" in d]
+    assert [h["index"] for h in heads] == [0, 1] and all(CALL_ID.fullmatch(h["id"]) and h["type"] == "function"
+                                                          for h in heads)
+    assert [(h["function"]["name"], h["function"]["arguments"]) for h in heads] == [(c["name"], "") for c in CALLS]
+    pieces = {i: [d["function"]["arguments"] for d in deltas if d["index"] == i and "id" not in d] for i in (0, 1)}
+    assert [json.loads("".join(pieces[i])) for i in (0, 1)] == [c["parameters"] for c in CALLS]
+    assert max(len(p) for p in pieces.values()) > 1  # in pieces, not whole
+    assert sum(len(c["logprobs"]["content"]) for c in choices if c.get("logprobs")) > 1
     with client.chat.completions.stream(model=model.name, messages=say(CALLS_TEXT), tools=TOOLS,
                                         tool_choice="required", n=2) as stream:
         final = stream.get_final_completion()
@@ -409,8 +413,10 @@ def test_required_calls_stream_whole_when_the_choice_finishes(frontend, client, 
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         assert calls_of(choice.message) == [(c["name"], c["parameters"]) for c in CALLS]
     cut = stream_events(frontend, messages=say(CALLS_TEXT), tools=TOOLS, tool_choice="required", max_tokens=5)
-    assert [c["choices"][0]["finish_reason"] for c in cut] == [None, "length"]
-    assert CALLS_TEXT.startswith(cut[1]["choices"][0]["delta"]["content"]) and "tool_calls" not in cut[1]["choices"][0]
+    # cut before a call's name is whole: nothing was sent as a call, the text comes as content
+    assert [c["choices"][0]["finish_reason"] for c in cut][-1] == "length"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in cut)
+    assert text and CALLS_TEXT.startswith(text) and not any("tool_calls" in c["choices"][0]["delta"] for c in cut)
 
 
 def test_refusals_over_http_name_the_field(frontend, fake):
