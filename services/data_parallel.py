@@ -50,6 +50,10 @@ class ReplicaPlan:
         local = self.layout.local_ranks
         return self.index * len(local) + rank - local.start
 
+    def scheduler_argv(self) -> list[str]:
+        """This replica's scheduler's own flags: its index (for its KV cache events' rank and ports)."""
+        return [] if self.count == 1 else ["--data-parallel-rank", str(self.index)]
+
     def health_env(self, env: dict[str, str]) -> dict[str, str]:
         """Heartbeat files (``$PAGEDSERVE_HEALTH_DIR``, set in the image): each replica's in a
         directory of its own, ``replica-<i>`` (every replica has a scheduler and a rank 0)."""
