@@ -4,6 +4,8 @@
   sharing a 32-token beginning meet at the replica that has it cached (the second of each pair
   reports those tokens cached; sent at random, half of the pairs would miss); unrelated prompts
   spread over both; ``/health`` and ``/metrics`` show the two replicas.
+- Each replica publishes its KV cache events on its own sockets, tagged with its rank: a prompt's
+  first block is stored by the replica that answered it.
 - One replica's scheduler killed while streams run on both (checked: requests in flight there at
   the kill): serve restarts it, every stream ends
   exactly as transformers' greedy text (those on the lost replica handed to its new scheduler),
@@ -46,7 +48,9 @@ def hf_model(tiny_dir):
 @pytest.fixture(scope="module")
 def dp_server(tmp_path_factory, tiny_dir):
     tmp = tmp_path_factory.mktemp("dp2")
-    proc, url = start_server(tmp, "--model", str(tiny_dir), "-dp", "2", *FLAGS)
+    events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp}/kv",
+                         "replay_endpoint": f"ipc://{tmp}/kv-replay"})  # replica i: kv_dp<i> (i > 0)
+    proc, url = start_server(tmp, "--model", str(tiny_dir), "-dp", "2", *FLAGS, "--kv-events-config", events)
     yield proc, url, tmp
     stop(proc)
 
@@ -152,3 +156,43 @@ def _in_flight(url: str) -> list[float]:
     lines = [line for line in _get(url + "/metrics").splitlines()
              if line.startswith("pagedserve:replica_requests_in_flight{")]
     return [float(line.rsplit(" ", 1)[1]) for line in sorted(lines)]
+
+
+def test_each_replica_publishes_its_own_kv_events_tagged_with_its_rank(dp_server, tiny_dir):
+    import zmq
+
+    from services.scheduler.block_manager import hash_block
+    from services.scheduler.kv_cache_events import hash_int
+    from tests.doubles.vllm_kv_events import apply, decode_batch
+
+    _, url, tmp = dp_server
+    client = openai_client(url)
+    prompts = [_prompt(300 + k, 9) for k in range(6)]  # unrelated: spread over both replicas
+    for prompt in prompts:
+        client.completions.create(model=tiny_dir.name, prompt=prompt, max_tokens=2, temperature=0)
+    firsts = {hash_int(hash_block(None, p[:4])) for p in prompts}
+    ctx = zmq.Context()
+    try:
+        deadline, held = time.monotonic() + 30, {}
+        while time.monotonic() < deadline:  # a replica publishes in the loop turn after it answered
+            for rank, endpoint in ((0, f"ipc://{tmp}/kv-replay"), (1, f"ipc://{tmp}/kv-replay_dp1")):
+                dealer = ctx.socket(zmq.DEALER)
+                dealer.connect(endpoint)
+                dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+                held[rank] = set()
+                while True:
+                    assert dealer.poll(30_000), f"replica {rank}'s replay did not end"
+                    _, seq, payload = dealer.recv_multipart()
+                    if seq == (-1).to_bytes(8, "big", signed=True):
+                        break
+                    batch = decode_batch(payload)
+                    assert batch.data_parallel_rank == rank
+                    apply(held[rank], batch.events)
+                dealer.close(linger=0)
+            if firsts <= held[0] | held[1]:
+                break
+            time.sleep(0.1)
+        assert firsts <= held[0] | held[1]
+        assert firsts & held[0] and firsts & held[1], "both replicas answered some"
+    finally:
+        ctx.destroy(linger=0)
