@@ -88,8 +88,8 @@ class SchedulingFlags:
     kv_events_config: str | None = flag(None, "publish the prefix cache's KV block events (stored, removed, "
                                         "cleared) over ZMQ for KV-aware routers, as vLLM's JSON: "
                                         "{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
-                                        "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"} "
-                                        "(-dp replica i: ports + i; see docs/serving.md)",
+                                        "\"replay_endpoint\": \"tcp://*:5567\", \"topic\": \"kv-events\"} "
+                                        "(-dp replica i: both ports + i; see docs/serving.md)",
                                         type=_kv_events_config, metavar="JSON")
 
 

@@ -101,3 +101,16 @@ def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None
                              f"{data_parallel_rank}")
         return f"{base}:{int(port) + data_parallel_rank}"
     return f"{endpoint}_dp{data_parallel_rank}"
+
+
+def check_replicas(text: str | None, count: int) -> None:
+    """``ValueError`` when ``count`` replicas' offset ports would collide (replica i takes the
+    endpoint's and the replay endpoint's ports + i: they must be ``count`` apart)."""
+    config = parse(text)
+    if config is None or not config.publishes or count == 1 or not config.replay_endpoint:
+        return
+    ports = [int(e.rpartition(":")[2]) for e in (config.endpoint, config.replay_endpoint)
+             if e.startswith("tcp://") and e.rpartition(":")[2].isdigit()]
+    if len(ports) == 2 and abs(ports[0] - ports[1]) < count:
+        raise ValueError(f"--kv-events-config: with -dp {count} replica i publishes on port {ports[0]} + i and "
+                         f"replays on {ports[1]} + i; put the two ports at least {count} apart")

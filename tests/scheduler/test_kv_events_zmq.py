@@ -196,3 +196,16 @@ def test_dp_replicas_schedulers_get_their_rank():
     assert sched.data_parallel_rank == 1
     one = plan_replicas(build_parser().parse_args(["serve"]), "/tmp/x")
     assert one[0].scheduler_argv() == []
+
+
+def test_serve_refuses_replicas_whose_offset_ports_collide():
+    from services.cli import build_parser
+    from services.data_parallel import plan_replicas
+
+    config = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'
+    with pytest.raises(ValueError, match="at least 2 apart"):  # replica 1 would publish on 5558
+        plan_replicas(build_parser().parse_args(["serve", "-dp", "2", "--kv-events-config", config]), "/tmp/x")
+    assert len(plan_replicas(build_parser().parse_args(["serve", "--kv-events-config", config]), "/tmp/x")) == 1
+    apart = config.replace("5558", "5567")
+    assert len(plan_replicas(build_parser().parse_args(["serve", "-dp", "2", "--kv-events-config", apart]),
+                             "/tmp/x")) == 2
