@@ -5,8 +5,9 @@ Not the playground's publisher (``kv_publisher.py``: block-pool snapshots to our
 this one takes the prefix cache's events (``kv_cache_events.py``) and sends them to anyone.
 
 Matched against vLLM's ``vllm/distributed/kv_events.py`` at commit
-0181ea3173e53eea8cf04a86891488e3dc89bb34 (and ``vllm/config/kv_events.py``), the wire as vLLM
-0.26 sends it (see docs/serving.md):
+0181ea3173e53eea8cf04a86891488e3dc89bb34 (the config: ``vllm/config/kv_events.py`` at
+00634b8acf93e413a1c380288665a543b98be7ea), with the batch as vLLM 0.26 sends it (an array; that
+file's ``EventBatch`` lacks ``array_like``, which the consumers do not read: see docs/serving.md):
 - frames on the PUB socket: ``(topic, seq as 8 bytes big-endian, payload)``, ``seq`` counting
   batches from 0;
 - payload: msgpack of a ``KVEventBatch`` as a positional array ``[ts, events, data_parallel_rank]``,
@@ -16,7 +17,7 @@ Matched against vLLM's ``vllm/distributed/kv_events.py`` at commit
   ``AllBlocksCleared``;
 - replay (``replay_endpoint``, a ROUTER): a client sends a start seq (8 bytes big-endian) and gets
   ``(seq, payload)`` for every buffered batch from it on (the last ``buffer_steps``), then
-  ``(-1 as 8 bytes, b"")``;
+  ``(-1 as 8 bytes, b"")`` (that commit's layout; a later main puts the topic before ``seq``);
 - replica ``i`` of ``-dp N`` tags its batches ``data_parallel_rank = i`` and offsets its ports by ``i``.
 
 msgpack here, never msgspec or pickle. ``publish`` is called once per scheduler loop turn and sends
