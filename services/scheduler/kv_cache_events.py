@@ -70,9 +70,9 @@ class KvCacheEventLog:
         if (isinstance(last, Stored) and last.medium == medium and last.block_size == block_size
                 and p is not None and last.block_hashes[-1] == p):
             last.block_hashes.append(h)
-            last.token_ids.extend(int(t) for t in token_ids)
+            last.token_ids.extend(map(int, token_ids))
         else:
-            self.events.append(Stored([h], p, [int(t) for t in token_ids], block_size, medium))
+            self.events.append(Stored([h], p, list(map(int, token_ids)), block_size, medium))
 
     def removed(self, block_hash: bytes, medium: str = DEVICE_MEDIUM) -> None:
         if not self.enabled:

@@ -1,10 +1,10 @@
-"""``python -m loadtest.kv_events`` runs and prints its figures (small sizes)."""
+"""``python -m loadtest.bench.kv_events`` runs and prints its figures (small sizes)."""
 
-from loadtest.kv_events import block_manager_time, main, _stream
+from loadtest.bench.kv_events import block_manager_time, main, _stream
 
 
 def test_prints_the_figures(capsys):
-    assert main(["--requests", "40", "--prefix", "64", "--tail", "8", "--block-size", "4"]) == 0
+    assert main(["--requests", "40", "--prefix", "64", "--tail", "8", "--block-size", "4", "--rounds", "2"]) == 0
     out = capsys.readouterr().out
     assert "events off" in out and "events on" in out and "BlockStored of 18 blocks" in out and "bytes" in out
 

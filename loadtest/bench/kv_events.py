@@ -1,13 +1,14 @@
 """What the KV cache events (``--kv-events-config``) cost, in the block manager and the publisher
 alone (no model).
 
-    python -m loadtest.kv_events [--requests 2000] [--prefix 2000] [--tail 200] [--block-size 16]
+    python -m loadtest.bench.kv_events [--requests 2000] [--prefix 2000] [--tail 200] [--block-size 16] [--rounds 5]
 
 Prints figures only (no assertions):
 1. the block manager's time per request (admit with prefix-cache hits, register its blocks, free)
    over a stream of requests sharing a ``--prefix``-token beginning with a ``--tail`` of their own,
    in a pool that holds a hundredth of them (so cached blocks are evicted), events off and on (on: drained
-   after every request, as the scheduler does each loop turn), and the events made;
+   after every request, as the scheduler does each loop turn) in alternating rounds, each round and
+   the medians, and the events made;
 2. the publisher's time per batch (msgpack in vLLM's format and the PUB send, nobody subscribed)
    and its bytes, for a batch with one request's ``BlockStored`` and one with its ``BlockRemoved``.
 """
@@ -16,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import tempfile
 import time
 
+from loadtest.common.machine_state import cpu_description
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.kv_cache_events import KvCacheEventLog
 from services.scheduler.kv_events_zmq import KvEventsPublisher, encode_batch
@@ -78,18 +81,25 @@ def publisher_time(tokens: list[int], block_size: int, repeats: int = 200) -> li
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.kv_events", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench.kv_events", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--prefix", type=int, default=2000)
     parser.add_argument("--tail", type=int, default=200)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
     prompts = _stream(args.requests, args.prefix, args.tail)
+    print(f"CPU: {cpu_description()}", flush=True)  # the figures depend on it
     print(f"block manager, {args.requests} requests of {args.prefix} shared + {args.tail} own tokens:")
-    off, _ = block_manager_time(prompts, args.block_size, False)
-    on, counts = block_manager_time(prompts, args.block_size, True)
-    print(f"  events off: {off * 1e6:8.1f} us per request")
-    print(f"  events on:  {on * 1e6:8.1f} us per request ({on / off:.2f}x), events made: {counts}")
+    offs, ons = [], []
+    for _ in range(args.rounds):  # alternating, so that a busy spell of the machine hits both
+        offs.append(block_manager_time(prompts, args.block_size, False)[0])
+        on, counts = block_manager_time(prompts, args.block_size, True)
+        ons.append(on)
+    off, on = statistics.median(offs), statistics.median(ons)
+    print(f"  events off: {off * 1e6:8.1f} us per request (rounds: {', '.join(f'{t * 1e6:.0f}' for t in offs)})")
+    print(f"  events on:  {on * 1e6:8.1f} us per request (rounds: {', '.join(f'{t * 1e6:.0f}' for t in ons)}), "
+          f"medians {on / off:.2f}x; events made: {counts}")
     print("publisher (msgpack, vLLM's format, PUB send):")
     for name, seconds, size in publisher_time(prompts[0], args.block_size):
         print(f"  {name}: {seconds * 1e6:8.1f} us per batch, {size} bytes")
