@@ -7,7 +7,7 @@ of vllm-project/vllm ``vllm/distributed/kv_events.py`` at commit
 map tagged by its ``"type"``, as vLLM sends them since vllm-project/vllm#42892). The batch is the
 positional array vLLM 0.26 sends (``[ts, events, data_parallel_rank]``: ``array_like=True``, as in
 vLLM's own subscriber example ``examples/features/kv_events``, and as NVIDIA Dynamo's
-``KvEventBatch`` and llm-d's ``msgpackVLLMEventBatch`` decode it); that commit's file declares the
+``KvEventBatch`` and llm-d's ``msgpackVLLMEventBatch`` declare it); that commit's file declares the
 base ``EventBatch`` without ``array_like`` (a map), which those consumers do not read: see
 docs/serving.md.
 """
