@@ -125,6 +125,7 @@ def test_a_replica_s_scheduler_killed_mid_stream_loses_nothing(dp_server, tiny_d
         assert stream.first.wait(120) and stream.error is None, stream.error
     victim = _get(url + "/health")["replicas"][1]["processes"]["scheduler"]["pid"]
     in_flight = _in_flight(url)  # read right before the kill: streams of 230 tokens are still running
+    killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
     assert in_flight[1] >= 1, f"no stream was running on replica 1: {in_flight}"
     meanwhile = _prompt(900, 20)
@@ -144,6 +145,10 @@ def test_a_replica_s_scheduler_killed_mid_stream_loses_nothing(dp_server, tiny_d
         assert time.monotonic() < deadline, f"replica 1 did not come back: {health}"
         time.sleep(0.2)
     assert replica["pid"] != victim
+    from tests.doubles.vllm_kv_events import AllBlocksCleared
+
+    seq, first = _kv_replay(tmp, 1)[0]  # the new scheduler's KV events begin anew: it holds nothing
+    assert seq == 0 and first.ts > killed_at and isinstance(first.events[0], AllBlocksCleared)
     assert health["replicas"][0]["processes"]["scheduler"]["num_restarts"] == 0
     assert 'pagedserve:process_restarts_total{process="scheduler"} 1.0' in _get(url + "/metrics").splitlines()
     handed = [json.loads(line) for line in (tmp / "serve.log").read_text().splitlines()
@@ -158,12 +163,32 @@ def _in_flight(url: str) -> list[float]:
     return [float(line.rsplit(" ", 1)[1]) for line in sorted(lines)]
 
 
-def test_each_replica_publishes_its_own_kv_events_tagged_with_its_rank(dp_server, tiny_dir):
+def _kv_replay(tmp, rank: int) -> list:
+    """Replica ``rank``'s buffered KV event batches from seq 0 (its replay socket), decoded as vLLM's."""
     import zmq
 
+    from tests.doubles.vllm_kv_events import decode_batch
+
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"ipc://{tmp}/kv-replay" + (f"_dp{rank}" if rank else ""))
+    dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+    batches = []
+    try:
+        while True:
+            assert dealer.poll(30_000), f"replica {rank}'s replay did not end"
+            _, seq, payload = dealer.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return batches
+            batches.append((int.from_bytes(seq, "big"), decode_batch(payload)))
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_each_replica_publishes_its_own_kv_events_tagged_with_its_rank(dp_server, tiny_dir):
     from services.scheduler.block_manager import hash_block
     from services.scheduler.kv_cache_events import hash_int
-    from tests.doubles.vllm_kv_events import apply, decode_batch
+    from tests.doubles.vllm_kv_events import apply
 
     _, url, tmp = dp_server
     client = openai_client(url)
@@ -171,28 +196,15 @@ def test_each_replica_publishes_its_own_kv_events_tagged_with_its_rank(dp_server
     for prompt in prompts:
         client.completions.create(model=tiny_dir.name, prompt=prompt, max_tokens=2, temperature=0)
     firsts = {hash_int(hash_block(None, p[:4])) for p in prompts}
-    ctx = zmq.Context()
-    try:
-        deadline, held = time.monotonic() + 30, {}
-        while time.monotonic() < deadline:  # a replica publishes in the loop turn after it answered
-            for rank, endpoint in ((0, f"ipc://{tmp}/kv-replay"), (1, f"ipc://{tmp}/kv-replay_dp1")):
-                dealer = ctx.socket(zmq.DEALER)
-                dealer.connect(endpoint)
-                dealer.send_multipart((b"", (0).to_bytes(8, "big")))
-                held[rank] = set()
-                while True:
-                    assert dealer.poll(30_000), f"replica {rank}'s replay did not end"
-                    _, seq, payload = dealer.recv_multipart()
-                    if seq == (-1).to_bytes(8, "big", signed=True):
-                        break
-                    batch = decode_batch(payload)
-                    assert batch.data_parallel_rank == rank
-                    apply(held[rank], batch.events)
-                dealer.close(linger=0)
-            if firsts <= held[0] | held[1]:
-                break
-            time.sleep(0.1)
-        assert firsts <= held[0] | held[1]
-        assert firsts & held[0] and firsts & held[1], "both replicas answered some"
-    finally:
-        ctx.destroy(linger=0)
+    deadline, held = time.monotonic() + 30, {}
+    while time.monotonic() < deadline:  # a replica publishes in the loop turn after it answered
+        for rank in (0, 1):
+            held[rank] = set()
+            for _, batch in _kv_replay(tmp, rank):
+                assert batch.data_parallel_rank == rank
+                apply(held[rank], batch.events)
+        if firsts <= held[0] | held[1]:
+            break
+        time.sleep(0.1)
+    assert firsts <= held[0] | held[1]
+    assert firsts & held[0] and firsts & held[1], "both replicas answered some"
