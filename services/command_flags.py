@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from services.frontend.flags import FRONTEND_FLAGS, HttpFlags, HttpLimits
 from shared.engine_flags import (
-    LivenessFlags, ModelFlags, ParallelFlags, RankFlags, RunnerFlags, SchedulingFlags, SupervisorFlags,
+    LivenessFlags, ModelFlags, ParallelFlags, RankFlags, ReplicaFlags, RunnerFlags, SchedulingFlags,
+    SupervisorFlags,
 )
 from shared.flag_spec import add_flags, given, to_argv
 
@@ -31,7 +32,7 @@ CHILD_FLAGS: dict[str, Flags] = {
     "frontend": FRONTEND_FLAGS,
 }
 GROUP_FLAGS: dict[str, Flags] = {
-    "scheduler": ((RankFlags, ("world_size",)),),
+    "scheduler": ((RankFlags, ("world_size",)), (ReplicaFlags, None)),
     "executor": ((RankFlags, None),
                  (ParallelFlags, ("all_reduce", "dist_init_addr", "num_nodes", "group_timeout_s"))),
 }

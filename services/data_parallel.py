@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 
 from services.group_layout import GroupLayout, layout_from_args
+from shared import kv_events_config
 from shared.endpoints import Endpoints
 from shared.engine_flags import RunnerFlags
 
@@ -49,6 +50,10 @@ class ReplicaPlan:
         spreads them over the host's GPUs (``services/executor/device.py``)."""
         local = self.layout.local_ranks
         return self.index * len(local) + rank - local.start
+
+    def scheduler_argv(self) -> list[str]:
+        """This replica's scheduler's own flags: its index (for its KV cache events' rank and ports)."""
+        return [] if self.count == 1 else ["--data-parallel-rank", str(self.index)]
 
     def health_env(self, env: dict[str, str]) -> dict[str, str]:
         """Heartbeat files (``$PAGEDSERVE_HEALTH_DIR``, set in the image): each replica's in a
@@ -81,6 +86,7 @@ def data_parallel_size(args) -> int:
 def plan_replicas(args, sock_dir: str) -> list[ReplicaPlan]:
     """Every replica's endpoints, executor group and flags (``ValueError`` naming a bad flag)."""
     count = data_parallel_size(args)
+    kv_events_config.check_replicas(getattr(args, "kv_events_config", None), count)
     if count == 1:
         return [ReplicaPlan(0, 1, Endpoints.in_directory(sock_dir), layout_from_args(args, sock_dir), args)]
     threads = _threads_per_rank(args, count)

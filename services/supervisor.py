@@ -159,7 +159,8 @@ def build_groups(args, plans: list[ReplicaPlan], env: dict[str, str]) -> dict[st
                  for rank in layout.local_ranks]
         if layout.runs_scheduler:
             groups[plan.group("scheduler")] = [Child(plan.child_name("scheduler"),
-                                                     scheduler_argv(args) + layout.scheduler_argv(), own_env,
+                                                     scheduler_argv(args) + layout.scheduler_argv()
+                                                     + plan.scheduler_argv(), own_env,
                                                      command="scheduler")]
         groups[plan.group("executor")] = ranks
     if plans[0].layout.runs_scheduler:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from shared.flag_spec import flag
+from shared.kv_events_config import flag_type as _kv_events_config
 from shared.speculative import flag_type as _speculative_config
 
 
@@ -93,6 +94,22 @@ class SchedulingFlags:
                                           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 1, "
                                           "\"prompt_lookup_max\": 4} (prompt lookup; see docs/serving.md)",
                                           type=_speculative_config, metavar="JSON")
+    kv_events_config: str | None = flag(None, "publish the prefix cache's KV block events (stored, removed, "
+                                        "cleared) over ZMQ for KV-aware routers, as vLLM's JSON: "
+                                        "{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                                        "\"replay_endpoint\": \"tcp://*:5567\", \"topic\": \"kv-events\"} "
+                                        "(-dp replica i: both ports + i; see docs/serving.md)",
+                                        type=_kv_events_config, metavar="JSON")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaFlags:
+    """A scheduler's place among serve's -dp replicas (serve sets it for each replica's scheduler)."""
+
+    TITLE: ClassVar[str] = "data-parallel replica"
+
+    data_parallel_rank: int = flag(0, "this scheduler's replica index, which its KV cache events carry "
+                                   "(--kv-events-config); serve -dp N sets it")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -67,13 +67,17 @@ def tiny_api_server(tmp_path_factory, tiny_model_dir):
 def tiny_f32_server(tmp_path_factory, tiny_model_dir):
     """``pagedserve serve`` on the tiny model in float32 (served as ``tiny``, 16 MiB of KV cache) for
     ``test_locust``, ``test_offline``, ``test_server_frontends`` and the tiny model's tool calls
-    (tool_choice "auto" on, hermes' parser) (one server for them: starts fewer): ``(URL, folder)``;
-    the folder holds its ``serve.log`` and its socket directory (``TMPDIR``)."""
+    (tool_choice "auto" on, hermes' parser) and ``test_server_kv_events`` (KV cache events on ipc
+    sockets ``kv-events`` and ``kv-replay`` in the folder) (one server for them: starts fewer):
+    ``(URL, folder)``; the folder holds its ``serve.log`` and its socket directory (``TMPDIR``)."""
     from tests.doubles.serve import start_server, stop
 
     root = tmp_path_factory.mktemp("serve-f32")
+    events = f'{{"enable_kv_cache_events": true, "endpoint": "ipc://{root}/kv-events", ' \
+             f'"replay_endpoint": "ipc://{root}/kv-replay", "topic": "kv@tiny"}}'
     proc, url = start_server(root, "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--dtype", "float32",
-                             "--kv-cache-memory", "16MiB", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+                             "--kv-cache-memory", "16MiB", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                             "--kv-events-config", events)
     yield url, root
     stop(proc)
 

@@ -23,7 +23,9 @@ Contract:
 - Sliding window (``sliding_window``, ``sliding_window > 0``): ``free_out_of_window`` releases a
   sequence's leading blocks that no later query attends; their entries become ``NULL_BLOCK``, which
   every operation skips (never acquired, released, cached or swapped).
-- ``events`` logs copy-on-write copies, evictions and swaps while the pool is watched (``kv_events``).
+- ``events`` logs copy-on-write copies, evictions and swaps while the pool is watched (``kv_events``);
+  ``cache_events`` the prefix cache's hashes stored, evicted and cleared, for ``--kv-events-config``
+  (``kv_cache_events``).
 - ``tiers`` (``kv_tiers.TierIndex``, None without ``--kv-offload-memory``): an evicted hashed block
   is copied to the host tier before it is reused (``tier_admission`` brings such blocks back).
 - ``check_integrity`` verifies conservation in both pools, the consistency of the cache and the
@@ -45,6 +47,7 @@ from shared.messages import KvEventKind
 from . import sliding_window
 from .block_checks import check_block_manager
 from .block_swap import SwapMixin
+from .kv_cache_events import KvCacheEventLog
 from .kv_events import KvEventLog
 from .kv_tiers import TierIndex
 from .sliding_window import NULL_BLOCK
@@ -81,6 +84,7 @@ class BlockManager(SwapMixin):
         self.enable_prefix_caching = enable_prefix_caching
         self.num_cpu_blocks = num_cpu_blocks
         self.tiers: TierIndex | None = None  # the offload tiers' books (``kv_tiers``), if any
+        self.cache_events = KvCacheEventLog()  # kept across ``reset`` (which it reports); off unless published
         self.reset()
         self.num_queried_tokens = self.num_hit_tokens = 0  # prefix-cache lookups, for the hit rate
         self.events = KvEventLog()  # kept across ``reset``: whether it records is the publisher's choice
@@ -100,6 +104,7 @@ class BlockManager(SwapMixin):
         self.trimmed_at: dict[int, int] = {}  # seq id -> computed tokens at its last window trim
         if self.tiers is not None:
             self.tiers.reset_host()  # the host pool went with the executors
+        self.cache_events.cleared()
 
     # ------------------------------------------------------------------ queries
 
@@ -172,15 +177,18 @@ class BlockManager(SwapMixin):
         self.num_queried_tokens += num_prompt_tokens
         self.num_hit_tokens += num_hit_tokens
 
-    def cache_full_blocks(self, seq_id: int, hashes: Sequence[BlockHash]) -> None:
-        """Register the sequence's full, computed blocks ``hashes[i] -> table[i]``."""
+    def cache_full_blocks(self, seq_id: int, hashes: Sequence[BlockHash], token_ids: Sequence[int] = ()) -> None:
+        """Register the sequence's full, computed blocks ``hashes[i] -> table[i]`` (``token_ids``: the
+        sequence's, for ``cache_events``)."""
         if not self.enable_prefix_caching:
             return
-        table = self.block_tables[seq_id]
-        for block_id, h in zip(table, hashes):
+        table, bs = self.block_tables[seq_id], self.block_size
+        for i, (block_id, h) in enumerate(zip(table, hashes)):
             if block_id != NULL_BLOCK and self.block_hashes[block_id] is None and h not in self.cached:
                 self.block_hashes[block_id] = h
                 self.cached[h] = block_id
+                if self.cache_events.enabled:
+                    self.cache_events.stored(h, hashes[i - 1] if i else None, token_ids[i * bs:(i + 1) * bs], bs)
 
     # ------------------------------------------------------------------ changes
 
@@ -192,6 +200,8 @@ class BlockManager(SwapMixin):
             if self.tiers is not None:
                 self.tiers.offload(self.block_hashes[block_id], block_id)  # copied before reuse
             del self.cached[self.block_hashes[block_id]]
+            if self.cache_events.enabled:
+                self.cache_events.removed(self.block_hashes[block_id])
             self.block_hashes[block_id] = None
             self.events.record(KvEventKind.EVICT, block_id)
         self.ref_counts[block_id] = 1

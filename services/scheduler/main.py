@@ -13,7 +13,8 @@ shortly before that one is expected to end (``step_timing``: requests that arriv
 then waits on both sockets at once, so that while a step runs it still takes requests, aborts and
 heartbeats, and sends ``EngineStats`` every ``STATS_INTERVAL_S`` (the frontends' sign
 that the scheduler lives) and, while a playground watches, block-pool snapshots
-(``kv_publisher``). Every turn also touches the scheduler's heartbeat file
+(``kv_publisher``), and with ``--kv-events-config`` the prefix cache's events of that turn in vLLM's
+format (``kv_events_zmq``). Every turn also touches the scheduler's heartbeat file
 (``shared.heartbeat_file``, for a container healthcheck), while a step is out too: the loop turning is
 the scheduler's health; an executor's is its own file and its heartbeats.
 
@@ -37,7 +38,7 @@ import time
 import zmq
 
 from shared.heartbeat_file import HeartbeatFile
-from shared import speculative
+from shared import kv_events_config, speculative
 from shared.logging import configure_logging
 from shared.messages import AbortRequest, AddRequest, EngineStats, Shutdown, StepResult
 from shared.zmq_auth import load_keys, log_mode, start_authenticator
@@ -46,6 +47,7 @@ from .block_manager import BlockManager
 from .contiguous import ContiguousBlockManager
 from .executors import ExecutorLink
 from .frontends import FrontendLink
+from .kv_events_zmq import KvEventsPublisher
 from .kv_publisher import KvPublisher
 from .liveness import ExecutorGroup, Loss
 from .process_config import SchedulerProcessConfig
@@ -78,6 +80,9 @@ class SchedulerProcess:
         self.executors = ExecutorLink(self.ctx, ep.step, ep.result, group, self.epoch, self.log,
                                       config.supervisor_endpoint, curve=keys)
         self.kv_publisher = KvPublisher(self.frontends)  # the playground's map; idle while nobody watches
+        events = kv_events_config.parse(config.kv_events_config)  # for routers (--kv-events-config); None: off
+        self.kv_events = (KvEventsPublisher(events, config.data_parallel_rank, self.ctx, self.log)
+                          if events is not None and events.publishes else None)
         self.poller = zmq.Poller()
         self.poller.register(self.frontends.socket, zmq.POLLIN)
         self.poller.register(self.executors.results, zmq.POLLIN)
@@ -133,6 +138,9 @@ class SchedulerProcess:
         self.frontends.forget_silent(now)
         if self.scheduler is not None:
             self.kv_publisher.publish(self.scheduler, now)
+            if self.kv_events is not None:
+                self.kv_events.publish(self.scheduler.blocks.cache_events, self.scheduler.blocks.sliding_window)
+                self.kv_events.serve_replay()
         for request_id in self.frontends.take_orphans():
             self.log.info("request aborted: its frontend is gone", request_id=request_id)
             self._handle(AbortRequest(request_id))
@@ -235,6 +243,9 @@ class SchedulerProcess:
                       kv_policy=cfg.kv_policy, prefix_caching=cfg.enable_prefix_caching,
                       sliding_window=manager.sliding_window,
                       async_scheduling=cfg.async_scheduling)
+        if self.kv_events is not None:  # a (re)started scheduler holds nothing: routers forget what it held
+            manager.cache_events.enabled = True
+            manager.cache_events.cleared()
         held, self._held = self._held, []
         for msg in held:
             self._handle(msg)

@@ -26,4 +26,5 @@ def cache_computed_blocks(blocks: BlockManager, seq: Sequence, num_computed_toke
     if blocks.enable_prefix_caching and full > 0:
         if len(seq.block_hashes) < full:
             blocks.prefix_hashes(seq.token_ids, full, seq.block_hashes)
-        blocks.cache_full_blocks(seq.seq_id, seq.block_hashes[:full])
+        tokens = seq.token_ids if blocks.cache_events.enabled else ()  # for a KV cache event (--kv-events-config)
+        blocks.cache_full_blocks(seq.seq_id, seq.block_hashes[:full], tokens)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.endpoints import Endpoints
-from shared.engine_flags import LivenessFlags, RankFlags, SchedulingFlags
+from shared import kv_events_config
+from shared.engine_flags import LivenessFlags, RankFlags, ReplicaFlags, SchedulingFlags
 
 from .step_timing import PLAN_AT_FRACTION
 
@@ -31,6 +32,8 @@ class SchedulerProcessConfig:
     async_scheduling: bool = _SCHEDULING.async_scheduling  # plan step N + 1 while the executors run step N (False: lock-step)
     plan_ahead_at: float = PLAN_AT_FRACTION  # ... when N is this far through its expected time (0: at once)
     speculative_config: str | None = None  # --speculative-config's JSON (``shared.speculative``); None: off
+    kv_events_config: str | None = None  # --kv-events-config's JSON (``shared.kv_events_config``); None: off
+    data_parallel_rank: int = ReplicaFlags().data_parallel_rank  # this scheduler's -dp replica index
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -40,3 +43,6 @@ class SchedulerProcessConfig:
                 raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
         if not 0 <= self.plan_ahead_at <= 1:
             raise ValueError(f"--plan-ahead-at must be between 0 and 1, got {self.plan_ahead_at}")
+        if self.data_parallel_rank < 0:
+            raise ValueError(f"--data-parallel-rank must be 0 or more, got {self.data_parallel_rank}")
+        kv_events_config.parse(self.kv_events_config)  # a bad one: its one-line ValueError

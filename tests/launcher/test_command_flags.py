@@ -23,7 +23,8 @@ from shared.flag_spec import declared, from_args, option_strings, to_argv
 # Values unlike the defaults that the children's configs accept, where a made-up one would not do
 _VALUES = {"block_size": "32", "kv_cache_memory": "64MiB", "dtype": "float32", "device": "cpu",
            "generation_config": "vllm", "linear_kernel": "torch", "plan_ahead_at": "0.5",
-           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'}
+           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
+           "kv_events_config": '{"enable_kv_cache_events": true, "topic": "kv-events"}'}
 
 
 def _non_default_argv(flags) -> list[str]:

@@ -4,6 +4,8 @@
   sharing a 32-token beginning meet at the replica that has it cached (the second of each pair
   reports those tokens cached; sent at random, half of the pairs would miss); unrelated prompts
   spread over both; ``/health`` and ``/metrics`` show the two replicas.
+- Each replica publishes its KV cache events on its own sockets, tagged with its rank: a prompt's
+  first block is stored by the replica that answered it.
 - One replica's scheduler killed while streams run on both (checked: requests in flight there at
   the kill): serve restarts it, every stream ends
   exactly as transformers' greedy text (those on the lost replica handed to its new scheduler),
@@ -46,7 +48,9 @@ def hf_model(tiny_dir):
 @pytest.fixture(scope="module")
 def dp_server(tmp_path_factory, tiny_dir):
     tmp = tmp_path_factory.mktemp("dp2")
-    proc, url = start_server(tmp, "--model", str(tiny_dir), "-dp", "2", *FLAGS)
+    events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp}/kv",
+                         "replay_endpoint": f"ipc://{tmp}/kv-replay"})  # replica i: kv_dp<i> (i > 0)
+    proc, url = start_server(tmp, "--model", str(tiny_dir), "-dp", "2", *FLAGS, "--kv-events-config", events)
     yield proc, url, tmp
     stop(proc)
 
@@ -121,6 +125,7 @@ def test_a_replica_s_scheduler_killed_mid_stream_loses_nothing(dp_server, tiny_d
         assert stream.first.wait(120) and stream.error is None, stream.error
     victim = _get(url + "/health")["replicas"][1]["processes"]["scheduler"]["pid"]
     in_flight = _in_flight(url)  # read right before the kill: streams of 230 tokens are still running
+    killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
     assert in_flight[1] >= 1, f"no stream was running on replica 1: {in_flight}"
     meanwhile = _prompt(900, 20)
@@ -140,6 +145,10 @@ def test_a_replica_s_scheduler_killed_mid_stream_loses_nothing(dp_server, tiny_d
         assert time.monotonic() < deadline, f"replica 1 did not come back: {health}"
         time.sleep(0.2)
     assert replica["pid"] != victim
+    from tests.doubles.vllm_kv_events import AllBlocksCleared
+
+    seq, first = _kv_replay(tmp, 1)[0]  # the new scheduler's KV events begin anew: it holds nothing
+    assert seq == 0 and first.ts > killed_at and isinstance(first.events[0], AllBlocksCleared)
     assert health["replicas"][0]["processes"]["scheduler"]["num_restarts"] == 0
     assert 'pagedserve:process_restarts_total{process="scheduler"} 1.0' in _get(url + "/metrics").splitlines()
     handed = [json.loads(line) for line in (tmp / "serve.log").read_text().splitlines()
@@ -152,3 +161,50 @@ def _in_flight(url: str) -> list[float]:
     lines = [line for line in _get(url + "/metrics").splitlines()
              if line.startswith("pagedserve:replica_requests_in_flight{")]
     return [float(line.rsplit(" ", 1)[1]) for line in sorted(lines)]
+
+
+def _kv_replay(tmp, rank: int) -> list:
+    """Replica ``rank``'s buffered KV event batches from seq 0 (its replay socket), decoded as vLLM's."""
+    import zmq
+
+    from tests.doubles.vllm_kv_events import decode_batch
+
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"ipc://{tmp}/kv-replay" + (f"_dp{rank}" if rank else ""))
+    dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+    batches = []
+    try:
+        while True:
+            assert dealer.poll(30_000), f"replica {rank}'s replay did not end"
+            _, seq, payload = dealer.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return batches
+            batches.append((int.from_bytes(seq, "big"), decode_batch(payload)))
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_each_replica_publishes_its_own_kv_events_tagged_with_its_rank(dp_server, tiny_dir):
+    from services.scheduler.block_manager import hash_block
+    from services.scheduler.kv_cache_events import hash_int
+    from tests.doubles.vllm_kv_events import apply
+
+    _, url, tmp = dp_server
+    client = openai_client(url)
+    prompts = [_prompt(300 + k, 9) for k in range(6)]  # unrelated: spread over both replicas
+    for prompt in prompts:
+        client.completions.create(model=tiny_dir.name, prompt=prompt, max_tokens=2, temperature=0)
+    firsts = {hash_int(hash_block(None, p[:4])) for p in prompts}
+    deadline, held = time.monotonic() + 30, {}
+    while time.monotonic() < deadline:  # a replica publishes in the loop turn after it answered
+        for rank in (0, 1):
+            held[rank] = set()
+            for _, batch in _kv_replay(tmp, rank):
+                assert batch.data_parallel_rank == rank
+                apply(held[rank], batch.events)
+        if firsts <= held[0] | held[1]:
+            break
+        time.sleep(0.1)
+    assert firsts <= held[0] | held[1]
+    assert firsts & held[0] and firsts & held[1], "both replicas answered some"
