@@ -1,0 +1,204 @@
+"""Numba CPU kernels over quantized KV caches (``kernels/kv_quant.py``: layout, formats, the
+reference): the write that quantizes each (token, KV head) row with its own scale, and paged
+decode and prefill attention that dequantize as they read.
+
+Both formats travel as bytes (``uint8`` views: numba has no float8 type) and are read through a
+256-entry float32 table (``kv_quant.byte_table``: int8's two's complement or the e4m3 bits
+decoded), one load per element. A key row's scale multiplies its dot products (one product per
+query head, not per element), a value row's its softmax weight.
+
+The attention is one task per (query row, KV head) in a ``prange``: the group of query heads that
+share the KV head read each K/V row once; online softmax one step per block-sized tile; float32
+throughout, the output cast by the caller. Plain loops over ``head_dim`` (no register tiling as in
+``decode.py``): a straightforward kernel, correct first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from kernels.kv_quant import QMAX, QuantCache, byte_table
+
+_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # as kernels/cpu/common.py: no nnan/ninf
+_TABLES = {fmt: byte_table(fmt) for fmt in QMAX}
+_E4M3_POSITIVE = _TABLES["fp8_e4m3"][:127].copy()  # codes 0..126, increasing: 0 .. 448
+
+
+@njit(cache=True, nogil=True)
+def _encode_e4m3(q, positive):
+    """The e4m3 bits nearest ``q`` (|q| <= 448), ties to the even code: torch's cast."""
+    a = abs(q)
+    lo, hi = 0, positive.shape[0] - 1
+    while lo < hi:  # the largest code whose value is <= a
+        mid = (lo + hi + 1) // 2
+        if positive[mid] <= a:
+            lo = mid
+        else:
+            hi = mid - 1
+    c = lo
+    if c < positive.shape[0] - 1:
+        below, above = a - positive[c], positive[c + 1] - a
+        if above < below or (above == below and c % 2 == 1):
+            c += 1
+    return np.uint8(c | 0x80) if q < 0 and c > 0 else np.uint8(c)
+
+
+@njit(cache=True, nogil=True)
+def _write_quant_kernel(data, scales, x, slot_mapping, qmax, is_int8, positive):
+    # data: [num_blocks, Hkv, bs, D] uint8 view; scales: [num_blocks, Hkv, bs] float32;
+    # x: [T, Hkv, D] float32; slot_mapping: [T] int64. Serial, as cache_ops._write_kv_kernel.
+    num_tokens, num_kv_heads, head_dim = x.shape
+    block_size = data.shape[2]
+    for i in range(num_tokens):
+        slot = slot_mapping[i]
+        if slot < 0:
+            continue
+        blk = slot // block_size
+        off = slot - blk * block_size
+        for h in range(num_kv_heads):
+            amax = np.float32(0.0)
+            for d in range(head_dim):
+                amax = max(amax, abs(x[i, h, d]))
+            s = np.float32(amax / qmax)
+            scales[blk, h, off] = s
+            for d in range(head_dim):
+                q = np.float32(x[i, h, d] / s) if s > 0 else np.float32(0.0)
+                if is_int8:
+                    v = min(max(np.rint(q), -127.0), 127.0)
+                    data[blk, h, off, d] = np.uint8(np.int8(v) & 0xFF)
+                else:
+                    data[blk, h, off, d] = _encode_e4m3(min(max(q, -448.0), 448.0), positive)
+
+
+def _bytes(cache: QuantCache) -> np.ndarray:
+    return cache.data.numpy().view(np.uint8)
+
+
+def write_kv_cache(key_cache: QuantCache, value_cache: QuantCache, key, value, slot_mapping) -> None:
+    """Quantize the new tokens' K/V (torch tensors, any float dtype) into their slots."""
+    if key.shape[0] == 0:
+        return
+    slots = np.ascontiguousarray(slot_mapping.numpy() if isinstance(slot_mapping, torch.Tensor)
+                                 else slot_mapping, dtype=np.int64)
+    for cache, x in ((key_cache, key), (value_cache, value)):
+        xs = x.detach().float().contiguous().numpy()
+        _write_quant_kernel(_bytes(cache), cache.scale.numpy(), xs, slots, np.float32(QMAX[cache.fmt]),
+                            cache.fmt == "int8", _E4M3_POSITIVE)
+
+
+@njit(fastmath=_FASTMATH, cache=True, nogil=True)
+def _row_task(out, query, kdata, kscale, vdata, vscale, table, block_tables, seq, length, r, kvh,
+              scale, window, softcap):
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size = kdata.shape[2]
+    group = num_heads // kdata.shape[1]
+    h0 = kvh * group
+    acc = np.zeros((group, head_dim), np.float32)
+    m = np.full(group, np.float32(-1e30))
+    lsum = np.zeros(group, np.float32)
+    row = np.empty(head_dim, np.float32)
+    sco = np.empty((group, block_size), np.float32)
+    pos = max(0, length - window) if window > 0 else 0
+    while pos < length:
+        bi = pos // block_size
+        off = pos - bi * block_size
+        n = min(block_size - off, length - pos)
+        blk = block_tables[seq, bi]
+        for t in range(n):
+            ks = kscale[blk, kvh, off + t] * scale
+            for d in range(head_dim):
+                row[d] = table[kdata[blk, kvh, off + t, d]]
+            for g in range(group):
+                dot = np.float32(0.0)
+                for d in range(head_dim):
+                    dot += query[r, h0 + g, d] * row[d]
+                x = dot * ks
+                if softcap > 0:
+                    x = softcap * np.tanh(x / softcap)
+                sco[g, t] = x
+        for g in range(group):
+            top = m[g]
+            for t in range(n):
+                top = max(top, sco[g, t])
+            alpha = np.exp(m[g] - top)
+            m[g] = top
+            total = lsum[g] * alpha
+            for t in range(n):
+                p = np.exp(sco[g, t] - top)
+                sco[g, t] = p
+                total += p
+            lsum[g] = total
+            for d in range(head_dim):
+                acc[g, d] *= alpha
+        for t in range(n):
+            vs = vscale[blk, kvh, off + t]
+            for d in range(head_dim):
+                row[d] = table[vdata[blk, kvh, off + t, d]] * vs
+            for g in range(group):
+                w = sco[g, t]
+                for d in range(head_dim):
+                    acc[g, d] += w * row[d]
+        pos += n
+    for g in range(group):
+        inv = np.float32(1.0) / lsum[g]
+        for d in range(head_dim):
+            out[r, h0 + g, d] = acc[g, d] * inv
+
+
+@njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
+def _rows_kernel(out, query, kdata, kscale, vdata, vscale, table, block_tables, seqs, lens, scale,
+                 window, softcap):
+    # out, query: [R, H, D] float32; kdata, vdata: [num_blocks, Hkv, bs, D] uint8; kscale, vscale:
+    # [num_blocks, Hkv, bs] float32; table: [256] float32; block_tables: [S, max_blocks] int32;
+    # seqs, lens: [R] int64: row r attends to positions [0, lens[r]) of sequence seqs[r]
+    num_kv_heads = kdata.shape[1]
+    for task in prange(query.shape[0] * num_kv_heads):
+        r = task // num_kv_heads
+        _row_task(out, query, kdata, kscale, vdata, vscale, table, block_tables, seqs[r], lens[r], r,
+                  task - r * num_kv_heads, scale, window, softcap)
+
+
+def attend_rows(out, query, key_cache: QuantCache, value_cache: QuantCache, block_tables, seqs, lens,
+                scale: float, window: int = 0, softcap: float = 0.0) -> None:
+    """Query row ``r`` (torch ``[R, H, D]``, any float dtype) attends to positions ``[0, lens[r])``
+    of sequence ``seqs[r]``; writes ``out`` (torch, cast from float32) in place."""
+    if query.shape[0] == 0:
+        return
+    if key_cache.fmt != value_cache.fmt:
+        raise TypeError(f"key and value caches in {key_cache.fmt} and {value_cache.fmt}")
+    q = query.detach().float().contiguous().numpy()
+    res = np.empty_like(q)
+    tables = np.ascontiguousarray(block_tables.numpy() if isinstance(block_tables, torch.Tensor)
+                                  else block_tables, dtype=np.int32)
+    _rows_kernel(res, q, _bytes(key_cache), key_cache.scale.numpy(), _bytes(value_cache),
+                 value_cache.scale.numpy(), _TABLES[key_cache.fmt], tables,
+                 np.ascontiguousarray(seqs, dtype=np.int64), np.ascontiguousarray(lens, dtype=np.int64),
+                 np.float32(scale), int(window), np.float32(softcap))
+    out.copy_(torch.from_numpy(res))
+
+
+def paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale,
+                           window: int = 0, softcap: float = 0.0) -> None:
+    """One query per sequence over its context (``reference.paged_decode_attention``)."""
+    lens = np.asarray(context_lens, dtype=np.int64)
+    attend_rows(out, query, key_cache, value_cache, block_tables, np.arange(len(lens)), lens, scale,
+                window, softcap)
+
+
+def paged_prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc,
+                            context_lens, scale, window: int = 0, softcap: float = 0.0) -> None:
+    """New tokens attend causally to themselves and their prefix (``reference.paged_prefill_attention``):
+    each a row of ``attend_rows``, as ``kernels/cpu/prefill.py`` maps them."""
+    starts = np.asarray(query_start_loc, dtype=np.int64)
+    q_lens = starts[1:] - starts[:-1]
+    num_tokens = int(q_lens.sum())
+    if num_tokens == 0:
+        return
+    seqs = np.repeat(np.arange(len(q_lens)), q_lens)
+    first = np.repeat(np.asarray(context_lens, dtype=np.int64) - q_lens - starts[:-1], q_lens)
+    lens = first + np.arange(starts[0], starts[0] + num_tokens) + 1
+    rows = slice(int(starts[0]), int(starts[0]) + num_tokens)
+    attend_rows(out[rows], query[rows], key_cache, value_cache, block_tables, seqs, lens, scale,
+                window, softcap)
