@@ -163,3 +163,55 @@ def prefill_rows(query_start_loc, context_lens) -> tuple[np.ndarray, np.ndarray]
     seqs = np.repeat(np.arange(len(q_lens)), q_lens)
     first = np.repeat(np.asarray(context_lens, dtype=np.int64) - q_lens - starts[:-1], q_lens)
     return seqs, first + np.arange(starts[0], starts[0] + num_tokens) + 1
+
+
+_ON_DEVICE: dict = {}  # the byte tables, copied to the GPU once
+
+
+def _table(key: str, host: np.ndarray):
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = cuda.to_device(host)
+    return _ON_DEVICE[key]
+
+
+def _dev(t):
+    return cuda.as_cuda_array(t.detach(), sync=False)
+
+
+def torch_write_kv_cache(key_cache, value_cache, key, value, slot_mapping) -> None:
+    """``kv_quant.write_kv_cache``'s signature on torch CUDA tensors (``QuantCache`` pools)."""
+    import torch
+
+    if key.shape[0] == 0:
+        return
+    slots = _dev(slot_mapping.to(torch.int64).contiguous())
+    for cache, x in ((key_cache, key), (value_cache, value)):
+        write_kv_cache(_dev(cache.data.view(torch.uint8)), _dev(cache.scale), _dev(x.float().contiguous()), slots,
+                       cache.fmt, _table("positive", E4M3_POSITIVE))
+
+
+def _torch_rows(out, query, key_cache, value_cache, block_tables, seqs, lens, scale, window, softcap):
+    import torch
+
+    res = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    u8 = torch.uint8
+    attend_rows(_dev(res), _dev(query.float().contiguous()), _dev(key_cache.data.view(u8)), _dev(key_cache.scale),
+                _dev(value_cache.data.view(u8)), _dev(value_cache.scale), _table(key_cache.fmt, TABLES[key_cache.fmt]),
+                _dev(block_tables.to(torch.int32).contiguous()), cuda.to_device(np.ascontiguousarray(seqs, np.int64)),
+                cuda.to_device(np.ascontiguousarray(lens, np.int64)), scale, window, softcap)
+    out.copy_(res)
+
+
+def torch_paged_decode_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale,
+                                 window: int = 0, softcap: float = 0.0) -> None:
+    lens = context_lens.cpu().numpy().astype(np.int64)
+    if len(lens):
+        _torch_rows(out, query, key_cache, value_cache, block_tables, np.arange(len(lens)), lens, scale, window,
+                    softcap)
+
+
+def torch_paged_prefill_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
+                                  scale, window: int = 0, softcap: float = 0.0) -> None:
+    seqs, lens = prefill_rows(query_start_loc.cpu().numpy(), context_lens.cpu().numpy())
+    if len(lens):
+        _torch_rows(out, query, key_cache, value_cache, block_tables, seqs, lens, scale, window, softcap)

@@ -35,6 +35,7 @@ class ExecutorConfig:
     attention_backend: str = _RUNNER.attention_backend
     linear_kernel: str = _RUNNER.linear_kernel
     quantization: str = _RUNNER.quantization
+    kv_cache_dtype: str = _RUNNER.kv_cache_dtype
     rank: int = _RANK.rank
     world_size: int = _RANK.world_size
     num_threads: int | None = None
@@ -69,5 +70,5 @@ class ExecutorConfig:
             dtype=self.dtype, device=self.device, block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
             kv_cache_memory=self.kv_cache_memory, swap_space=self.swap_space, max_model_len=self.max_model_len,
             attention_backend=self.attention_backend, linear_kernel=self.linear_kernel, seed=self.seed,
-            quantization=self.quantization,
+            quantization=self.quantization, kv_cache_dtype=self.kv_cache_dtype,
         )

@@ -59,10 +59,11 @@ class InProcessEngine(EngineCore):
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  backend: str = "torch", dtype=torch.float32, preemption_mode: str = "recompute",
                  kv_policy: str = "paged", num_cpu_blocks: int = 0, enable_prefix_caching: bool = True,
-                 async_scheduling: bool = False, speculative_config: str | None = None):
+                 async_scheduling: bool = False, speculative_config: str | None = None,
+                 kv_cache_dtype: str = "auto"):
         runner = build_runner(hf_model.config, hf_model.state_dict(), RunnerOptions(
             dtype=dtype, block_size=block_size, num_kv_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks,
-            max_model_len=max_model_len, attention_backend=backend,
+            max_model_len=max_model_len, attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
         ))
         super().__init__(runner, SchedulingOptions(max_num_seqs, max_num_batched_tokens, preemption_mode, kv_policy,
                                                    enable_prefix_caching, async_scheduling,
