@@ -26,6 +26,26 @@ def test_e4m3_table_is_torchs_cast():
     np.testing.assert_array_equal(kv_quant.e4m3_table(), want)  # NaN where torch has NaN
 
 
+def test_cpu_e4m3_widening_is_torchs_cast():
+    """The CPU kernels' bit-placing fp8 decode, every code but the two NaNs (never written)."""
+    from numba import njit
+
+    from kernels.cpu.kv_quant import _row_scale, _widen
+
+    @njit
+    def widen_all(row, data):
+        _widen(row, data, 0, 0, 0)
+        return _row_scale(data)
+
+    data = np.arange(256, dtype=np.uint8).reshape(1, 1, 1, 256)
+    row = np.empty(256, np.float32)
+    got = row * widen_all(row, data)
+    want = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    finite = np.isfinite(want)
+    assert finite.sum() == 254
+    np.testing.assert_array_equal(got[finite], want[finite])
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_round_trip_error_within_the_format_bound(fmt):
     g = torch.Generator().manual_seed(1)
