@@ -6,8 +6,8 @@ int8 is read as int8 and widened; fp8 travels as its bits (``uint8``: numba has 
 and is widened by placing them in a float32's exponent and mantissa bits (``_widen``: shifts that
 vectorize, where a lookup in the 256-entry table ``kv_quant.e4m3_table`` is a gather; both tested
 against torch's cast). A key row's scale multiplies its dot products (one product per query head,
-not per element), a value row's its softmax weight. The write encodes e4m3 by a binary search
-over the table's non-negative values, ties to the even code (torch's rounding).
+not per element), a value row's its softmax weight. The write encodes e4m3 from the float32's bits,
+ties to the even code (torch's rounding; ``_encode_e4m3``).
 
 The attention is one task per (query row, KV head) in a ``prange``: the group of query heads that
 share the KV head read each K/V row once; online softmax one step per block-sized tile; float32
@@ -23,38 +23,33 @@ import torch
 from numba import njit, prange, types
 from numba.extending import overload
 
-from kernels.kv_quant import QMAX, QuantCache, byte_table
+from kernels.kv_quant import QMAX, QuantCache
 
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # as kernels/cpu/common.py: no nnan/ninf
-_TABLES = {fmt: byte_table(fmt) for fmt in QMAX}
-_E4M3_POSITIVE = _TABLES["fp8_e4m3"][:127].copy()  # codes 0..126, increasing: 0 .. 448
 
 
 @njit(cache=True, nogil=True)
-def _encode_e4m3(q, positive):
-    """The e4m3 bits nearest ``q`` (|q| <= 448), ties to the even code: torch's cast."""
-    a = abs(q)
-    lo, hi = 0, positive.shape[0] - 1
-    while lo < hi:  # the largest code whose value is <= a
-        mid = (lo + hi + 1) // 2
-        if positive[mid] <= a:
-            lo = mid
-        else:
-            hi = mid - 1
-    c = lo
-    if c < positive.shape[0] - 1:
-        below, above = a - positive[c], positive[c + 1] - a
-        if above < below or (above == below and c % 2 == 1):
-            c += 1
+def _encode_e4m3(q, bits):
+    """The e4m3 bits nearest ``q`` (|q| <= 448), ties to the even code: torch's cast. Normal
+    values (|q| >= 2**-6) round the float32's mantissa to 3 bits in its bits (the carry moves into
+    the exponent as it should) and rebias the exponent from 127 to 7; below, e4m3's subnormals
+    are multiples of 2**-9, rounded half to even (``np.rint``). ``bits``: those of ``|q|``."""
+    a = np.float32(abs(q))
+    if a < np.float32(2.0 ** -6):
+        c = np.uint32(np.rint(a * np.float32(512.0)))
+    else:
+        c = ((bits + np.uint32(0x7FFFF) + ((bits >> np.uint32(20)) & np.uint32(1))) >> np.uint32(20)) - np.uint32(120 << 3)
     return np.uint8(c | 0x80) if q < 0 and c > 0 else np.uint8(c)
 
 
 @njit(cache=True, nogil=True)
-def _write_quant_kernel(data, scales, x, slot_mapping, qmax, is_int8, positive):
+def _write_quant_kernel(data, scales, x, slot_mapping, qmax, is_int8):
     # data: [num_blocks, Hkv, bs, D] uint8 view; scales: [num_blocks, Hkv, bs] float32;
     # x: [T, Hkv, D] float32; slot_mapping: [T] int64. Serial, as cache_ops._write_kv_kernel.
     num_tokens, num_kv_heads, head_dim = x.shape
     block_size = data.shape[2]
+    mag = np.empty(head_dim, np.float32)  # |q| of a row, and its bits
+    mag_bits = mag.view(np.uint32)
     for i in range(num_tokens):
         slot = slot_mapping[i]
         if slot < 0:
@@ -73,7 +68,8 @@ def _write_quant_kernel(data, scales, x, slot_mapping, qmax, is_int8, positive):
                     v = min(max(np.rint(q), -127.0), 127.0)
                     data[blk, h, off, d] = np.uint8(np.int8(v) & 0xFF)
                 else:
-                    data[blk, h, off, d] = _encode_e4m3(min(max(q, -448.0), 448.0), positive)
+                    mag[d] = min(abs(q), np.float32(448.0))
+                    data[blk, h, off, d] = _encode_e4m3(q, mag_bits[d])
 
 
 def _bytes(cache: QuantCache) -> np.ndarray:
@@ -89,7 +85,7 @@ def write_kv_cache(key_cache: QuantCache, value_cache: QuantCache, key, value, s
     for cache, x in ((key_cache, key), (value_cache, value)):
         xs = x.detach().float().contiguous().numpy()
         _write_quant_kernel(_bytes(cache), cache.scale.numpy(), xs, slots, np.float32(QMAX[cache.fmt]),
-                            cache.fmt == "int8", _E4M3_POSITIVE)
+                            cache.fmt == "int8")
 
 
 def _widen(row, data, blk, kvh, off):

@@ -46,6 +46,22 @@ def test_cpu_e4m3_widening_is_torchs_cast():
     np.testing.assert_array_equal(got[finite], want[finite])
 
 
+def test_cpu_e4m3_encoding_is_torchs_cast():
+    """The write's e4m3 encoding from float32 bits against torch's cast: every value, every
+    midpoint between neighbours (ties to even), subnormals, random magnitudes, both signs."""
+    from kernels.cpu.kv_quant import _encode_e4m3
+
+    table = kv_quant.e4m3_table()[:127].astype(np.float64)
+    mids = (table[:-1] + table[1:]) / 2
+    rng = np.random.default_rng(0)
+    q = np.concatenate([table, mids, np.nextafter(mids, 0), np.nextafter(mids, 1e9),
+                        rng.uniform(0, 448, 500), 2.0 ** rng.uniform(-12, -5, 200)]).astype(np.float32)
+    q = np.concatenate([q, -q])
+    want = torch.from_numpy(q).to(torch.float8_e4m3fn).float().numpy()
+    got = np.array([_encode_e4m3(v, np.float32(min(abs(v), 448.0)).view(np.uint32)) for v in q], np.uint8)
+    np.testing.assert_array_equal(kv_quant.e4m3_table()[got], want)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_round_trip_error_within_the_format_bound(fmt):
     g = torch.Generator().manual_seed(1)
