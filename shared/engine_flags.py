@@ -62,6 +62,10 @@ class RunnerFlags:
                              "dequantize everything; auto: none for now, as gguf decodes a batch slower, "
                              "measured; a Hugging Face directory is served as it is)",
                              choices=("auto", "gguf", "int8", "none"))
+    kv_cache_dtype: str = flag("auto", "how KV blocks store keys and values (auto: the model's dtype; int8 or "
+                               "fp8_e4m3: one byte per element plus a float32 scale per token and KV head, so "
+                               "the same --kv-cache-memory holds about 2x (bf16) or 4x (float32) the tokens)",
+                               choices=("auto", "int8", "fp8_e4m3"))
     num_threads: int | None = flag(None, "CPU threads for torch and numba", type=int,
                                    shown="this host's cores, shared by its ranks")
     adaptive_threads: bool = flag(True, "run each small step on one thread or on all, whichever its timing shows "

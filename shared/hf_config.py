@@ -207,9 +207,10 @@ def weight_bytes(shape: ModelShape, dtype_bytes: int) -> int:
     return dtype_bytes * (embeddings + positions + s.num_layers * per_layer + s.hidden_size)
 
 
-def kv_block_bytes(shape: ModelShape, block_size: int, dtype_bytes: int) -> int:
-    """Bytes one KV block takes across all layers (keys and values)."""
-    return 2 * shape.num_layers * shape.num_kv_heads * block_size * shape.head_dim * dtype_bytes
+def kv_block_bytes(shape: ModelShape, block_size: int, dtype_bytes: int, scale_bytes: int = 0) -> int:
+    """Bytes one KV block takes across all layers (keys and values): ``dtype_bytes`` per element,
+    plus ``scale_bytes`` per (token, KV head) row (a quantized cache's scales, ``--kv-cache-dtype``)."""
+    return 2 * shape.num_layers * shape.num_kv_heads * block_size * (shape.head_dim * dtype_bytes + scale_bytes)
 
 
 def available_memory_bytes() -> int | None:

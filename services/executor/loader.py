@@ -14,6 +14,7 @@ from shared.engine_flags import RunnerFlags
 from .attention import select_backend
 from .device import check_device_name, resolve_device
 from .gguf_weights import choose_quantization
+from .kv_cache import QuantizedKVBackend, allocate_quantized, check_kv_cache_dtype, kv_storage
 from .linear import check_linear_kernel, choose_linear_kernel, pack_linears
 from .architectures import model_config
 from .memory_plan import MemoryPlan, plan_memory
@@ -67,6 +68,7 @@ class RunnerOptions:
     attention_backend: str = _RUNNER.attention_backend
     linear_kernel: str = _RUNNER.linear_kernel
     quantization: str = _RUNNER.quantization  # auto, gguf, int8 or none (gguf_weights.py)
+    kv_cache_dtype: str = _RUNNER.kv_cache_dtype  # auto (the model's dtype), int8 or fp8_e4m3 (kv_quant.py)
     seed: int = _RUNNER.seed
 
     def __post_init__(self) -> None:
@@ -81,6 +83,7 @@ class RunnerOptions:
         check_linear_kernel(self.linear_kernel)
         if self.quantization not in ("auto", "gguf", "int8", "none"):
             raise ValueError(f"--quantization must be auto, gguf, int8 or none, got {self.quantization!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.swap_space < 0:
             raise ValueError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
         check_offload_options(self)
@@ -93,6 +96,7 @@ def plan_runner(hf_config, options: RunnerOptions, where: str = "the model",
     With ``shard`` (one rank of a tensor-parallel group), for that rank's KV heads and weights."""
     device = resolve_device(options.device)
     dtype = _dtype(options, device)
+    storage = kv_storage(options.kv_cache_dtype, dtype)
     plan = plan_memory(
         hf_config, f"{where} in {dtype}", dtype_bytes=torch.empty((), dtype=dtype).element_size(),
         block_size=options.block_size, num_kv_blocks=options.num_kv_blocks,
@@ -103,6 +107,7 @@ def plan_runner(hf_config, options: RunnerOptions, where: str = "the model",
         world_size=shard.world_size if shard is not None else 1,
         device_free_bytes=int(torch.cuda.mem_get_info(device)[0] * GPU_MEMORY_SHARE) if device.type == "cuda" else None,
         device_name=f"{device} ({GPU_MEMORY_SHARE:.0%} of its free memory)",
+        kv_element_bytes=storage.element_bytes, kv_scale_bytes=storage.scale_bytes,
     )
     if options.num_cpu_blocks is not None:
         plan = dataclasses.replace(plan, num_cpu_blocks=options.num_cpu_blocks)
@@ -137,10 +142,17 @@ def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: Runner
     if kind != "torch":
         pack_linears(model, kind)  # oneDNN's blocked weights or the Numba kernel's pairs (linear.py)
     kv_cfg = model.kv_cache_config  # only this rank's KV heads
-    kv = allocate_kv_cache(kv_cfg, plan.num_blocks, options.block_size, dtype, device)
-    cpu_kv = allocate_kv_cache(kv_cfg, plan.num_cpu_blocks, options.block_size, dtype, torch.device("cpu"))
-    runner = ModelRunner(model, kv, select_backend(options.attention_backend, device), device, seed=options.seed,
-                         cpu_kv_caches=cpu_kv)
+    backend = select_backend(options.attention_backend, device)
+    fmt = options.kv_cache_dtype
+    if fmt == "auto":
+        kv = allocate_kv_cache(kv_cfg, plan.num_blocks, options.block_size, dtype, device)
+        cpu_kv = allocate_kv_cache(kv_cfg, plan.num_cpu_blocks, options.block_size, dtype, torch.device("cpu"))
+    else:  # 8-bit blocks and their scales, the swap pool the same (kv_cache.py)
+        kv = allocate_quantized(kv_cfg, plan.num_blocks, options.block_size, fmt, device)
+        cpu_kv = allocate_quantized(kv_cfg, plan.num_cpu_blocks, options.block_size, fmt, torch.device("cpu"))
+        backend = QuantizedKVBackend(backend)
+    runner = ModelRunner(model, kv, backend, device, seed=options.seed, cpu_kv_caches=cpu_kv,
+                         kv_cache_dtype=kv_storage(fmt, dtype).name)
     runner.offload = build_offload(options, kv_cfg, dtype, fingerprint, comm, device)
     return runner
 

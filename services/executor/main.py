@@ -70,6 +70,7 @@ class ExecutorProcess:
 
         from .device import device_summary, resolve_device
         from .guided import load_vocabulary
+        from .kv_cache import kv_storage
         from .loader import build_runner, plan_runner, shard_plan
         from .parallel.group import open_group
         from .weights import load_hf_config, load_weights, resolve_dtype
@@ -98,6 +99,9 @@ class ExecutorProcess:
             self.log.info("quantization chosen", requested=cfg.quantization, chosen=quantization.mode,
                           reason=quantization.reason)
             runner = build_runner(hf_config, state, options, plan, group)
+            self.log.info("kv cache dtype chosen", requested=cfg.kv_cache_dtype, kv_cache_dtype=runner.kv_cache_dtype,
+                          reason=kv_storage(cfg.kv_cache_dtype, choice.dtype).reason, num_blocks=runner.num_blocks,
+                          block_bytes=plan.block_bytes)
         except BaseException as exc:
             comm.abort(f"rank {cfg.rank} could not load the model: {exc!r}")
             comm.close()
@@ -135,6 +139,7 @@ class ExecutorProcess:
                              runner.num_cpu_blocks, model=self._model_name, incarnation=self.incarnation,
                              pid=os.getpid(), epoch=self.epoch, all_reduce=comm.kind,
                              kv_cache_bytes=runner.kv_cache_bytes, sliding_window=runner.model.freeable_window,
+                             kv_cache_dtype=runner.kv_cache_dtype,
                              **(runner.offload.ready_fields() if runner.offload is not None else {}))
 
     def _answer_new_scheduler(self, runner, comm, epoch: int) -> ExecutorReady:

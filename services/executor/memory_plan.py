@@ -33,6 +33,8 @@ def plan_memory(
     world_size: int = 1,
     device_free_bytes: int | None = None,
     device_name: str = "cpu",
+    kv_element_bytes: int | None = None,
+    kv_scale_bytes: int = 0,
 ) -> MemoryPlan:
     """Settle the pool sizes and ``max_model_len`` (the flag, capped at the model's), and refuse
     (``ModelCheckError``) a pool of no block or a total the machine cannot hold.
@@ -40,13 +42,16 @@ def plan_memory(
     For one rank of a tensor-parallel group of ``world_size``: its pools hold ``num_local_kv_heads``
     KV heads, and it holds about ``1 / world_size`` of the weights.
 
+    The KV blocks hold ``kv_element_bytes`` per element (default ``dtype_bytes``: the model's dtype)
+    and ``kv_scale_bytes`` per (token, KV head) row (``--kv-cache-dtype int8|fp8_e4m3``: 1 and 4).
+
     With ``device_free_bytes`` (a GPU's free memory): the weights, KV pool and rope tables are checked
     against it, and the weights (read on the host first) and swap space against the host's."""
     shape = model_shape(hf_config.to_dict(), where)
     max_len = min(max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
     if num_local_kv_heads is not None:
         shape = dataclasses.replace(shape, num_kv_heads=num_local_kv_heads)
-    block_bytes = kv_block_bytes(shape, block_size, dtype_bytes)
+    block_bytes = kv_block_bytes(shape, block_size, kv_element_bytes or dtype_bytes, kv_scale_bytes)
     num_blocks = num_kv_blocks or kv_cache_memory_bytes // block_bytes
     if num_blocks <= 0:
         raise ModelCheckError(f"--kv-cache-memory {kv_cache_memory} holds no block of {block_bytes} bytes")

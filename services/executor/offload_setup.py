@@ -21,6 +21,10 @@ def check_offload_options(options) -> None:
         raise ValueError(f"num_host_offload_blocks must be >= 0, got {options.num_host_offload_blocks}")
     if options.kv_offload_dir and not (options.kv_offload_memory or options.num_host_offload_blocks):
         raise ValueError("--kv-offload-dir needs --kv-offload-memory (the host tier the files are written from)")
+    quantized_kv = getattr(options, "kv_cache_dtype", "auto") != "auto"
+    if quantized_kv and (options.kv_offload_memory or options.num_host_offload_blocks or options.kv_offload_dir):
+        raise ValueError(f"--kv-offload-memory / --kv-offload-dir do not take --kv-cache-dtype {options.kv_cache_dtype} "
+                         "yet (the tiers copy the model dtype's blocks, not 8-bit blocks and their scales)")
 
 
 def build_offload(options, kv_cfg, dtype: torch.dtype, fingerprint: str, comm, device) -> KvOffload | None:

@@ -38,6 +38,7 @@ class ExecutorConfig:
     attention_backend: str = _RUNNER.attention_backend
     linear_kernel: str = _RUNNER.linear_kernel
     quantization: str = _RUNNER.quantization
+    kv_cache_dtype: str = _RUNNER.kv_cache_dtype
     rank: int = _RANK.rank
     world_size: int = _RANK.world_size
     num_threads: int | None = None
@@ -74,4 +75,5 @@ class ExecutorConfig:
             attention_backend=self.attention_backend, linear_kernel=self.linear_kernel, seed=self.seed,
             quantization=self.quantization, kv_offload_memory=self.kv_offload_memory,
             kv_offload_dir=self.kv_offload_dir, kv_offload_disk_size=self.kv_offload_disk_size,
+            kv_cache_dtype=self.kv_cache_dtype,
         )

@@ -43,10 +43,12 @@ def allocate_kv_cache(cfg, num_blocks: int, block_size: int, dtype, device):
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches, backend, device: torch.device, seed: int = 0,
-                 cpu_kv_caches=None):
+                 cpu_kv_caches=None, kv_cache_dtype: str = ""):
         self.model = model
         self.kv_caches = kv_caches
         self.cpu_kv_caches = cpu_kv_caches or []  # the swap pool, same layout
+        # how the blocks store K/V: the model's dtype's name, or int8 / fp8_e4m3 (kv_cache.py)
+        self.kv_cache_dtype = kv_cache_dtype or (str(kv_caches[0][0].dtype).removeprefix("torch.") if kv_caches else "")
         self.backend = backend
         self.device = device
         self.histories = TokenHistories()
@@ -69,7 +71,7 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
+        return sum(getattr(t, "nbytes", 0) for pair in self.kv_caches for t in pair)  # QuantCache: with scales
 
     @property
     def max_model_len(self) -> int:

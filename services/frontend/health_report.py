@@ -112,7 +112,9 @@ def _group(stats) -> dict[str, Any]:
     """The executor group: tensor-parallel size, all-reduce kind, KV blocks and bytes per rank."""
     return {"world_size": stats.world_size, "all_reduce": stats.all_reduce,
             "num_kv_blocks_per_rank": stats.num_kv_blocks_per_rank,
-            "kv_cache_bytes_per_rank": stats.kv_cache_bytes_per_rank}
+            "kv_cache_bytes_per_rank": stats.kv_cache_bytes_per_rank,
+            "kv_cache_dtype": stats.kv_cache_dtype,
+            "num_kv_tokens_per_rank": [n * stats.kv_block_size for n in stats.num_kv_blocks_per_rank]}
 
 
 _STARTED = time.monotonic()

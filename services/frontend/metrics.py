@@ -121,10 +121,17 @@ def _group_metrics(stats: EngineStats | None) -> Iterator[Metric]:
     if stats is not None:
         kind.add_metric([stats.all_reduce], 1)
     yield kind
+    kv_dtype = GaugeMetricFamily(PREFIX + "kv_cache_dtype_info", "How the KV pool stores keys and values "
+                                 "(--kv-cache-dtype; value 1).", labels=["dtype"])
+    if stats is not None and stats.kv_cache_dtype:
+        kv_dtype.add_metric([stats.kv_cache_dtype], 1)
+    yield kv_dtype
     for name, doc, values in (
         ("kv_blocks_per_rank", "KV blocks in each rank's device pool.", stats.num_kv_blocks_per_rank if stats else []),
         ("kv_cache_bytes_per_rank", "Bytes of each rank's device KV pool (its KV heads only).",
          stats.kv_cache_bytes_per_rank if stats else []),
+        ("kv_tokens_per_rank", "Tokens each rank's device KV pool holds (blocks x block size).",
+         [n * stats.kv_block_size for n in stats.num_kv_blocks_per_rank] if stats else []),
     ):
         family = GaugeMetricFamily(PREFIX + name, doc, labels=["rank"])
         for rank, value in enumerate(values):

@@ -209,4 +209,5 @@ def group_stats(ready: dict[int, ExecutorReady], world_size: int) -> dict:
                              f"{ranks[0].block_size}")
     return {"world_size": world_size, "all_reduce": ranks[0].all_reduce,
             "num_kv_blocks_per_rank": [r.num_blocks for r in ranks],
-            "kv_cache_bytes_per_rank": [r.kv_cache_bytes for r in ranks]}
+            "kv_cache_bytes_per_rank": [r.kv_cache_bytes for r in ranks],
+            "kv_cache_dtype": ranks[0].kv_cache_dtype, "kv_block_size": ranks[0].block_size}

@@ -41,6 +41,8 @@ class ExecutorReady:
     num_host_offload_blocks: int = 0
     num_disk_offload_blocks: int = 0
     offloaded_keys: list[bytes] = field(default_factory=list)
+    # How the pool stores K/V (--kv-cache-dtype): the model's dtype's name, or int8 / fp8_e4m3.
+    kv_cache_dtype: str = ""
 
 
 @dataclass
@@ -137,6 +139,8 @@ class EngineStats:
     all_reduce: str = "single"
     num_kv_blocks_per_rank: list[int] = field(default_factory=list)
     kv_cache_bytes_per_rank: list[int] = field(default_factory=list)
+    kv_cache_dtype: str = ""  # how the pools store K/V (--kv-cache-dtype; "" before the group is ready)
+    kv_block_size: int = 0  # tokens per block, so that blocks * this is the tokens a pool holds
     num_kv_snapshots: int = 0  # KvSnapshot built for watching frontends (0 while nobody watches)
     # Speculative decoding, per draft position: tokens proposed and accepted (empty without it)
     spec_proposed: list[int] = field(default_factory=list)

@@ -86,9 +86,11 @@ def test_heads_that_do_not_split_exit_2_before_starting(tmp_path, capsys):
 
 
 def test_scheduler_reports_the_group_from_every_rank():
-    ready = {r: ExecutorReady(r, 2, 100 + r, 16, 256, all_reduce="shm", kv_cache_bytes=2**20 + r) for r in (1, 0)}
+    ready = {r: ExecutorReady(r, 2, 100 + r, 16, 256, all_reduce="shm", kv_cache_bytes=2**20 + r,
+                              kv_cache_dtype="int8") for r in (1, 0)}
     assert group_stats(ready, 2) == {"world_size": 2, "all_reduce": "shm", "num_kv_blocks_per_rank": [100, 101],
-                                     "kv_cache_bytes_per_rank": [2**20, 2**20 + 1]}
+                                     "kv_cache_bytes_per_rank": [2**20, 2**20 + 1], "kv_cache_dtype": "int8",
+                                     "kv_block_size": 16}
     with pytest.raises(ValueError, match="executor rank 0 reports --world-size 2; the scheduler has --world-size 3"):
         group_stats(ready, 3)
     ready[1] = ExecutorReady(1, 2, 100, 32, 256)
