@@ -157,3 +157,11 @@ def test_a_directory_that_cannot_be_written_is_a_one_line_error(model, tmp_path)
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ValueError, match="--kv-offload-dir .*not a writable directory"):
         _engine(model, num_host_offload_blocks=4, kv_offload_dir=str(tmp_path / "a-file" / "kv"))
+
+
+def test_eight_bit_kv_pools_are_refused_with_the_tiers_in_one_line():
+    from services.executor.loader import RunnerOptions
+
+    with pytest.raises(ValueError, match="do not take --kv-cache-dtype int8 yet"):
+        RunnerOptions(kv_offload_memory=0.01, kv_cache_dtype="int8")
+    assert RunnerOptions(kv_offload_memory=0.01).kv_cache_dtype == "auto"
