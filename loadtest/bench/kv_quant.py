@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 
+from loadtest.bench.quantized import generate
 from loadtest.common.machine_state import print_cpu
 
 TOPICS = ("the moon", "bread", "rivers", "chess", "volcanoes", "bicycles", "the ocean", "music",
@@ -39,22 +40,6 @@ def _prompts(tokenizer) -> list[list[int]]:
     return [list(tokenizer.apply_chat_template([{"role": "user", "content": f"Write a short paragraph about {t}."}],
                                                add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
             for t in TOPICS]
-
-
-def _generate(engine, prompts: list[list[int]], streams: int, tokens: int, tag: str):
-    import numpy as np
-
-    from shared.messages import AddRequest, SamplingParams
-
-    for i in range(streams):
-        engine.add_request(AddRequest(f"{tag}-{i}", np.array(prompts[i % len(prompts)], dtype=np.int32),
-                                      SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True), 0.0))
-    got: dict[str, list[int]] = {}
-    t0 = time.perf_counter()
-    while engine.has_work():
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return streams * tokens / (time.perf_counter() - t0), [got[f"{tag}-{i}"] for i in range(streams)]
 
 
 def _attention_ms(runner, variant: str) -> float:
@@ -105,14 +90,14 @@ def child(variant: str, streams: list[int], tokens: int, memory: str, dtype: str
     runner = build_runner(config, load_weights(source, config, "none")[0], options)
     prompts = _prompts(load_tokenizer(source, "--model"))
     engine = EngineCore(runner)
-    _generate(engine, prompts, 2, 4, "warm")
+    generate(engine, prompts, 2, 4, "warm")
     result = {"variant": variant, "num_blocks": runner.num_blocks, "tokens_in_pool": runner.num_blocks * runner.block_size,
               "kv_mib": round(runner.kv_cache_bytes / 2**20, 1), "tok_s": {}}
-    _, result["agreement_tokens"] = _generate(engine, prompts, 32, 64, "agree")
+    _, result["agreement_tokens"] = generate(engine, prompts, 32, 64, "agree")
     result["preemptions"] = {}
     for n in streams:
         before = engine.scheduler.stats.num_preemptions
-        result["tok_s"][str(n)] = round(_generate(engine, prompts, n, tokens, f"s{n}")[0], 1)
+        result["tok_s"][str(n)] = round(generate(engine, prompts, n, tokens, f"s{n}")[0], 1)
         result["preemptions"][str(n)] = engine.scheduler.stats.num_preemptions - before
     result["attention_ms"] = _attention_ms(runner, variant)
     return result

@@ -72,22 +72,30 @@ def _rss_mib() -> float:
     return 0.0
 
 
-def _generate(engine, streams: int, tokens: int, tag: str) -> tuple[float, list[list[int]]]:
+PROMPT = [1, 504, 3458, 282, 4649, 314, 2, 198, 1, 4093, 198, 504, 3458, 282, 4649, 314]
+
+
+def generate(engine, prompts: list[list[int]], streams: int, tokens: int, tag: str) -> tuple[float, list[list[int]]]:
+    """``streams`` greedy streams through the offline ``engine`` (stream ``i`` on ``prompts[i %
+    len(prompts)]``), ``tokens`` each, EOS ignored: (output tok/s, prefill included; each stream's tokens)."""
     import numpy as np
 
     from shared.messages import AddRequest, SamplingParams
 
-    prompt = [1, 504, 3458, 282, 4649, 314, 2, 198, 1, 4093, 198, 504, 3458, 282, 4649, 314]
     for i in range(streams):
-        engine.add_request(AddRequest(f"{tag}-{i}", np.array(prompt + [100 + i], dtype=np.int32),
+        engine.add_request(AddRequest(f"{tag}-{i}", np.array(prompts[i % len(prompts)], dtype=np.int32),
                                       SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True), 0.0))
     got: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     while engine.has_work():
         for out in engine.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
-    seconds = time.perf_counter() - t0
-    return streams * tokens / seconds, [got[f"{tag}-{i}"] for i in range(streams)]
+    return streams * tokens / (time.perf_counter() - t0), [got[f"{tag}-{i}"] for i in range(streams)]
+
+
+def _generate(engine, streams: int, tokens: int, tag: str) -> tuple[float, list[list[int]]]:
+    """Every stream the same 16-token prompt plus its own first token."""
+    return generate(engine, [PROMPT + [100 + i] for i in range(streams)], streams, tokens, tag)
 
 
 def child(variant: str, path: str, streams: list[int], tokens: int) -> dict:
