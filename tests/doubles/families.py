@@ -48,3 +48,32 @@ def tiny_family(name: str, seed: int = 0, **overrides):
 def random_prompts(lengths, seed: int = 0, vocab_size: int = 128) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def engine_greedy(model, prompts: list[list[int]], max_tokens: int, **engine) -> list[list[int]]:
+    """Our engine's greedy tokens for each prompt (EOS ignored), all in one batch; ``engine``:
+    ``InProcessEngine``'s options (small pools, 16-token steps: long prompts prefill in chunks)."""
+    from tests.doubles.engine import InProcessEngine
+
+    run = InProcessEngine(model, **{"num_blocks": 96, "block_size": 4, "max_num_batched_tokens": 16, **engine})
+    for i, prompt in enumerate(prompts):
+        run.add(f"r{i}", prompt, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    got = run.run()
+    return [got[f"r{i}"] for i in range(len(prompts))]
+
+
+def engine_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """Our engine's logprob of each prompt token after the first (8-token prefill chunks)."""
+    from tests.doubles.engine import InProcessEngine
+
+    run = InProcessEngine(model, num_blocks=64, block_size=4, max_num_batched_tokens=8)
+    run.add("s", prompt, temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    run.run()
+    return torch.tensor(next(o for o in run.outputs["s"] if o.prompt_logprobs).prompt_logprobs)
+
+
+def hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """transformers' logprob of each prompt token after the first (the reference)."""
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)[:-1]
+    return ref.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)

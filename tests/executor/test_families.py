@@ -10,7 +10,8 @@ import torch
 from services.executor.architectures import FAMILIES, model_class, model_config
 from services.executor.rope import plain_rope
 from tests.doubles.engine import InProcessEngine, hf_greedy
-from tests.doubles.families import FAMILY_SPECS, WINDOWED, random_prompts, tiny_family
+from tests.doubles.families import (FAMILY_SPECS, WINDOWED, engine_greedy, engine_prompt_logprobs,
+                                    hf_prompt_logprobs, random_prompts, tiny_family)
 
 TOLERANCE = 1e-4
 LENGTHS = (3, 11, 17, 26)  # all but the first longer than every tiny window
@@ -29,25 +30,16 @@ def test_every_family_is_registered():
 def test_greedy_equals_transformers(family_model, backend):
     name, model = family_model
     prompts = random_prompts(LENGTHS, seed=1)
-    engine = InProcessEngine(model, num_blocks=96, block_size=4, max_num_batched_tokens=16, backend=backend)
-    for i, prompt in enumerate(prompts):  # 16-token steps: long prompts are prefilled in chunks
-        engine.add(f"r{i}", prompt, temperature=0.0, max_tokens=14, ignore_eos=True)
-    got = engine.run()
+    got = engine_greedy(model, prompts, 14, backend=backend)  # 16-token steps: long prompts in chunks
     for i, prompt in enumerate(prompts):
-        assert got[f"r{i}"] == hf_greedy(model, prompt, 14), f"{name}: prompt {i} of {len(prompt)} tokens"
+        assert got[i] == hf_greedy(model, prompt, 14), f"{name}: prompt {i} of {len(prompt)} tokens"
 
 
 def test_prompt_logprobs_equal_transformers(family_model):
     name, model = family_model
     prompt = random_prompts([23], seed=2)[0]
-    engine = InProcessEngine(model, num_blocks=64, block_size=4, max_num_batched_tokens=8)
-    engine.add("s", prompt, temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
-    engine.run()
-    out = next(o for o in engine.outputs["s"] if o.prompt_logprobs)
-    with torch.no_grad():
-        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)[:-1]
-    want = ref.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
-    torch.testing.assert_close(torch.tensor(out.prompt_logprobs), want, atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(engine_prompt_logprobs(model, prompt), hf_prompt_logprobs(model, prompt),
+                               atol=TOLERANCE, rtol=0)
 
 
 def test_each_family_reads_its_differences():

@@ -21,7 +21,7 @@ from services.executor.parallel.sharding import ShardPlan, shard_tensor
 from services.offline import EngineCore
 from shared.messages import AddRequest, SamplingParams
 from tests.doubles.engine import hf_greedy
-from tests.doubles.families import random_prompts, tiny_family
+from tests.doubles.families import hf_prompt_logprobs, random_prompts, tiny_family
 from tests.executor.test_quantized_gguf import greedy_engine
 
 
@@ -103,9 +103,9 @@ def test_a_model_served_in_int8_equals_transformers_on_the_dequantized_weights(n
     assert sum(isinstance(m, Int8Linear) for m in runner.model.modules()) == 4 * layers + 1  # qkv, o, gate_up, down; head
     assert isinstance(runner.model.input_embeddings, Int8Embedding)
     prompt = random_prompts([21], seed=7)[0]
-    float_logprobs = _prompt_logprobs(model, prompt)
+    float_logprobs = hf_prompt_logprobs(model, prompt)
     reference = dequantized_copy(model)
-    want = _prompt_logprobs(reference, prompt)
+    want = hf_prompt_logprobs(reference, prompt)
     assert (want - float_logprobs).abs().max() > 1e-3  # int8 moves the logits: the check below can tell
     engine = EngineCore(runner)
     engine.add_request(AddRequest("p", np.array(prompt, dtype=np.int32),
@@ -115,12 +115,6 @@ def test_a_model_served_in_int8_equals_transformers_on_the_dequantized_weights(n
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     prompts = random_prompts((4, 15, 9), seed=8)
     assert greedy_engine(engine, prompts, 10) == [hf_greedy(reference, p, 10) for p in prompts]
-
-
-def _prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)[:-1]
-    return logprobs.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
 
 
 def test_the_choice_per_device_and_family():

@@ -11,8 +11,8 @@ import torch
 
 from services.executor.architectures import model_config
 from services.executor.rope import Rope, cos_sin, rope_from_config
-from tests.doubles.engine import InProcessEngine, hf_greedy
-from tests.doubles.families import COMMON, random_prompts
+from tests.doubles.engine import hf_greedy
+from tests.doubles.families import COMMON, engine_greedy, engine_prompt_logprobs, hf_prompt_logprobs, random_prompts
 
 TOLERANCE = 1e-4
 HALF = COMMON["head_dim"] // 2
@@ -60,25 +60,16 @@ def test_the_table_is_the_scaled_one(variant):
 def test_greedy_equals_transformers(variant, backend):
     name, model = variant
     prompts = random_prompts((3, 17, 26), seed=3)  # with 14 tokens each: below longrope's 64
-    engine = InProcessEngine(model, num_blocks=64, block_size=4, max_num_batched_tokens=16, backend=backend)
+    got = engine_greedy(model, prompts, 14, num_blocks=64, backend=backend)
     for i, prompt in enumerate(prompts):
-        engine.add(f"r{i}", prompt, temperature=0.0, max_tokens=14, ignore_eos=True)
-    got = engine.run()
-    for i, prompt in enumerate(prompts):
-        assert got[f"r{i}"] == hf_greedy(model, prompt, 14), f"{name}: prompt {i} of {len(prompt)} tokens"
+        assert got[i] == hf_greedy(model, prompt, 14), f"{name}: prompt {i} of {len(prompt)} tokens"
 
 
 def test_prompt_logprobs_equal_transformers(variant):
     name, model = variant
     prompt = random_prompts([23], seed=4)[0]
-    engine = InProcessEngine(model, num_blocks=64, block_size=4, max_num_batched_tokens=8)
-    engine.add("s", prompt, temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
-    engine.run()
-    out = next(o for o in engine.outputs["s"] if o.prompt_logprobs)
-    with torch.no_grad():
-        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)[:-1]
-    want = ref.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
-    torch.testing.assert_close(torch.tensor(out.prompt_logprobs), want, atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(engine_prompt_logprobs(model, prompt), hf_prompt_logprobs(model, prompt),
+                               atol=TOLERANCE, rtol=0)
 
 
 def test_longrope_turns_to_its_long_factors_at_the_original_length():
