@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,3 +148,15 @@ def _long(names: tuple[str, ...]) -> str:
 def defaults(cls: type) -> Any:
     """``cls`` with every field at its default: the one place other configs read them from."""
     return cls()
+
+
+def json_object(text: str, flag: str) -> dict[str, Any]:
+    """A flag's value that must be a JSON object (``--speculative-config``, ``--kv-events-config``);
+    ``ValueError`` naming ``flag`` otherwise."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    return value

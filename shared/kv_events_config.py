@@ -13,8 +13,9 @@ how: ``services/scheduler/kv_events_zmq.py``.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass, fields
+
+from shared.flag_spec import json_object
 
 PUBLISHERS = ("null", "zmq")
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -68,12 +69,7 @@ def parse(text: str | None) -> KvEventsConfig | None:
     """The config that ``text`` (JSON, or None/"" for none) spells; ``ValueError`` if it is not one."""
     if not text:
         return None
-    try:
-        values = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--kv-events-config is not JSON: {exc}") from None
-    if not isinstance(values, dict):
-        raise ValueError("--kv-events-config must be a JSON object")
+    values = json_object(text, "--kv-events-config")
     unknown = set(values) - {f.name for f in fields(KvEventsConfig)}
     if unknown:
         raise ValueError(f"kv events config: unknown keys {sorted(unknown)} (known: {sorted(_TYPES)})")

@@ -10,8 +10,9 @@ command at start.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
+
+from shared.flag_spec import json_object
 
 METHODS = ("ngram",)
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
@@ -43,12 +44,7 @@ def parse(text: str | None) -> SpeculativeConfig | None:
     """The config that ``text`` (JSON, or None/"" for none) spells; ``ValueError`` if it is not one."""
     if not text:
         return None
-    try:
-        fields = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--speculative-config is not JSON: {exc}") from None
-    if not isinstance(fields, dict):
-        raise ValueError("--speculative-config must be a JSON object")
+    fields = json_object(text, "--speculative-config")
     unknown = set(fields) - _KEYS
     if unknown:
         raise ValueError(f"speculative config: unknown keys {sorted(unknown)} (known: {sorted(_KEYS)})")
