@@ -27,6 +27,7 @@ without the marker at the start of the output.
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -40,19 +41,16 @@ class ToolCall:
     arguments: str
 
 
-def _formats() -> dict[str, ModuleType]:
-    from services.frontend.tool_parsers import hermes, llama3_json, mistral, pythonic
+PARSER_NAMES = ("hermes", "llama3_json", "mistral", "pythonic")  # each a module of this package
 
-    return {"hermes": hermes, "llama3_json": llama3_json, "mistral": mistral, "pythonic": pythonic}
-
-
-PARSER_NAMES = ("hermes", "llama3_json", "mistral", "pythonic")
 # what a chat template writes when it shows its model's format, in the order they are looked for
 TEMPLATE_SIGNS = (("[TOOL_CALLS]", "mistral"), ("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"))
 
 
 def parser_format(name: str) -> ModuleType:
-    return _formats()[name]
+    if name not in PARSER_NAMES:
+        raise KeyError(name)
+    return importlib.import_module(f"{__name__}.{name}")
 
 
 def parser_from_template(template: str | None) -> str | None:
