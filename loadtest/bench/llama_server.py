@@ -3,8 +3,8 @@
 
     python -m loadtest.bench.llama_server [--variants bf16,Q8_0,Q4_1,Q4_K] [--streams 1,8,64] [--rounds 2]
 
-For each variant and stream count both servers are started fresh (one at a time, never two at
-once), warmed up and sent the same requests: ``S`` streams at once, token-id prompts of
+For each variant and stream count both servers are started fresh (both up, measured one at a
+time once the machine is quiet), warmed up and sent the same requests: ``S`` streams at once, token-id prompts of
 ``--prompt-len`` tokens, ``--output-len`` greedy tokens each with ``ignore_eos`` (so that both
 produce the same number of tokens), ``--rounds`` times, the servers' order alternating (ABBA). It
 prints output tokens per second and TTFT p50 of each, their ratio, and the CPU.
@@ -29,11 +29,12 @@ import argparse
 import contextlib
 import os
 import signal
+import statistics
 import subprocess
-import time
 
 from loadtest.bench.throughput import (
-    Request, Server, _free_port, _get_json, make_workload, measure_rounds, served_model_name, start_server,
+    WARMUP_OUTPUT_TOKENS, WARMUP_SEED_OFFSET, Server, _free_port, make_workload, measure_rounds, served_model_name,
+    start_server, wait_until_healthy,
 )
 from loadtest.bench.throughput_report import say
 from loadtest.common.machine_state import cpu_description
@@ -81,18 +82,7 @@ def llama_server(native: str, path: str, streams: int, ctx_per_slot: int, thread
                                 env={**os.environ, "LD_LIBRARY_PATH": native})
     url = f"http://127.0.0.1:{port}"
     try:
-        t0 = time.monotonic()
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"llama-server exited with {proc.returncode}; see {log_path}")
-            try:
-                if _get_json(f"{url}/health").get("status") == "ok":
-                    break
-            except OSError:
-                pass
-            if time.monotonic() - t0 > 120:
-                raise SystemExit(f"llama-server not ready in 120 s; see {log_path}")
-            time.sleep(0.2)
+        wait_until_healthy(proc, url, log_path, "llama-server", timeout_s=120)
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -115,19 +105,14 @@ def measure(variant: str, embedded: str, streams: int, args) -> dict:
     llama_path = variant_file(args.peers_dir, embedded, variant)
     ours_path = embedded if variant == "bf16" else llama_path
     plen, olen = args.prompt_len, args.output_len
-    workloads = [[Request(r.prompt_ids, olen) for r in make_workload(streams, args.seed + r, 49152, (plen, plen), (olen, olen))]
-                 for r in range(args.rounds)]
-    warmup = [Request(r.prompt_ids, 8) for r in make_workload(streams, args.seed + 10007, 49152, (plen, plen), (8, 8))]
+    workloads = [make_workload(streams, args.seed + r, 49152, (plen, plen), (olen, olen)) for r in range(args.rounds)]
+    warmup = make_workload(streams, args.seed + WARMUP_SEED_OFFSET, 49152, (plen, plen),
+                           (WARMUP_OUTPUT_TOKENS, WARMUP_OUTPUT_TOKENS))
     with ours(ours_path, variant, streams, args.threads) as url_a, \
             llama_server(llama_bin(args.peers_dir), llama_path, streams, plen + olen + 64, args.threads, args.llama_repack) as url_b:
         servers = [Server("pagedserve", url_a, served_model_name(url_a)),
                    Server("llama-server", url_b, served_model_name(url_b))]
         return {"rounds": measure_rounds(servers, workloads, warmup), "file": os.path.basename(llama_path)}
-
-
-def _median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
 def report(rows: list[tuple[str, int, dict]]) -> None:
@@ -141,9 +126,10 @@ def report(rows: list[tuple[str, int, dict]]) -> None:
         b = [r["llama-server"]["output tokens/s"] for r in rounds]
         ta = [r["pagedserve"]["median TTFT (s)"] for r in rounds]
         tb = [r["llama-server"]["median TTFT (s)"] for r in rounds]
-        ratio = _median([x / y for x, y in zip(a, b)])
-        print(f"| {variant} ({run['file']}) | {streams} | {_median(a):.1f} | {_median(b):.1f} | {ratio:.2f}x "
-              f"| {_median(ta) * 1000:.0f} ms | {_median(tb) * 1000:.0f} ms |", flush=True)
+        med = statistics.median
+        print(f"| {variant} ({run['file']}) | {streams} | {med(a):.1f} | {med(b):.1f} "
+              f"| {med([x / y for x, y in zip(a, b)]):.2f}x | {med(ta) * 1000:.0f} ms | {med(tb) * 1000:.0f} ms |",
+              flush=True)
 
 
 def main() -> None:

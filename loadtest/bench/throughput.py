@@ -107,20 +107,29 @@ def start_server(flags: list[str], log_path: str = "/tmp/pagedserve-throughput-s
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--port", str(port), *flags],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    wait_until_healthy(proc, url, log_path)
+    return proc, url
+
+
+def wait_until_healthy(proc: subprocess.Popen, url: str, log_path: str, name: str = "server",
+                       timeout_s: float | None = None) -> None:
+    """Wait until the server ``proc`` at ``url`` says ``/health`` ok (a progress line every 3 s);
+    ``SystemExit`` naming ``log_path`` when it exits first or ``timeout_s`` passes."""
     t0 = last_said = time.monotonic()
     while True:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}; see {log_path}")
+            raise SystemExit(f"{name} exited with {proc.returncode}; see {log_path}")
         try:
             if _get_json(f"{url}/health")["status"] == "ok":
-                break
+                return
         except OSError:
             pass
+        if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+            raise SystemExit(f"{name} not ready in {timeout_s:.0f} s; see {log_path}")
         if time.monotonic() - last_said >= 3:  # a progress line every 3 s; polled more often
             last_said = time.monotonic()
-            say(f"  waiting for the server ({last_said - t0:.0f} s)")
+            say(f"  waiting for the {name} ({last_said - t0:.0f} s)")
         time.sleep(0.1)
-    return proc, url
 
 
 async def completion_chunks(session, url: str, body: dict):
