@@ -7,7 +7,11 @@ For each variant and stream count both servers are started fresh (both up, measu
 time once the machine is quiet), warmed up and sent the same requests: ``S`` streams at once, token-id prompts of
 ``--prompt-len`` tokens, ``--output-len`` greedy tokens each with ``ignore_eos`` (so that both
 produce the same number of tokens), ``--rounds`` times, the servers' order alternating (ABBA). It
-prints output tokens per second and TTFT p50 of each, their ratio, and the CPU.
+prints output tokens per second and TTFT p50 of each, their ratio, the memory of each server once its
+rounds are done (PSS of all its processes: ``pagedserve serve`` is several, sharing the KV pool,
+which is sized to the tokens of llama-server's ``-c``) and
+the weights' bytes (pagedserve's "model loaded" log line; llama-server maps the file, so its size), and
+the CPU.
 
 The files: ``Q4_1`` is the embedded SmolLM2-135M-Instruct GGUF (Q4_1 matrices, Q8_0 embedding);
 ``Q8_0``, ``Q4_0`` and ``Q4_K`` (``Q4_K_M``) are copies of it requantized by llama.cpp's
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import statistics
@@ -38,9 +43,12 @@ from loadtest.bench.throughput import (
 )
 from loadtest.bench.throughput_report import say
 from loadtest.common.machine_state import cpu_description
+from loadtest.common.procs import tree_pss_mib
 
 PEERS = os.path.join(os.path.expanduser("~"), ".cache", "pagedserve", "peers-llama")
 LLAMA_TYPE = {"bf16": "F16", "Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_K": "Q4_K_M"}
+OURS_LOG = "/tmp/pagedserve-llama-bench.log"
+MIB = 1 << 20
 
 
 def llama_bin(peers: str) -> str:
@@ -83,22 +91,35 @@ def llama_server(native: str, path: str, streams: int, ctx_per_slot: int, thread
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_healthy(proc, url, log_path, "llama-server", timeout_s=120)
-        yield url
+        yield url, proc
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
 
 
 @contextlib.contextmanager
-def ours(path: str, variant: str, streams: int, threads: int):
+def ours(path: str, variant: str, streams: int, ctx_per_slot: int, threads: int):
+    """pagedserve on ``path`` with a KV pool of the tokens llama-server's ``-c`` holds (16-token blocks)."""
     quantization = "none" if variant == "bf16" else "gguf"
+    blocks = streams * -(-ctx_per_slot // 16) + 16
     proc, url = start_server(["--model", path, "--dtype", "bfloat16", "--quantization", quantization,
-                              "--max-num-seqs", str(max(streams, 8)), "--num-threads", str(threads)])
+                              "--max-num-seqs", str(max(streams, 8)), "--num-threads", str(threads),
+                              "--block-size", "16", "--num-kv-blocks", str(blocks)], OURS_LOG)
     try:
-        yield url
+        yield url, proc
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def logged_weight_mib(log_path: str) -> float:
+    """The weights' bytes the executors logged at "model loaded" (summed over ranks), in MiB."""
+    total = 0
+    with open(log_path) as f:
+        for line in f:
+            if '"model loaded"' in line and '"weight_bytes"' in line:
+                total += json.loads(line)["weight_bytes"]
+    return total / MIB
 
 
 def measure(variant: str, embedded: str, streams: int, args) -> dict:
@@ -108,18 +129,24 @@ def measure(variant: str, embedded: str, streams: int, args) -> dict:
     workloads = [make_workload(streams, args.seed + r, 49152, (plen, plen), (olen, olen)) for r in range(args.rounds)]
     warmup = make_workload(streams, args.seed + WARMUP_SEED_OFFSET, 49152, (plen, plen),
                            (WARMUP_OUTPUT_TOKENS, WARMUP_OUTPUT_TOKENS))
-    with ours(ours_path, variant, streams, args.threads) as url_a, \
-            llama_server(llama_bin(args.peers_dir), llama_path, streams, plen + olen + 64, args.threads, args.llama_repack) as url_b:
+    ctx = plen + olen + 64
+    with ours(ours_path, variant, streams, ctx, args.threads) as (url_a, proc_a), \
+            llama_server(llama_bin(args.peers_dir), llama_path, streams, ctx, args.threads,
+                         args.llama_repack) as (url_b, proc_b):
         servers = [Server("pagedserve", url_a, served_model_name(url_a)),
                    Server("llama-server", url_b, served_model_name(url_b))]
-        return {"rounds": measure_rounds(servers, workloads, warmup), "file": os.path.basename(llama_path)}
+        rounds = measure_rounds(servers, workloads, warmup)
+        memory = {"pagedserve": (logged_weight_mib(OURS_LOG), tree_pss_mib(proc_a.pid)),
+                  "llama-server": (os.path.getsize(llama_path) / MIB, tree_pss_mib(proc_b.pid))}
+        return {"rounds": rounds, "file": os.path.basename(llama_path), "memory": memory}
 
 
 def report(rows: list[tuple[str, int, dict]]) -> None:
     print(f"\n{cpu_description()}")
     print("| variant (llama.cpp file) | streams | pagedserve tok/s | llama-server tok/s | ratio (per-round median) "
-          "| TTFT p50 pagedserve | TTFT p50 llama-server |")
-    print("|---|---|---|---|---|---|---|")
+          "| TTFT p50 pagedserve | TTFT p50 llama-server | weights MiB pagedserve / llama-server "
+          "| PSS MiB pagedserve / llama-server |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for variant, streams, run in rows:
         rounds = run["rounds"]
         a = [r["pagedserve"]["output tokens/s"] for r in rounds]
@@ -127,9 +154,10 @@ def report(rows: list[tuple[str, int, dict]]) -> None:
         ta = [r["pagedserve"]["median TTFT (s)"] for r in rounds]
         tb = [r["llama-server"]["median TTFT (s)"] for r in rounds]
         med = statistics.median
+        (wa, pa), (wb, pb) = run["memory"]["pagedserve"], run["memory"]["llama-server"]
         print(f"| {variant} ({run['file']}) | {streams} | {med(a):.1f} | {med(b):.1f} "
-              f"| {med([x / y for x, y in zip(a, b)]):.2f}x | {med(ta) * 1000:.0f} ms | {med(tb) * 1000:.0f} ms |",
-              flush=True)
+              f"| {med([x / y for x, y in zip(a, b)]):.2f}x | {med(ta) * 1000:.0f} ms | {med(tb) * 1000:.0f} ms "
+              f"| {wa:.0f} / {wb:.0f} | {pa:.0f} / {pb:.0f} |", flush=True)
 
 
 def main() -> None:

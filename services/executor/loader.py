@@ -146,7 +146,8 @@ def build_runner(hf_config, state_dict: dict[str, torch.Tensor], options: Runner
     fmt = options.kv_cache_dtype
     if fmt == "auto":
         kv = allocate_kv_cache(kv_cfg, plan.num_blocks, options.block_size, dtype, device)
-        cpu_kv = allocate_kv_cache(kv_cfg, plan.num_cpu_blocks, options.block_size, dtype, torch.device("cpu"))
+        cpu_kv = allocate_kv_cache(kv_cfg, plan.num_cpu_blocks, options.block_size, dtype, torch.device("cpu"),
+                                   zero=False)
     else:  # 8-bit blocks and their scales, the swap pool the same (kv_cache.py)
         kv = allocate_quantized(kv_cfg, plan.num_blocks, options.block_size, fmt, device)
         cpu_kv = allocate_quantized(kv_cfg, plan.num_cpu_blocks, options.block_size, fmt, torch.device("cpu"))

@@ -32,13 +32,14 @@ def kv_block_bytes(cfg, block_size: int, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * elem
 
 
-def allocate_kv_cache(cfg, num_blocks: int, block_size: int, dtype, device):
-    """Per layer (key_cache, value_cache), each ``[num_blocks, num_kv_heads, block_size, head_dim]``."""
+def allocate_kv_cache(cfg, num_blocks: int, block_size: int, dtype, device, zero: bool = True):
+    """Per layer (key_cache, value_cache), each ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+    ``zero=False`` for a pool whose blocks are always written whole before they are read (the swap
+    pool): left unwritten, its pages take no memory until blocks are swapped out."""
     shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(cfg.num_layers)
-    ]
+    new = torch.zeros if zero else torch.empty
+    return [(new(shape, dtype=dtype, device=device), new(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)]
 
 
 class ModelRunner:
