@@ -43,6 +43,7 @@ class ReplicatedEngine:
         self.finished: list[Migration] = []
         self.check = check
         self._ids = itertools.count()
+        self._prefetching: set[str] = set()  # requests whose pre-copied blocks the target was asked to read
 
     def add_request(self, request: AddRequest, replica: int = 0) -> None:
         self.owner[request.request_id] = replica
@@ -91,6 +92,13 @@ class ReplicatedEngine:
         if m.phase is Phase.PRECOPY:
             if source.outgoing_failed(m.request_id):
                 return self._abort(m, "the request ended or a block write failed")
+            if m.request_id not in self._prefetching:  # the target reads what is written meanwhile
+                keys = source.written_keys(m.request_id)
+                if keys is None:
+                    return
+                self._prefetching.add(m.request_id)
+                if target.prefetch_in(m.request_id, keys):
+                    return  # pause after the target's next step has read them
             if source.pause(m.request_id):
                 m.to(Phase.PAUSED)
         if m.phase is Phase.PAUSED:
@@ -118,11 +126,13 @@ class ReplicatedEngine:
 
     def _abort(self, m: Migration, reason: str) -> None:
         self.cores[m.source].migrations.abort_out(m.request_id)
+        self.cores[m.target].migrations.drop_prefetch(m.request_id)
         self._end(m, Phase.ABORTED, reason)
 
     def _end(self, m: Migration, phase: Phase, reason: str = "") -> None:
         m.to(phase, reason)
         del self.migrations[m.request_id]
+        self._prefetching.discard(m.request_id)
         self.finished.append(m)
         log.info("migration ended", migration_id=m.migration_id, request_id=m.request_id, phase=str(phase),
                  source=m.source, target=m.target, reason=reason)

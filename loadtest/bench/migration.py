@@ -6,7 +6,7 @@ sequence and the bytes moved, against the time to recompute (prefill) the same s
 Two offline engines on SmolLM2-135M (bfloat16 where the CPU has it), one new request per context
 length and round on replica 0 (the first round of the first length compiles the kernels): its prefill is timed (the recompute a replay would pay), it decodes a few
 tokens, then it migrates to replica 1. Pre-copy: the steps from ``migrate`` until the request is
-paused (its full blocks written while it decodes); pause: from then until replica 1 has read every
+paused (its full blocks written, and read by replica 1 into blocks it takes, while it decodes); pause: from then until replica 1 has read every
 block and runs it (its last blocks written, the state moved, the files read and checked). The
 greedy continuation is compared with an unmigrated run of the same prompt.
 """
@@ -83,7 +83,7 @@ def main() -> None:
             for i in range(args.rounds):  # a new prompt each time: nothing from the prefix cache
                 r = one(_Routed(engine), length, seed=length * 10 + i)
                 say(f"{r['length']:7} | {r['prefill_ms']:24.1f} | {r['precopy_ms']:11.1f} | {r['pause_ms']:8.1f} | "
-                    f"{r['bytes'] / 2**20:9.1f} | {r['pause_ms'] / r['prefill_ms']:15.2f}x | {r['same']} ({r['phase']})")
+                    f"{r['bytes'] / 2**20:9.1f} | {r['pause_ms'] / r['prefill_ms']:15.3f}x | {r['same']} ({r['phase']})")
     finally:
         engine.close()
 

@@ -55,7 +55,7 @@ class MigrationDesk:
         self.incoming: dict[str, _In] = {}
         self._ops: list[tuple[int, int, bytes]] = []
         self._steps: dict[int, list[bytes]] = {}  # step id -> keys it moves
-        self._failed: set[bytes] = set()
+        self.prefetched: dict[str, _In] = {}  # pre-copied blocks read before the state comes
 
     # ------------------------------------------------------------------ outgoing
 
@@ -116,6 +116,13 @@ class MigrationDesk:
         return MigratedSequence(out.migration_id, request, seq.num_computed_tokens, seq.num_cached_tokens,
                                 seq.cum_logprob, [block_key(out.migration_id, i) for i in range(out.written)])
 
+    def written_keys(self, request_id: str) -> list[bytes] | None:
+        """The keys of the blocks pre-copied so far, once every write is answered (None: not yet)."""
+        out = self.outgoing[request_id]
+        if out.pending or out.failed:
+            return None
+        return [block_key(out.migration_id, i) for i in range(out.written)]
+
     def outgoing_failed(self, request_id: str) -> bool:
         out = self.outgoing[request_id]
         return out.failed or request_id not in self.s.groups
@@ -153,8 +160,12 @@ class MigrationDesk:
         if reason is not None:
             raise MigrationError(reason)
         blocks = self.s.blocks
+        pre = self.prefetched.get(request.request_id)
         needed = blocks.blocks_needed(state.num_computed_tokens)
+        if pre is not None:
+            needed -= len(blocks.block_tables.get(pre.seq.seq_id, ()))
         if needed + blocks.watermark_blocks > blocks.num_free_blocks:
+            self.drop_prefetch(request.request_id)
             raise MigrationError(f"no room: the sequence needs {needed} KV blocks, {blocks.num_free_blocks} are free")
         group = new_group(request, self.s.config.max_model_len, self.s._seq_ids)
         seq = group.seqs[0]
@@ -165,11 +176,46 @@ class MigrationDesk:
             self.s.waiting.append(seq)
             entry.status = "accepted"
             return
+        ready = self._take_prefetch(request.request_id, seq, entry)
         assert blocks.allocate_slots(seq.seq_id, state.num_computed_tokens)
         seq.num_computed_tokens = state.num_computed_tokens
-        for block_id, key in zip(blocks.block_tables[seq.seq_id], state.keys):
+        for block_id, key in list(zip(blocks.block_tables[seq.seq_id], state.keys))[ready:]:
             self._ops.append((IMPORT, block_id, key))
             entry.pending.add(key)
+        if not entry.pending:
+            self._accept(request.request_id, entry)
+
+    def prefetch_in(self, request_id: str, keys: list[bytes]) -> bool:
+        """During pre-copy: take blocks for the files written so far and read them now, so that the
+        pause reads only the last ones; False (nothing done) without room or when already asked."""
+        blocks = self.s.blocks
+        if (request_id in self.prefetched or request_id in self.s.groups or not keys
+                or len(keys) + blocks.watermark_blocks > blocks.num_free_blocks):
+            return False
+        holder = Sequence(next(self.s._seq_ids), request_id, 0, [], None, frozenset(), 0.0)
+        assert blocks.allocate_slots(holder.seq_id, len(keys) * blocks.block_size)
+        entry = self.prefetched[request_id] = _In(None, holder)
+        for block_id, key in zip(blocks.block_tables[holder.seq_id], keys):
+            self._ops.append((IMPORT, block_id, key))
+            entry.pending.add(key)
+        return True
+
+    def drop_prefetch(self, request_id: str) -> None:
+        """The migration ended without ``begin_in``: free what was read ahead."""
+        entry = self.prefetched.pop(request_id, None)
+        if entry is not None:
+            self.s.blocks.free(entry.seq.seq_id)
+
+    def _take_prefetch(self, request_id: str, seq: Sequence, entry: _In) -> int:
+        """Give ``seq`` the blocks read ahead for it; returns how many (0: none, or a read failed)."""
+        pre = self.prefetched.pop(request_id, None)
+        if pre is None or pre.status != "importing":
+            if pre is not None:
+                self.s.blocks.free(pre.seq.seq_id)
+            return 0
+        self.s.blocks.block_tables[seq.seq_id] = self.s.blocks.block_tables.pop(pre.seq.seq_id)
+        entry.pending |= pre.pending
+        return len(self.s.blocks.block_tables[seq.seq_id])
 
     def incoming_status(self, request_id: str) -> str:
         return self.incoming[request_id].status
@@ -204,6 +250,10 @@ class MigrationDesk:
         for out in self.outgoing.values():
             out.failed |= bool(out.pending & failed)
             out.pending -= set(keys)
+        for entry in self.prefetched.values():
+            if entry.pending & failed:
+                entry.status = "refused: a block file could not be read"
+            entry.pending -= set(keys)
         for request_id, entry in self.incoming.items():
             if entry.status != "importing" or not entry.pending & set(keys):
                 continue
@@ -234,6 +284,7 @@ class MigrationDesk:
         paused, waits here to be prefilled again with its tokens (as the others do)."""
         self._steps.clear()
         self._ops = []
+        self.prefetched.clear()  # their blocks went with the pool
         for request_id, entry in self.incoming.items():
             if entry.status == "importing":
                 self.s.groups.pop(request_id, None)
