@@ -110,3 +110,11 @@ def refusal_to_move(group, seq, blocks) -> str | None:
     if seq.status.value == "swapped":
         return "the request is swapped out; try again once it runs"
     return None
+
+
+def request_of(seq) -> AddRequest:
+    """The ``AddRequest`` the target admits: the prompt, and the outputs so far as resumed (sent)."""
+    import numpy as np
+
+    return AddRequest(seq.request_id, np.asarray(seq.prompt_token_ids, np.int32), seq.sampling, seq.arrival_time,
+                      resumed_token_ids=np.asarray(seq.output_token_ids, np.int32))

@@ -22,7 +22,7 @@ import numpy as np
 
 from .admission import refusal
 from .groups import new_group
-from .migration import MigratedSequence, MigrationError, block_key, refusal_to_move
+from .migration import MigratedSequence, MigrationError, block_key, refusal_to_move, request_of
 from .sequence import Sequence, SequenceStatus
 from .step_builder import build_step
 
@@ -111,8 +111,7 @@ class MigrationDesk:
         if not out.paused or out.pending or out.failed:
             return None
         seq = out.seq
-        sampling = seq.sampling
-        request = _request_of(seq, sampling)
+        request = request_of(seq)
         return MigratedSequence(out.migration_id, request, seq.num_computed_tokens, seq.num_cached_tokens,
                                 seq.cum_logprob, [block_key(out.migration_id, i) for i in range(out.written)])
 
@@ -133,7 +132,6 @@ class MigrationDesk:
         group = self.s.groups.get(request_id)
         if group is not None:
             self.s._apply(group, group.abort())
-        del out
 
     def abort_out(self, request_id: str) -> None:
         """The migration failed: the request goes on here (its files are deleted)."""
@@ -296,10 +294,3 @@ class MigrationDesk:
                 self.s.waiting.appendleft(out.seq)
                 out.paused = False
 
-
-def _request_of(seq: Sequence, sampling):
-    """The ``AddRequest`` B admits: the prompt, and the outputs so far as resumed (already sent)."""
-    from shared.messages import AddRequest
-
-    return AddRequest(seq.request_id, np.asarray(seq.prompt_token_ids, np.int32), sampling, seq.arrival_time,
-                      resumed_token_ids=np.asarray(seq.output_token_ids, np.int32))
