@@ -95,7 +95,7 @@ class EngineCore:
         if unapplied is not None:
             self._update(unapplied)
         if result is not None:
-            if self.async_scheduling and self.scheduler.can_schedule_ahead():
+            if self.async_scheduling and self.scheduler.can_schedule_ahead() and not self.migrations.wants_pause:
                 self._unapplied = result
             else:
                 self._update(result)

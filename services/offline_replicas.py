@@ -117,11 +117,11 @@ class ReplicatedEngine:
             status = target.incoming_status(m.request_id)
             if status == "accepted":
                 source.commit_out(m.request_id)
-                target.forget_incoming(m.request_id)
+                target.incoming_status(m.request_id, forget=True)
                 self.owner[m.request_id] = m.target
                 self._end(m, Phase.DONE)
             elif status.startswith("refused"):
-                target.forget_incoming(m.request_id)
+                target.incoming_status(m.request_id, forget=True)
                 self._abort(m, f"the target {status}")
 
     def _abort(self, m: Migration, reason: str) -> None:

@@ -35,6 +35,7 @@ class _Out:
     seq: Sequence
     written: int = 0  # leading blocks whose export has been sent
     paused: bool = False
+    want_pause: bool = False
     pending: set = field(default_factory=set)  # keys sent, not yet answered
     failed: bool = False
 
@@ -95,6 +96,7 @@ class MigrationDesk:
         if out.paused:
             return True
         if self.s._in_flight.schedules(seq.seq_id) or seq in getattr(self.s, "parked", ()):
+            out.want_pause = True  # the engine stops planning ahead (``wants_pause``)
             return False  # a step computes for it, or its prefix loads from disk (``tiered``)
         if seq.status is SequenceStatus.RUNNING:
             self.s.running.remove(seq)
@@ -104,6 +106,11 @@ class MigrationDesk:
         seq.status = SequenceStatus.WAITING  # in no queue: the scheduler leaves it alone
         out.paused = True
         return True
+
+    @property
+    def wants_pause(self) -> bool:
+        """A request waits to pause: apply each result before planning the next step (async scheduling)."""
+        return any(out.want_pause and not out.paused for out in self.outgoing.values())
 
     def sealed(self, request_id: str) -> MigratedSequence | None:
         """The request's state once paused and every block is written (None: not yet)."""
@@ -215,11 +222,8 @@ class MigrationDesk:
         entry.pending |= pre.pending
         return len(self.s.blocks.block_tables[seq.seq_id])
 
-    def incoming_status(self, request_id: str) -> str:
-        return self.incoming[request_id].status
-
-    def forget_incoming(self, request_id: str) -> None:
-        self.incoming.pop(request_id, None)
+    def incoming_status(self, request_id: str, forget: bool = False) -> str:
+        return (self.incoming.pop if forget else self.incoming.__getitem__)(request_id).status
 
     # ------------------------------------------------------------------ steps
 

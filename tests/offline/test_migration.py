@@ -16,7 +16,7 @@ from services.scheduler.migration import MigrationError, Phase
 from shared.messages import AddRequest, SamplingParams
 from tests.doubles.engine import InProcessEngine, hf_greedy, tiny_llama
 
-MAX_NEW = 12
+MAX_NEW = 20
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(1, 128, 21)]
 
 
@@ -43,10 +43,10 @@ def _request(rid="r", prompt=PROMPT, **sampling):
 def _run(engine, moves=(), rid="r"):
     """Step to the end; ``moves``: {step number: target replica} migrations started then."""
     tokens, n = [], 0
-    moves = dict(moves)
+    moves = sorted(dict(moves).items())
     while engine.has_work():
-        if n in moves:
-            engine.migrate(rid, moves.pop(n))
+        if moves and n >= moves[0][0] and rid not in engine.migrations:  # once the one before is over
+            engine.migrate(rid, moves.pop(0)[1])
         for out in engine.step():
             assert out.error is None, out.error
             tokens += list(out.new_token_ids)
@@ -54,8 +54,9 @@ def _run(engine, moves=(), rid="r"):
     return tokens
 
 
-def test_decode_migrated_twice_continues_identically(model, reference):
-    engine = _replicas(model)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_migrated_twice_continues_identically(model, reference, async_scheduling):
+    engine = _replicas(model, async_scheduling=async_scheduling)
     engine.add_request(_request())
     engine.cores[1].max_tokens_in_step = 0
     assert _run(engine, {3: 1, 8: 0}) == reference
