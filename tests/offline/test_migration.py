@@ -66,6 +66,18 @@ def test_decode_migrated_twice_continues_identically(model, reference, async_sch
     engine.close()
 
 
+def test_seeded_sampling_continues_its_random_stream(model):
+    """No reference outside the engine samples our way: the unmigrated run of the same engine is it."""
+    sampling = {"temperature": 1.0, "seed": 1234}
+    plain = _replicas(model)
+    plain.add_request(_request(**sampling))
+    unmigrated = _run(plain)
+    engine = _replicas(model)
+    engine.add_request(_request(**sampling))
+    assert _run(engine, {4: 1}) == unmigrated
+    assert engine.finished[0].phase is Phase.DONE
+
+
 def test_migration_during_prefill(model, reference):
     engine = _replicas(model, max_num_batched_tokens=6)  # the prompt is prefilled in chunks of 6
     engine.add_request(_request())
