@@ -30,9 +30,20 @@ def reference(model):
     return hf_greedy(model, PROMPT, MAX_NEW)
 
 
+_OPEN: list = []
+
+
+@pytest.fixture(autouse=True)
+def _close_engines():
+    yield
+    while _OPEN:
+        _OPEN.pop().close()  # their block-file directories
+
+
 def _replicas(model, num_blocks=(32, 32), **options):
     cores = [InProcessEngine(model, num_blocks=n, block_size=4, **options) for n in num_blocks]
-    return ReplicatedEngine(cores, check=True)
+    _OPEN.append(ReplicatedEngine(cores, check=True))
+    return _OPEN[-1]
 
 
 def _request(rid="r", prompt=PROMPT, **sampling):
