@@ -69,6 +69,9 @@ class EngineCore:
             self.blocks,
         )
         self.async_scheduling = options.async_scheduling
+        from services.scheduler.migration_desk import MigrationDesk
+
+        self.migrations = MigrationDesk(self.scheduler)  # live migration (``offline_replicas``); its directory set there
         self._unapplied: StepResult | None = None  # the result of the step before, with async scheduling
 
     def add_request(self, request: AddRequest) -> None:
@@ -85,21 +88,26 @@ class EngineCore:
 
         Raises ``RuntimeError`` if requests wait but nothing can be scheduled (it would never end)."""
         had_work = self.scheduler.has_work()
-        step = self.scheduler.schedule()  # with async scheduling, before the step before is applied
+        self.migrations.take_ops()
+        step = self.migrations.attach(self.scheduler.schedule())  # with async scheduling, before the step before is applied
         unapplied, self._unapplied = self._unapplied, None
         result = self.execute(step) if step is not None else None  # the process applies meanwhile
         if unapplied is not None:
-            self.scheduler.update(unapplied)
+            self._update(unapplied)
         if result is not None:
-            if self.async_scheduling and self.scheduler.can_schedule_ahead():
+            if self.async_scheduling and self.scheduler.can_schedule_ahead() and not self.migrations.wants_pause:
                 self._unapplied = result
             else:
-                self.scheduler.update(result)
+                self._update(result)
         outputs = self.scheduler.take_outputs()
         if had_work and step is None and unapplied is None and not outputs:
             raise RuntimeError(f"the engine cannot make progress: {len(self.scheduler.waiting)} waiting, "
                                f"{self.blocks.num_free_blocks} of {self.blocks.num_blocks} KV blocks free")
         return outputs
+
+    def _update(self, result: StepResult) -> None:
+        self.scheduler.update(result)
+        self.migrations.update(result)
 
     def execute(self, step: Step) -> StepResult:
         """Run one step on the model (a subclass may wrap it)."""

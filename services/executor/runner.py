@@ -57,6 +57,8 @@ class ModelRunner:
         self.sampled = SampledTokens()
         self.comm = model.comm  # the group's, through which the ranks agree on placeholders
         self.offload = None  # the KV offload tiers (``kv_offload.KvOffload``), set by the loader
+        self._mover = None  # live migration's block files (``kv_migration.BlockMover``), made on first use
+        self._migrate_failed: list[bytes] = []
 
     @property
     def num_blocks(self) -> int:
@@ -91,6 +93,8 @@ class ModelRunner:
         the forward pass."""
         if self.offload is not None and len(step.tier_ops):
             self.offload.apply(step, self.kv_caches, self.backend)
+        if len(step.migrate_ops):  # after the tiers' copies out of reused blocks, before anything else
+            self._migrate(step)
         if len(step.swap_out):
             mapping = torch.from_numpy(step.swap_out)
             for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_kv_caches):
@@ -105,10 +109,18 @@ class ModelRunner:
             self.backend.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
                         torch.from_numpy(step.block_copies))
 
+    def _migrate(self, step: Step) -> None:
+        if self._mover is None:
+            from .kv_migration import BlockMover
+
+            self._mover = BlockMover(self.kv_caches, self.comm, self.device)
+        self._migrate_failed += self._mover.apply(step.migrate_ops, step.migrate_keys, step.migrate_dir)
+
     def execute(self, step: Step) -> StepResult:
         """Run ``step`` and return the sampled tokens (one per sequence with ``sample_mask``), and
         the offload tiers' news."""
         result = self._execute(step)
+        result.migrate_failed, self._migrate_failed = self._migrate_failed, []
         return self.offload.report(result) if self.offload is not None else result
 
     def _execute(self, step: Step) -> StepResult:

@@ -227,6 +227,10 @@ class Sampler:
         if state.generator is None:
             # Any 64-bit seed the API accepts, folded into what manual_seed takes.
             state.generator = torch.Generator(device=device).manual_seed(state.params.seed % 2**64)
+            # A sequence announced with outputs (migrated to this replica, or handed to new executors after a
+            # crash) continues its stream: one draw per output sampled before.
+            for _ in range(self.histories.num_output_tokens(state.seq_id)):
+                torch.rand(1, device=device, generator=state.generator)
         return state.generator
 
     @staticmethod

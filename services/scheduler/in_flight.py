@@ -57,6 +57,10 @@ class StepsInFlight:
         self._held.setdefault(step_id, []).append(seq_id)
         return True
 
+    def schedules(self, seq_id: int) -> bool:
+        """Whether a step in flight computes for ``seq_id``."""
+        return seq_id in self._last_step
+
     def release(self, step_id: int) -> list[int]:
         """The sequences whose blocks waited for step ``step_id``: free them now."""
         return self._held.pop(step_id, [])

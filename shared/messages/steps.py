@@ -90,6 +90,12 @@ class Step:
     # file's key is ``tier_keys[a or b]`` (a block's 16-byte prefix hash).
     tier_ops: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
     tier_keys: list[bytes] = field(default_factory=list)
+    # Live migration between replicas (``services/scheduler/migration_desk.py``): [M, 3] int64 (kind,
+    # device block, key index) applied before every other block move: 1 writes the block's bytes
+    # (this rank's shard) to ``migrate_dir``'s file ``migrate_keys[i]``, 2 reads that file into the block.
+    migrate_ops: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
+    migrate_keys: list[bytes] = field(default_factory=list)
+    migrate_dir: str = ""
 
 
 @dataclass
@@ -130,3 +136,5 @@ class StepResult:
     tier_load_failed: list[bytes] = field(default_factory=list)
     tier_stored: list[bytes] = field(default_factory=list)
     tier_store_failed: list[bytes] = field(default_factory=list)
+    # Live migration: keys of ``Step.migrate_ops`` whose write or read failed on some rank.
+    migrate_failed: list[bytes] = field(default_factory=list)
