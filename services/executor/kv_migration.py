@@ -18,6 +18,7 @@ import structlog
 import torch
 
 from .kv_files import BlockFiles
+from .parallel.base import failed_on_any_rank
 
 log = structlog.get_logger()
 EXPORT, IMPORT, DELETE = 1, 2, 3  # services/scheduler/migration_desk.py
@@ -78,7 +79,5 @@ class BlockMover:
         return True
 
     def _agree(self, keys: list[bytes], ops: np.ndarray, failed: list[bool]) -> list[bytes]:
-        if self.comm is not None and self.comm.world_size > 1 and failed:
-            flags = torch.tensor([1.0 if f else 0.0 for f in failed], dtype=torch.float32, device=self.device)
-            failed = [bool(x > 0) for x in self.comm.all_reduce(flags).cpu().tolist()]
+        failed = failed_on_any_rank(self.comm, failed, self.device)
         return [keys[int(i)] for (_, _, i), bad in zip(ops.tolist(), failed) if bad]

@@ -27,6 +27,7 @@ import torch
 from shared.messages import Step, StepResult
 
 from .kv_files import HEADER_BYTES, BlockFiles
+from .parallel.base import failed_on_any_rank
 
 log = structlog.get_logger()
 OFFLOAD, RELOAD, SPILL, LOAD, DELETE = 1, 2, 3, 4, 5  # services/scheduler/kv_tiers.py TierOp
@@ -114,13 +115,10 @@ class KvOffload:
 
     def _agree(self, loads: list[tuple[bytes, bool]]) -> None:
         """Every rank's verdict on each load: loaded only where all ranks loaded it."""
-        ok = [good for _, good in loads]
-        if self.comm is not None and self.comm.world_size > 1:
-            failures = torch.tensor([0.0 if good else 1.0 for good in ok], dtype=torch.float32, device=self.device)
-            ok = [bool(x == 0) for x in self.comm.all_reduce(failures).cpu().tolist()]
+        failed = failed_on_any_rank(self.comm, [not good for _, good in loads], self.device)
         with self._lock:
-            for (key, _), good in zip(loads, ok):
-                (self._loaded if good else self._load_failed).append(key)
+            for (key, _), bad in zip(loads, failed):
+                (self._load_failed if bad else self._loaded).append(key)
 
     def _write_loop(self) -> None:
         while True:

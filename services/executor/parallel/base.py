@@ -58,6 +58,15 @@ def check_tensor(tensor: torch.Tensor) -> None:
         raise TypeError(f"collectives take {names} tensors, got {tensor.dtype}")
 
 
+def failed_on_any_rank(comm, failed: list[bool], device=None) -> list[bool]:
+    """Each flag OR-ed over the group's ranks, so that all agree on a per-rank action that may fail
+    on some ranks only (a block file read or written): one all-reduce, none for one rank or no flags."""
+    if comm is None or comm.world_size == 1 or not failed:
+        return list(failed)
+    flags = torch.tensor([1.0 if f else 0.0 for f in failed], dtype=torch.float32, device=device)
+    return [bool(x > 0) for x in comm.all_reduce(flags).cpu().tolist()]
+
+
 class SingleRank:
     """A group of one: every collective is the identity. Used when tensor parallelism is off."""
 

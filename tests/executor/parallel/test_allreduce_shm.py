@@ -6,7 +6,7 @@ import msgpack
 import pytest
 import torch
 
-from services.executor.parallel.base import GroupError
+from services.executor.parallel.base import GroupError, SingleRank, failed_on_any_rank
 from services.executor.parallel.rendezvous import exchange_handles, file_store
 from services.executor.parallel.segment import cleanup_group, segment_name
 from services.executor.parallel.peer_flags import WaitPolicy
@@ -30,6 +30,24 @@ def spec(tmp_path):
 def test_sums_equal_torch_sum(world_size, spec):
     cases = [(n, "float32") for n in SIZES] + [(n, d) for n in (1, 577, 2**17 + 3) for d in ("bfloat16", "float16")]
     check_sums(RankGroup(sums_worker, world_size, "shm", spec, cases), cases)
+
+
+def _failures_worker(rank, world_size, report, spec):
+    comm = make_communicator("shm", rank, world_size, spec)
+    mine = [[False, True, False, False], [False, False, True, False]][rank]  # each rank fails a different one
+    report({"agreed": failed_on_any_rank(comm, mine), "none": failed_on_any_rank(comm, [])})
+    comm.close()
+
+
+def test_failed_on_any_rank_is_the_or_over_ranks(spec):
+    """What the KV tiers and migration use so that every rank drops a block file one rank failed."""
+    group = RankGroup(_failures_worker, 2, spec)
+    assert group.join(60) == [0, 0], group.messages
+    for rank in range(2):
+        got = group.wait_for(rank, "agreed")
+        assert got["agreed"] == [False, True, True, False] and got["none"] == []
+    assert failed_on_any_rank(SingleRank(), [True, False]) == [True, False]
+    assert failed_on_any_rank(None, [False]) == [False]
 
 
 def test_default_slot_size_multi_mib(spec):
