@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 from loadtest.common.machine_state import wait_for_quiet
 from loadtest.common.stream_timing import StreamTimes
-from loadtest.bench.throughput import _get_json, completion_chunks, start_server
+from loadtest.bench.servers import _get_json, start_server
+from loadtest.bench.throughput import completion_chunks
 from loadtest.common.machine_state import print_cpu
 
 BACKGROUND_PROMPT, ARRIVAL_PROMPT, BACKGROUND_TOKENS = 64, 32, 1500

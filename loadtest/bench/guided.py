@@ -19,7 +19,7 @@ import json
 import shlex
 import time
 
-from loadtest.bench.throughput import served_model_name, start_server
+from loadtest.bench.servers import served_model_name, start_server
 from loadtest.bench.throughput_report import say
 from loadtest.common.machine_state import print_cpu
 

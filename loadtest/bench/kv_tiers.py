@@ -26,7 +26,8 @@ import statistics
 import tempfile
 import time
 
-from loadtest.bench.throughput import say, start_server, stream_completion
+from loadtest.bench.servers import start_server
+from loadtest.bench.throughput import say, stream_completion
 
 WORDS = ("river garden market window teacher morning village history letter summer doctor winter "
          "kitchen mountain library station engine island bridge forest harbour castle painter "

@@ -37,9 +37,9 @@ import signal
 import statistics
 import subprocess
 
+from loadtest.bench.servers import _free_port, served_model_name, start_server, wait_until_healthy
 from loadtest.bench.throughput import (
-    WARMUP_OUTPUT_TOKENS, WARMUP_SEED_OFFSET, Server, _free_port, make_workload, measure_rounds, served_model_name,
-    start_server, wait_until_healthy,
+    WARMUP_OUTPUT_TOKENS, WARMUP_SEED_OFFSET, Server, make_workload, measure_rounds,
 )
 from loadtest.bench.throughput_report import say
 from loadtest.common.machine_state import cpu_description

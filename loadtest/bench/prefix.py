@@ -16,7 +16,8 @@ import signal
 import statistics
 import time
 
-from loadtest.bench.throughput import _get_json, say, start_server, stream_completion
+from loadtest.bench.servers import _get_json, start_server
+from loadtest.bench.throughput import say, stream_completion
 from loadtest.common.machine_state import print_cpu
 
 EXAMPLES = [

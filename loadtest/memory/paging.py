@@ -16,7 +16,8 @@ import asyncio
 import signal
 import time
 
-from loadtest.bench.throughput import _get_json, say, start_server
+from loadtest.bench.servers import _get_json, start_server
+from loadtest.bench.throughput import say
 
 TOPICS = ["the ocean", "volcanoes", "honey bees", "the Roman empire", "black holes", "bread baking",
           "chess openings", "the water cycle", "electric cars", "photosynthesis", "the moon landing",

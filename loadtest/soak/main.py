@@ -32,7 +32,8 @@ import aiohttp
 
 from loadtest.common.procs import child_argvs
 from loadtest.soak.clients import GREEDY_PROMPTS, Outcome, Soak, greedy_tokens, one_request
-from loadtest.bench.throughput import _get_json, say, start_server
+from loadtest.bench.servers import _get_json, start_server
+from loadtest.bench.throughput import say
 from shared.hub_kernels import hide_hub_kernels
 
 SERVICES = ("scheduler", "executor", "frontend")

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from loadtest.sweep.load import RESERVATIONS, RatePlan, Workload, arrival_times_s, max_tokens_for, prompt_ids, \
     run_rate
 from loadtest.sweep.report import RateSummary, latency_bound, summarize, write_summaries, write_timeline
-from loadtest.bench.throughput import _get_json, say, start_server
+from loadtest.bench.servers import _get_json, start_server
+from loadtest.bench.throughput import say
 
 
 @dataclass(frozen=True)
